@@ -1,0 +1,63 @@
+// Per-device state the GPU backend hands to every launcher: stream, device properties, workspace.
+// Host-only header (no kernels here).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gpu_runtime.h"
+
+namespace fusedlayer::gpu {
+
+// Owning pointer to device memory (gpuFree on destruction).
+struct GpuFreeDeleter {
+  void operator()(void* p) const;
+};
+using GpuMemory = std::unique_ptr<void, GpuFreeDeleter>;
+
+struct GpuContext {
+  // Selects `device`, creates a non-blocking stream and reads the properties. Unavailable when the
+  // runtime reports no device (no driver, no GPU, device index out of range).
+  static absl::StatusOr<std::unique_ptr<GpuContext>> Create(int device);
+
+  int device = 0;
+  gpuStream_t stream = nullptr;
+  int sm_count = 0;
+  int cc_major = 0, cc_minor = 0;  // CUDA compute capability (HIP: gcnArch major/minor)
+  std::string arch;                // "sm_90", "gfx90a"
+  std::string name;                // device name from the properties, e.g. "NVIDIA H200"
+  size_t l2_bytes = 0;
+  int max_smem_per_block_optin = 0;
+
+  // Scratch memory owned by the backend, grown on demand and never shrunk, valid until the next
+  // call that asks for more. Returns nullptr when the allocation fails: the caller then reports
+  // workspace_unavailable instead of launching.
+  void* Workspace(size_t bytes);
+  // Zero-initialised scratch that persists across calls (e.g. split barriers that kernels reset
+  // themselves after use); separate from Workspace. nullptr on failure.
+  void* PersistentZeroed(size_t bytes);
+
+  ~GpuContext();
+  GpuContext() = default;
+  GpuContext(const GpuContext&) = delete;
+  GpuContext& operator=(const GpuContext&) = delete;
+
+ private:
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  void* persistent_ = nullptr;
+  size_t persistent_bytes_ = 0;
+};
+
+// absl::Status from a runtime error code (InternalError, or ResourceExhausted for out-of-memory).
+absl::Status GpuStatus(gpuError_t err, const char* what);
+
+// Device allocation: ResourceExhausted on out-of-memory, Internal on other runtime errors.
+absl::StatusOr<GpuMemory> GpuAlloc(size_t bytes);
+// Allocates and uploads `bytes` of host memory on ctx.stream, synchronously (weights, once per set).
+absl::StatusOr<GpuMemory> GpuUpload(const void* host, size_t bytes, GpuContext& ctx);
+
+}  // namespace fusedlayer::gpu

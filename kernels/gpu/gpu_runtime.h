@@ -1,0 +1,160 @@
+// The thin CUDA/HIP portability header for device code and the GPU backend. Shared kernel code
+// spells gpu* names and FL_* helpers, never cuda*/hip* directly, and never assumes 32-lane warps:
+// kWarpSize is 32 on NVIDIA and the wavefront size (64 on CDNA) on AMD.
+#pragma once
+
+#include "fusedlayer/portability.h"
+
+#if defined(__HIPCC__) || defined(FUSEDLAYER_HIP_BUILD)
+#include <hip/hip_runtime.h>
+#define FL_HIP 1
+using gpuStream_t = hipStream_t;
+using gpuEvent_t = hipEvent_t;
+using gpuError_t = hipError_t;
+#define gpuSuccess hipSuccess
+#define gpuGetLastError hipGetLastError
+#define gpuGetErrorString hipGetErrorString
+#define gpuMalloc hipMalloc
+#define gpuFree hipFree
+#define gpuMemcpy hipMemcpy
+#define gpuMemcpyAsync hipMemcpyAsync
+#define gpuMemsetAsync hipMemsetAsync
+#define gpuMemcpyHostToDevice hipMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define gpuStreamCreateWithFlags hipStreamCreateWithFlags
+#define gpuStreamNonBlocking hipStreamNonBlocking
+#define gpuStreamDestroy hipStreamDestroy
+#define gpuStreamSynchronize hipStreamSynchronize
+#define gpuEventCreate hipEventCreate
+#define gpuEventDestroy hipEventDestroy
+#define gpuEventRecord hipEventRecord
+#define gpuEventSynchronize hipEventSynchronize
+#define gpuEventElapsedTime hipEventElapsedTime
+#define gpuGetDeviceCount hipGetDeviceCount
+#define gpuSetDevice hipSetDevice
+#define gpuGetDeviceProperties hipGetDeviceProperties
+#define gpuDeviceProp hipDeviceProp_t
+#define gpuFuncSetAttribute hipFuncSetAttribute
+#define gpuDeviceSynchronize hipDeviceSynchronize
+#define gpuErrorMemoryAllocation hipErrorOutOfMemory
+#define gpuPeekAtLastError hipPeekAtLastError
+#define gpuFuncGetAttributes hipFuncGetAttributes
+using gpuFuncAttributes = hipFuncAttributes;
+#define gpuMemset hipMemset
+#define gpuGetDevice hipGetDevice
+#define gpuMemGetInfo hipMemGetInfo
+using gpuGraph_t = hipGraph_t;
+using gpuGraphExec_t = hipGraphExec_t;
+#define gpuStreamBeginCapture hipStreamBeginCapture
+#define gpuStreamEndCapture hipStreamEndCapture
+#define gpuStreamCaptureModeThreadLocal hipStreamCaptureModeThreadLocal
+#define gpuGraphLaunch hipGraphLaunch
+#define gpuGraphDestroy hipGraphDestroy
+#define gpuGraphExecDestroy hipGraphExecDestroy
+#else
+#include <cuda_runtime.h>
+#define FL_HIP 0
+using gpuStream_t = cudaStream_t;
+using gpuEvent_t = cudaEvent_t;
+using gpuError_t = cudaError_t;
+#define gpuSuccess cudaSuccess
+#define gpuGetLastError cudaGetLastError
+#define gpuGetErrorString cudaGetErrorString
+#define gpuMalloc cudaMalloc
+#define gpuFree cudaFree
+#define gpuMemcpy cudaMemcpy
+#define gpuMemcpyAsync cudaMemcpyAsync
+#define gpuMemsetAsync cudaMemsetAsync
+#define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
+#define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
+#define gpuStreamNonBlocking cudaStreamNonBlocking
+#define gpuStreamDestroy cudaStreamDestroy
+#define gpuStreamSynchronize cudaStreamSynchronize
+#define gpuEventCreate cudaEventCreate
+#define gpuEventDestroy cudaEventDestroy
+#define gpuEventRecord cudaEventRecord
+#define gpuEventSynchronize cudaEventSynchronize
+#define gpuEventElapsedTime cudaEventElapsedTime
+#define gpuGetDeviceCount cudaGetDeviceCount
+#define gpuSetDevice cudaSetDevice
+#define gpuGetDeviceProperties cudaGetDeviceProperties
+#define gpuDeviceProp cudaDeviceProp
+#define gpuFuncSetAttribute cudaFuncSetAttribute
+#define gpuDeviceSynchronize cudaDeviceSynchronize
+#define gpuErrorMemoryAllocation cudaErrorMemoryAllocation
+#define gpuPeekAtLastError cudaPeekAtLastError
+#define gpuFuncGetAttributes cudaFuncGetAttributes
+using gpuFuncAttributes = cudaFuncAttributes;
+#define gpuMemset cudaMemset
+#define gpuGetDevice cudaGetDevice
+#define gpuMemGetInfo cudaMemGetInfo
+using gpuGraph_t = cudaGraph_t;
+using gpuGraphExec_t = cudaGraphExec_t;
+#define gpuStreamBeginCapture cudaStreamBeginCapture
+#define gpuStreamEndCapture cudaStreamEndCapture
+#define gpuStreamCaptureModeThreadLocal cudaStreamCaptureModeThreadLocal
+#define gpuGraphLaunch cudaGraphLaunch
+#define gpuGraphDestroy cudaGraphDestroy
+#define gpuGraphExecDestroy cudaGraphExecDestroy
+#endif
+
+// cudaGraphInstantiate lost its error-node/log arguments in CUDA 12; HIP 5.x still has them.
+inline gpuError_t gpuGraphInstantiate(gpuGraphExec_t* exec, gpuGraph_t graph) {
+#if FL_HIP
+  return hipGraphInstantiate(exec, graph, nullptr, nullptr, 0);
+#else
+  return cudaGraphInstantiate(exec, graph, 0);
+#endif
+}
+
+namespace fusedlayer::gpu {
+
+#if FL_HIP
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+inline constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
+#else
+inline constexpr int kWarpSize = 64;
+#endif
+#else
+inline constexpr int kWarpSize = 32;
+#endif
+
+#if FL_GPU_COMPILER
+// Correctly rounded fp32 division and square root, whatever the fast-math flags. The contracts
+// (spec/swa.md, spec/mhc.md) specify IEEE division; nvcc's and clang's defaults are IEEE too, but
+// spelling it out keeps a stray -use_fast_math / -ffast-math from silently changing the numerics.
+__device__ __forceinline__ float DivRn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float SqrtRn(float a) { return __fsqrt_rn(a); }
+
+// 16-byte global load of data the kernel only reads (read-only / non-coherent path on NVIDIA).
+__device__ __forceinline__ uint4 LoadReadOnly16(const void* p) {
+#if FL_HIP
+  return *static_cast<const uint4*>(p);
+#else
+  return __ldg(static_cast<const uint4*>(p));
+#endif
+}
+
+// Butterfly shuffle within groups of `width` lanes (width a power of two <= kWarpSize).
+template <typename T>
+__device__ __forceinline__ T ShflXor(T v, int lane_mask, int width = kWarpSize) {
+#if FL_HIP
+  return __shfl_xor(v, lane_mask, width);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask, width);
+#endif
+}
+template <typename T>
+__device__ __forceinline__ T Shfl(T v, int src_lane, int width = kWarpSize) {
+#if FL_HIP
+  return __shfl(v, src_lane, width);
+#else
+  return __shfl_sync(0xffffffffu, v, src_lane, width);
+#endif
+}
+#endif
+
+}  // namespace fusedlayer::gpu

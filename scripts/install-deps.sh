@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages fusedlayer needs to build, test and run (idempotent).
+# Usage: scripts/install-deps.sh            (as root, or with sudo available)
+set -euo pipefail
+
+PACKAGES=(
+  # toolchain
+  build-essential cmake ninja-build pkg-config git
+  # gRPC / protobuf / Abseil / metrics / JSON / crypto
+  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
+  libabsl-dev prometheus-cpp-dev nlohmann-json3-dev libssl-dev
+  # tests and benchmarks
+  libgtest-dev libgmock-dev libbenchmark-dev
+  # metrics lint, real Prometheus for the integration test, helpers of the deploy checks
+  prometheus curl python3 python3-yaml
+  # HIP compile check (Debian's ROCm 5.2 hipcc; compile-only, no AMD GPU needed)
+  hipcc libamdhip64-dev
+  # fuzzing and sanitizers (clang's runtimes)
+  clang libclang-rt-14-dev openssl
+)
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then
+  command -v sudo >/dev/null || { echo "install-deps: run as root or install sudo" >&2; exit 1; }
+  SUDO=sudo
+fi
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update
+$SUDO apt-get install -y "${missing[@]}"
