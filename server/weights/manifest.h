@@ -1,0 +1,53 @@
+// Weight-set manifests: a JSON file naming weight sets, their hyper-parameters, and where each of
+// their tensors lies in safetensors files. Loading one yields PackedWeightSets (header + payload),
+// the same form LoadWeights streams and the demo generator produce; BuildWeightSet then validates
+// and prepares them.
+//
+// Format (docs/weights.md has the full description):
+//
+//   {"weight_sets": [
+//     {"name": "v41-flash/L3/ffn",
+//      "mhc": {"hc_mult": 4, "hidden": 5120, "norm_eps": 1e-20,
+//              "hc_norm_eps": 1e-20, "hc_pre_eps": 1e-6, "sinkhorn_eps": 1e-6,
+//              "post_scale": 2.0, "sinkhorn_iters": 20},
+//      "swa": {"q_rank": 1280, "head_dim": 512, "eps": 1e-6, "fp8_format": "e4m3fn",
+//              "scale_format": "fp32", "scale_layout": "row_major"},
+//      "tensors": {"mhc.fn": {"file": "layer3.safetensors", "tensor": "layers.3.hc_ffn_fn"}, ...}}]}
+//
+// - "mhc" and "swa" are each optional (at least one is needed, checked by BuildWeightSet); in them
+//   hc_mult, hidden, q_rank and head_dim are required, the rest default as in MhcHyperParams /
+//   SwaHyperParams (fp8_format "e4m3fn" | "e4m3fnuz", scale_format "fp32" | "ue8m0",
+//   scale_layout "row_major" | "column_major_tma").
+// - "tensors" maps weight-set tensor names (weight_set.h) to a file and the tensor's name in it.
+//   A relative "file" resolves against the manifest's directory.
+// - Unknown keys anywhere, duplicate keys, duplicate set names, and values of the wrong JSON type
+//   are INVALID_ARGUMENT (a typo must not silently select a default).
+// - Tensor dtypes come from the files (BF16, F32, F8_E4M3 = e4m3fn, F8_E4M3FNUZ); other dtypes
+//   are INVALID_ARGUMENT naming the file and tensor. No conversion is done: dtype and shape must
+//   be what weight_set.h lists, which BuildWeightSet checks.
+// Files are read with SafetensorsFile (each file opened once per manifest), so their errors
+// (NOT_FOUND, DATA_LOSS, INVALID_ARGUMENT) come through, prefixed with the manifest and set names.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "weights/weight_set.h"
+
+namespace fusedlayer::server {
+
+// Reads the manifest at `path` and the tensors it names. Each payload holds the set's tensors in
+// the order of weight_set.h, each starting at a multiple of 64 bytes (zero padding between);
+// header.payload_bytes and header.sha256 are filled. BuildWeightSet's `source` for these sets is,
+// by convention, "manifest:" + path.
+absl::StatusOr<std::vector<PackedWeightSet>> LoadManifest(const std::string& path);
+
+// Same, from the manifest's text; relative file names resolve against `base_dir`, and `source`
+// names the manifest in messages.
+absl::StatusOr<std::vector<PackedWeightSet>> LoadManifestFromString(std::string_view json_text,
+                                                                    const std::string& base_dir,
+                                                                    std::string_view source);
+
+}  // namespace fusedlayer::server

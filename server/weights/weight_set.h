@@ -1,0 +1,73 @@
+// A weight set: the immutable, backend-prepared weights of one named model part, with the op
+// hyper-parameters. Every source (manifest of safetensors files, a LoadWeights stream, the demo
+// generator) produces the same representation, a WeightSetHeader plus a payload byte string, and
+// BuildWeightSet turns it into a WeightSet after validating all of it.
+//
+// Tensor names and shapes (n = hc_mult, C = hidden, M = n(n+2), K = nC; Q = q_rank, D = head_dim):
+//   mhc.fn           fp32 [M, K]     required with an mhc part
+//   mhc.scale        fp32 [3]        required with an mhc part
+//   mhc.base         fp32 [M]        required with an mhc part
+//   mhc.norm_weight  bf16 [C]        optional
+//   swa.q_norm       bf16 [Q]        required with an swa part
+//   swa.kv_norm      bf16 [D]        required with an swa part
+//   swa.wq_b         fp8  [N, Q]     optional; fp8 in the set's fp8_format; N a positive multiple of 128
+//   swa.wq_b_scale   fp32 [N/128, Q/128]  required with swa.wq_b, forbidden without it
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "fusedlayer/backend.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
+
+namespace fusedlayer::server {
+
+// The common form of a weight set before it is prepared: header (name, configs, tensor entries with
+// payload offsets, payload_bytes, sha256) and the payload the entries point into.
+using PackedWeightSet = std::pair<fusedlayer::v1::WeightSetHeader, std::string>;
+
+// Every valid name matches [A-Za-z0-9._/-]{1,128}.
+inline constexpr size_t kMaxWeightSetNameLength = 128;
+bool IsValidWeightSetName(std::string_view name);
+
+struct WeightSet {
+  std::string name;
+  std::string source;   // "demo", "manifest:<path>", "rpc"
+  std::string sha256;   // of the payload, lower-case hex (always computed)
+  // The header as loaded, with `mhc` / `swa` normalised to the effective hyper-parameters (absent
+  // optional fields filled with their defaults), sha256 set, and replace cleared.
+  fusedlayer::v1::WeightSetHeader header;
+  std::shared_ptr<const PreparedMhcWeights> mhc;  // null when the set has no mHC part
+  std::shared_ptr<const PreparedSwaWeights> swa;  // null when the set has no SWA part
+  uint64_t resident_bytes = 0;                    // backend memory held by mhc + swa
+};
+
+// Validates `header` + `payload` and prepares the weights on `backend`. Status codes:
+//   INVALID_ARGUMENT  bad name; neither mhc nor swa; a hyper-parameter out of range; a tensor
+//                     missing, unknown, duplicated, of the wrong dtype or shape, outside the payload
+//                     or overlapping another; sha256 not 64 hex digits
+//   DATA_LOSS         payload size != header.payload_bytes (a truncated or over-long stream), or
+//                     sha256 given and different from the payload's
+//   others            from Backend::PrepareMhc / PrepareSwa (e.g. RESOURCE_EXHAUSTED)
+// Messages start with the set's name. The payload is only read; tensors at offsets not aligned to
+// their element size are copied to aligned memory before they are handed to the backend.
+// Backend::Prepare* is called from the calling thread: run this where the backend may be driven
+// (the server's device executor).
+absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend,
+                                                                const fusedlayer::v1::WeightSetHeader& header,
+                                                                std::string_view payload, std::string source);
+
+// Hyper-parameters of a config message, with defaults for absent optional fields (not validated).
+MhcHyperParams MhcParamsFromProto(const fusedlayer::v1::MhcConfig& config);
+SwaHyperParams SwaParamsFromProto(const fusedlayer::v1::SwaConfig& config, int64_t wq_b_rows);
+
+// The wire description of a loaded set, including whether each op's fused path is available for
+// it on `backend` (asked for a one-token shifted seam / a one-token SWA call, i.e. the shape
+// independent part of the answer).
+fusedlayer::v1::WeightSetInfo ToInfo(const WeightSet& set, const Backend& backend);
+
+}  // namespace fusedlayer::server
