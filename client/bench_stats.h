@@ -1,0 +1,58 @@
+// Aggregation of `fusedctl bench` results: one BenchStats per caller thread (no locking on the hot
+// path), merged at the end and formatted.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
+
+namespace fusedlayer::client {
+
+namespace v1 = ::fusedlayer::v1;
+
+struct CallOutcome {
+  double round_trip_seconds = 0;
+  absl::Status status;                 // OK or the call's error
+  // Valid when status is OK:
+  v1::ExecutionReport report;
+};
+
+class BenchStats {
+ public:
+  void Add(const CallOutcome& outcome);
+  void Merge(const BenchStats& other);
+
+  int64_t ok() const { return int64_t(latencies_.size()); }
+  int64_t failed() const;
+  int64_t fused() const { return fused_; }
+  // Fraction of OK responses whose report.path is FUSED (0 when there are none).
+  double FusedHitRate() const;
+  const std::vector<double>& latencies() const { return latencies_; }
+  const std::map<std::string, int64_t>& fallbacks() const { return fallbacks_; }  // reason name -> count
+  std::map<std::string, int64_t> errors() const;                                  // code name -> count
+  // The most frequent error code (ties: the lowest code); OK when nothing failed.
+  absl::StatusCode MostFrequentError() const;
+
+  struct RunInfo {
+    std::string op;                    // "mhc" / "swa"
+    int64_t tokens_per_request = 0;
+    uint64_t request_bytes = 0;        // serialized size of one request
+    uint64_t response_bytes = 0;       // serialized size of one (probe) response
+    double elapsed_seconds = 0;        // wall time of the measured window
+  };
+  std::string Format(const RunInfo& info) const;
+
+ private:
+  std::vector<double> latencies_;      // OK calls only
+  std::vector<double> kernel_, server_, queue_;
+  int64_t fused_ = 0;
+  std::map<std::string, int64_t> fallbacks_;
+  std::map<absl::StatusCode, int64_t> errors_;
+  std::map<absl::StatusCode, std::string> first_error_;  // first message seen per code
+};
+
+}  // namespace fusedlayer::client

@@ -1,0 +1,133 @@
+// fusedctl info | health | list | unload | load.
+#include <ostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/cli_options.h"
+#include "client/fusedctl_commands.h"
+#include "client/weights_source.h"
+
+namespace fusedlayer::client {
+
+namespace {
+
+std::string CapabilityText(const v1::OpCapability& cap) {
+  if (cap.fused_available()) return "fused available";
+  std::string s = absl::StrCat("fused UNAVAILABLE (", ReasonName(cap.reason()));
+  if (!cap.detail().empty()) absl::StrAppend(&s, ": ", OneLine(cap.detail()));
+  return s + ")";
+}
+
+std::string OptFloat(bool has, float v, const char* fallback) {
+  return has ? absl::StrFormat("%g", v) : absl::StrCat(fallback, " (default)");
+}
+
+void PrintWeightSet(const v1::WeightSetInfo& ws, std::ostream& out) {
+  out << ws.name() << "\n";
+  out << "  source      " << ws.source() << "\n";
+  out << "  resident    " << FormatBytes(double(ws.resident_bytes())) << " (" << ws.resident_bytes() << " bytes)\n";
+  if (!ws.sha256().empty()) out << "  sha256      " << ws.sha256() << "\n";
+  auto capability = [&](const char* op) -> std::string {
+    for (const v1::OpCapability& c : ws.capabilities()) {
+      if (c.op() == op) return CapabilityText(c);
+    }
+    return "fused availability not reported";
+  };
+  if (ws.has_mhc()) {
+    const v1::MhcConfig& m = ws.mhc();
+    out << "  mhc         n=" << m.hc_mult() << " C=" << m.hidden()
+        << " norm_weight=" << (ws.has_norm_weight() ? "yes" : "no") << "; " << capability("mhc") << "\n";
+    out << "              hc_norm_eps=" << OptFloat(m.has_hc_norm_eps(), m.hc_norm_eps(), "1e-06")
+        << " norm_eps=" << OptFloat(m.has_norm_eps(), m.norm_eps(), "1e-06")
+        << " hc_pre_eps=" << OptFloat(m.has_hc_pre_eps(), m.hc_pre_eps(), "1e-06")
+        << " sinkhorn_eps=" << OptFloat(m.has_sinkhorn_eps(), m.sinkhorn_eps(), "1e-06")
+        << " post_scale=" << OptFloat(m.has_post_scale(), m.post_scale(), "2")
+        << " sinkhorn_iters=" << (m.has_sinkhorn_iters() ? absl::StrCat(m.sinkhorn_iters()) : "20 (default)") << "\n";
+  }
+  if (ws.has_swa()) {
+    const v1::SwaConfig& s = ws.swa();
+    out << "  swa         Q=" << s.q_rank() << " D=" << s.head_dim() << " " << Fp8FormatName(s.fp8_format())
+        << " scale=" << ScaleFormatName(s.scale_format()) << " layout=" << ScaleLayoutName(s.scale_layout())
+        << " eps=" << OptFloat(s.has_eps(), s.eps(), "1e-06")
+        << " wq_b=" << (ws.wq_b_rows() > 0 ? absl::StrCat("N=", ws.wq_b_rows()) : std::string("none")) << "; "
+        << capability("swa") << "\n";
+  }
+}
+
+}  // namespace
+
+absl::Status RunInfo(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
+  absl::StatusOr<v1::GetServerInfoResponse> info = client.GetServerInfo();
+  if (!info.ok()) return info.status();
+  out << "server      " << cl.target << "\n";
+  out << "version     " << info->version() << "\n";
+  out << "backend     " << info->backend() << "\n";
+  out << "device      " << info->device() << "\n";
+  out << "arch        " << info->arch() << "\n";
+  out << "ops\n";
+  for (const v1::OpCapability& cap : info->ops()) {
+    out << absl::StrFormat("  %-9s %s\n", cap.op(), CapabilityText(cap));
+  }
+  out << "limits\n";
+  out << "  max_receive_message_bytes  " << info->max_receive_message_bytes() << " ("
+      << FormatBytes(double(info->max_receive_message_bytes())) << ")\n";
+  out << "  max_send_message_bytes     " << info->max_send_message_bytes() << " ("
+      << FormatBytes(double(info->max_send_message_bytes())) << ")\n";
+  out << "  max_tokens                 " << info->max_tokens() << "\n";
+  out << "  fused_max_tokens           " << info->fused_max_tokens() << "\n";
+  out << "  queue_capacity             " << info->queue_capacity() << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status RunHealth(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out, bool* serving) {
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> st = client.CheckHealth(cl.service);
+  if (!st.ok()) return st.status();
+  *serving = *st == grpc::health::v1::HealthCheckResponse::SERVING;
+  out << (cl.service.empty() ? std::string("(server)") : cl.service) << ": "
+      << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*st) << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status RunList(const FusedLayerClient& client, const CommandLine& /*cl*/, std::ostream& out) {
+  absl::StatusOr<v1::ListWeightSetsResponse> list = client.ListWeightSets();
+  if (!list.ok()) return list.status();
+  if (list->weight_sets().empty()) {
+    out << "no weight sets loaded\n";
+    return absl::OkStatus();
+  }
+  uint64_t total = 0;
+  for (const v1::WeightSetInfo& ws : list->weight_sets()) {
+    PrintWeightSet(ws, out);
+    total += ws.resident_bytes();
+  }
+  out << list->weight_sets_size() << " weight set(s), " << FormatBytes(double(total)) << " resident\n";
+  return absl::OkStatus();
+}
+
+absl::Status RunUnload(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
+  absl::StatusOr<v1::UnloadWeightSetResponse> r = client.UnloadWeightSet(cl.args.at(0));
+  if (!r.ok()) return r.status();
+  out << "unloaded " << cl.args.at(0) << ", freed " << FormatBytes(double(r->freed_bytes())) << " ("
+      << r->freed_bytes() << " bytes)\n";
+  return absl::OkStatus();
+}
+
+absl::Status RunLoad(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
+  absl::StatusOr<std::vector<PackedWeights>> sets = PackManifest(cl.args.at(0));
+  if (!sets.ok()) return sets.status();
+  if (sets->empty()) return absl::InvalidArgumentError(absl::StrCat(cl.args.at(0), " lists no weight sets"));
+  const size_t chunk = cl.chunk_bytes > 0 ? size_t(cl.chunk_bytes) : kDefaultChunkBytes;
+  for (PackedWeights& set : *sets) {
+    set.header.set_replace(cl.replace);
+    const std::string name = set.header.name();
+    absl::StatusOr<v1::WeightSetInfo> info = client.LoadWeights(set.header, set.payload, chunk);
+    if (!info.ok()) {
+      return absl::Status(info.status().code(), absl::StrCat("loading \"", name, "\": ", info.status().message()));
+    }
+    out << "loaded " << name << " (" << FormatBytes(double(set.payload.size())) << " payload)\n";
+    PrintWeightSet(*info, out);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fusedlayer::client

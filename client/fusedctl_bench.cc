@@ -1,0 +1,177 @@
+// fusedctl bench: N concurrent callers, each with one call in flight at a time, for a fixed duration.
+//
+// Closed loop (a caller sends its next request when the previous one returns), so the offered load
+// adapts to the server; throughput at concurrency N and the latency distribution are the output. The
+// request is generated once and reused: generation of a large random request costs far more than
+// the call, and the server does not cache anything by content. Sharing one const request between
+// threads is safe: serialisation is const, and protobuf 3.21 caches sizes in a relaxed atomic.
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/bench_stats.h"
+#include "client/cli_options.h"
+#include "client/fusedctl_commands.h"
+#include "client/random_inputs.h"
+
+namespace fusedlayer::client {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kMaxConcurrency = 1024;
+constexpr absl::Duration kMaxDuration = absl::Hours(24);
+
+// One call of the op; fills the outcome. The request types differ, the measurement does not.
+struct Caller {
+  virtual ~Caller() = default;
+  virtual CallOutcome Call() const = 0;
+  virtual uint64_t RequestBytes() const = 0;
+};
+
+template <typename Request, typename Response>
+class TypedCaller : public Caller {
+ public:
+  using Method = absl::StatusOr<Response> (FusedLayerClient::*)(const Request&, const CallOptions&) const;
+  TypedCaller(const FusedLayerClient& client, Request request, Method method)
+      : client_(client), request_(std::move(request)), method_(method) {}
+
+  CallOutcome Call() const override {
+    CallOutcome o;
+    const Clock::time_point t0 = Clock::now();
+    absl::StatusOr<Response> r = (client_.*method_)(request_, CallOptions{});
+    o.round_trip_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (r.ok()) {
+      o.report = r->report();
+      last_response_bytes_.store(r->ByteSizeLong(), std::memory_order_relaxed);
+    } else {
+      o.status = r.status();
+    }
+    return o;
+  }
+  uint64_t RequestBytes() const override { return request_.ByteSizeLong(); }
+  uint64_t ResponseBytes() const { return last_response_bytes_.load(std::memory_order_relaxed); }
+
+ private:
+  const FusedLayerClient& client_;
+  const Request request_;
+  const Method method_;
+  mutable std::atomic<uint64_t> last_response_bytes_{0};
+};
+
+}  // namespace
+
+absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
+  if (cl.op.empty()) return absl::InvalidArgumentError("bench needs --op=mhc|swa");
+  absl::StatusOr<BenchOp> op = ParseBenchOp(cl.op);
+  if (!op.ok()) return op.status();
+  if (cl.weight_set.empty()) return absl::InvalidArgumentError("bench needs --weight_set=NAME");
+  if (!cl.tokens_set) return absl::InvalidArgumentError("bench needs --tokens=T");
+  if (cl.concurrency < 1 || cl.concurrency > kMaxConcurrency) {
+    return absl::InvalidArgumentError(absl::StrCat("--concurrency=", cl.concurrency, " is outside 1..", kMaxConcurrency));
+  }
+  if (cl.duration <= absl::ZeroDuration() || cl.duration > kMaxDuration) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--duration=", absl::FormatDuration(cl.duration), " is outside (0, 24h]"));
+  }
+  absl::StatusOr<v1::PathPreference> path = ParsePathPreference(cl.path.empty() ? "auto" : cl.path);
+  if (!path.ok()) return path.status();
+
+  absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
+  if (!ws.ok()) return ws.status();
+  const uint64_t seed = cl.seed ? cl.seed : FreshSeed();
+  std::mt19937_64 rng(seed);
+
+  std::unique_ptr<Caller> caller;
+  std::function<uint64_t()> response_bytes;
+  std::string what;
+  if (*op == BenchOp::kMhc) {
+    if (!ws->has_mhc()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
+    if (cl.row_stride != 0) return absl::InvalidArgumentError("--row_stride applies to --op=swa only");
+    absl::StatusOr<v1::MhcMode> mode = ParseMhcMode(cl.mode.empty() ? "shifted" : cl.mode);
+    if (!mode.ok()) return mode.status();
+    absl::StatusOr<v1::MhcStage> stage = ParseMhcStage(cl.stage.empty() ? "seam" : cl.stage);
+    if (!stage.ok()) return stage.status();
+    MhcRequestSpec spec{.weight_set = cl.weight_set, .stage = *stage, .mode = *mode, .tokens = cl.tokens,
+                        .include_pre_mix = !cl.no_pre_mix, .capture_aux = cl.capture_aux, .path = *path};
+    absl::StatusOr<v1::MhcSeamRequest> req = RandomMhcRequest(ws->mhc(), spec, rng);
+    if (!req.ok()) return req.status();
+    auto c = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(client, *std::move(req),
+                                                                                    &FusedLayerClient::MhcSeam);
+    auto* raw = c.get();
+    response_bytes = [raw] { return raw->ResponseBytes(); };
+    caller = std::move(c);
+    what = absl::StrCat("stage=", MhcStageName(*stage), " mode=", MhcModeName(*mode));
+  } else {
+    if (!ws->has_swa()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no SWA part"));
+    if (!cl.mode.empty() || !cl.stage.empty() || cl.no_pre_mix || cl.capture_aux) {
+      return absl::InvalidArgumentError("--mode/--stage/--no_pre_mix/--capture_aux apply to --op=mhc only");
+    }
+    SwaRequestSpec spec{.weight_set = cl.weight_set, .tokens = cl.tokens, .row_stride = cl.row_stride, .path = *path};
+    absl::StatusOr<v1::SwaNormQuantRequest> req = RandomSwaRequest(ws->swa(), spec, rng);
+    if (!req.ok()) return req.status();
+    auto c = std::make_unique<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>>(
+        client, *std::move(req), &FusedLayerClient::SwaNormQuant);
+    auto* raw = c.get();
+    response_bytes = [raw] { return raw->ResponseBytes(); };
+    caller = std::move(c);
+    what = absl::StrCat("row_stride=", cl.row_stride ? cl.row_stride : ws->swa().q_rank() + ws->swa().head_dim());
+  }
+
+  out << "bench op=" << cl.op << " weight_set=" << cl.weight_set << " tokens=" << cl.tokens << " " << what
+      << " path=" << PathPreferenceName(*path) << " concurrency=" << cl.concurrency
+      << " duration=" << absl::FormatDuration(cl.duration) << " seed=" << seed << "\n";
+  out << "request " << FormatBytes(double(caller->RequestBytes())) << "\n";
+
+  // A probe call first: a wrong weight set or an unreachable server fails here with its real
+  // error instead of as N x thousands of identical errors. It also warms the connection.
+  {
+    CallOutcome probe = caller->Call();
+    if (!probe.status.ok()) {
+      return absl::Status(probe.status.code(), absl::StrCat("probe call failed: ", probe.status.message()));
+    }
+    out << "probe   " << FormatSeconds(probe.round_trip_seconds) << " round trip, path " << PathName(probe.report.path())
+        << ", response " << FormatBytes(double(response_bytes())) << "\n";
+    out.flush();
+  }
+
+  std::vector<BenchStats> per_thread(size_t(cl.concurrency));
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(cl.concurrency));
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point end = start + absl::ToChronoNanoseconds(cl.duration);
+  for (int i = 0; i < cl.concurrency; ++i) {
+    threads.emplace_back([&, i] {
+      BenchStats& stats = per_thread[size_t(i)];
+      // No call starts after `end`; a call in flight at `end` finishes (bounded by --deadline).
+      while (Clock::now() < end) stats.Add(caller->Call());
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+
+  BenchStats total;
+  for (const BenchStats& s : per_thread) total.Merge(s);
+  BenchStats::RunInfo info{.op = cl.op,
+                           .tokens_per_request = cl.tokens,
+                           .request_bytes = caller->RequestBytes(),
+                           .response_bytes = response_bytes(),
+                           .elapsed_seconds = elapsed};
+  out << total.Format(info);
+  if (total.failed() > 0) {
+    return absl::Status(total.MostFrequentError(),
+                        absl::StrCat(total.failed(), " of ", total.failed() + total.ok(),
+                                     " requests failed (most frequent code shown; all codes in the error lines above)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fusedlayer::client

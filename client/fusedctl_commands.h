@@ -1,0 +1,53 @@
+// The `fusedctl` commands. Each takes the connected client and the parsed command line, prints
+// human-readable output to `out`, and returns a non-OK status on any failure (main prints it as one
+// line with the gRPC code name and exits non-zero).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/fusedlayer_client.h"
+
+namespace fusedlayer::client {
+
+// Values of every fusedctl flag plus the positional arguments (flags are parsed once in main).
+struct CommandLine {
+  std::string target;
+  std::vector<std::string> args;  // positional arguments after the command name
+
+  std::string service;            // health
+  bool replace = false;           // load
+  int64_t chunk_bytes = 0;        // load
+  std::string weight_set;         // seam, swa, bench
+  int64_t tokens = 0;
+  bool tokens_set = false;        // --tokens given explicitly (conflicts with --input)
+  std::string mode, stage, path, op;
+  bool no_pre_mix = false;
+  bool capture_aux = false;
+  std::string input, output;
+  int64_t row_stride = 0;
+  int concurrency = 1;
+  absl::Duration duration = absl::Seconds(10);
+  uint64_t seed = 0;              // 0 = fresh random seed (printed)
+};
+
+absl::Status RunInfo(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+// OK with *serving set; the caller exits 0 only when serving.
+absl::Status RunHealth(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out, bool* serving);
+absl::Status RunLoad(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+absl::Status RunList(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+absl::Status RunUnload(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+
+// Shared by the commands: the report block ("path  fused", "fallback ...", times).
+std::string FormatReport(const v1::ExecutionReport& report, double round_trip_seconds);
+
+}  // namespace fusedlayer::client

@@ -1,0 +1,254 @@
+// fusedctl seam | swa: one request (random or from a safetensors file), then the execution report
+// and a summary of every output.
+#include <chrono>
+#include <map>
+#include <ostream>
+#include <random>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/cli_options.h"
+#include "client/fusedctl_commands.h"
+#include "client/random_inputs.h"
+#include "client/safetensors_io.h"
+#include "client/tensor_messages.h"
+#include "client/tensor_summary.h"
+
+namespace fusedlayer::client {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// One output line; an output the server did not send is skipped (absent tensors are not outputs of
+// this stage).
+void PrintSummary(std::ostream& out, const char* name, bool present, const v1::Tensor& t) {
+  if (!present) return;
+  absl::StatusOr<TensorSummary> s = SummarizeTensor(t);
+  if (!s.ok()) {
+    out << "  " << name << "  malformed: " << OneLine(s.status().message()) << "\n";
+    return;
+  }
+  out << FormatSummary(name, *s) << "\n";
+}
+
+// Moves the file's tensors into the request fields of the same name; any other name is an error
+// (a misspelt tensor would otherwise be silently replaced by nothing).
+template <typename Request>
+absl::Status FillFromFile(const std::string& path, const std::map<std::string, v1::Tensor* (*)(Request&)>& fields,
+                          Request& req) {
+  absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
+  if (!file.ok()) return file.status();
+  std::vector<std::string> names;
+  for (const auto& [name, _] : fields) names.push_back(name);
+  for (auto& [name, tensor] : file->tensors) {
+    auto it = fields.find(name);
+    if (it == fields.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor \"", name, "\" is not a request field (expected ",
+                                                     absl::StrJoin(names, ", "), ")"));
+    }
+    *it->second(req) = std::move(tensor);
+  }
+  if (file->tensors.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no tensors"));
+  return absl::OkStatus();
+}
+
+absl::Status WriteOutputs(const std::string& path, std::vector<std::pair<std::string, v1::Tensor>> tensors,
+                          const v1::ExecutionReport& report, std::ostream& out) {
+  std::map<std::string, std::string> meta = {{"fusedlayer.path", PathName(report.path())},
+                                             {"fusedlayer.fallback_reason", ReasonName(report.fallback_reason())},
+                                             {"fusedlayer.backend", report.backend()},
+                                             {"fusedlayer.weight_set", report.weight_set()}};
+  if (absl::Status s = WriteSafetensors(path, tensors, meta); !s.ok()) return s;
+  out << "wrote " << tensors.size() << " output tensor(s) to " << path << "\n";
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PathPreference> PathOf(const CommandLine& cl) {
+  return ParsePathPreference(cl.path.empty() ? "auto" : cl.path);
+}
+
+}  // namespace
+
+std::string FormatReport(const v1::ExecutionReport& r, double round_trip_seconds) {
+  std::string s = "report\n";
+  absl::StrAppend(&s, "  path        ", PathName(r.path()), "\n");
+  if (r.path() != v1::EXECUTION_PATH_FUSED || r.fallback_reason() != v1::FALLBACK_REASON_NONE) {
+    absl::StrAppend(&s, "  fallback    ", ReasonName(r.fallback_reason()));
+    if (!r.fallback_detail().empty()) absl::StrAppend(&s, ": ", OneLine(r.fallback_detail()));
+    absl::StrAppend(&s, "\n");
+  }
+  absl::StrAppend(&s, "  weight_set  ", r.weight_set(), "\n");
+  absl::StrAppend(&s, "  backend     ", r.backend(), "\n");
+  absl::StrAppend(&s, "  device      ", r.device(), "\n");
+  absl::StrAppend(&s, "  kernel      ", FormatSeconds(r.kernel_seconds()), "\n");
+  absl::StrAppend(&s, "  queue       ", FormatSeconds(r.queue_seconds()), "\n");
+  absl::StrAppend(&s, "  server      ", FormatSeconds(r.server_seconds()), "\n");
+  absl::StrAppend(&s, "  round trip  ", FormatSeconds(round_trip_seconds), "  (transfer + serialisation: ",
+                  FormatSeconds(round_trip_seconds - r.server_seconds()), ")\n");
+  return s;
+}
+
+absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
+  if (cl.weight_set.empty()) return absl::InvalidArgumentError("seam needs --weight_set=NAME");
+  if (!cl.input.empty() && cl.tokens_set) {
+    return absl::InvalidArgumentError("--tokens and --input exclude each other (the file sets the token count)");
+  }
+  absl::StatusOr<v1::MhcMode> mode = ParseMhcMode(cl.mode.empty() ? "shifted" : cl.mode);
+  if (!mode.ok()) return mode.status();
+  absl::StatusOr<v1::MhcStage> stage = ParseMhcStage(cl.stage.empty() ? "seam" : cl.stage);
+  if (!stage.ok()) return stage.status();
+  absl::StatusOr<v1::PathPreference> path = PathOf(cl);
+  if (!path.ok()) return path.status();
+
+  v1::MhcSeamRequest req;
+  std::string origin;
+  if (cl.input.empty()) {
+    absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
+    if (!ws.ok()) return ws.status();
+    if (!ws->has_mhc()) {
+      return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
+    }
+    MhcRequestSpec spec{.weight_set = cl.weight_set,
+                        .stage = *stage,
+                        .mode = *mode,
+                        .tokens = cl.tokens_set ? cl.tokens : 16,
+                        .include_pre_mix = !cl.no_pre_mix,
+                        .capture_aux = cl.capture_aux,
+                        .path = *path};
+    const uint64_t seed = cl.seed ? cl.seed : FreshSeed();
+    std::mt19937_64 rng(seed);
+    absl::StatusOr<v1::MhcSeamRequest> r = RandomMhcRequest(ws->mhc(), spec, rng);
+    if (!r.ok()) return r.status();
+    req = *std::move(r);
+    origin = absl::StrCat("random inputs, seed ", seed);
+  } else {
+    using Getter = v1::Tensor* (*)(v1::MhcSeamRequest&);
+    const std::map<std::string, Getter> fields = {
+        {"x", [](v1::MhcSeamRequest& r) { return r.mutable_x(); }},
+        {"residual", [](v1::MhcSeamRequest& r) { return r.mutable_residual(); }},
+        {"post_mix", [](v1::MhcSeamRequest& r) { return r.mutable_post_mix(); }},
+        {"comb_mix", [](v1::MhcSeamRequest& r) { return r.mutable_comb_mix(); }},
+        {"pre_mix", [](v1::MhcSeamRequest& r) { return r.mutable_pre_mix(); }},
+    };
+    if (absl::Status s = FillFromFile(cl.input, fields, req); !s.ok()) return s;
+    if (cl.no_pre_mix) req.clear_pre_mix();
+    req.set_weight_set(cl.weight_set);
+    req.set_stage(*stage);
+    req.set_mode(*mode);
+    req.set_capture_aux(cl.capture_aux);
+    req.set_path_preference(*path);
+    origin = absl::StrCat("inputs from ", cl.input);
+  }
+  const int64_t tokens = req.x().shape_size() > 0 ? req.x().shape(0) : 0;
+  out << "MhcSeam weight_set=" << cl.weight_set << " stage=" << MhcStageName(req.stage())
+      << " mode=" << MhcModeName(req.mode()) << " tokens=" << tokens << " pre_mix=" << (req.has_pre_mix() ? "yes" : "no")
+      << " capture_aux=" << (req.capture_aux() ? "yes" : "no") << " path=" << PathPreferenceName(*path) << " ("
+      << origin << ")\n";
+
+  const Clock::time_point t0 = Clock::now();
+  absl::StatusOr<v1::MhcSeamResponse> resp = client.MhcSeam(req);
+  const double rtt = Since(t0);
+  if (!resp.ok()) return resp.status();
+  out << "request " << FormatBytes(double(req.ByteSizeLong())) << ", response "
+      << FormatBytes(double(resp->ByteSizeLong())) << ", request_id " << resp->request_id() << "\n";
+  out << FormatReport(resp->report(), rtt);
+  out << "outputs\n";
+  PrintSummary(out, "new_residual", resp->has_new_residual(), resp->new_residual());
+  PrintSummary(out, "new_pre_mix", resp->has_new_pre_mix(), resp->new_pre_mix());
+  PrintSummary(out, "new_post_mix", resp->has_new_post_mix(), resp->new_post_mix());
+  PrintSummary(out, "new_comb_mix", resp->has_new_comb_mix(), resp->new_comb_mix());
+  PrintSummary(out, "y", resp->has_y(), resp->y());
+  PrintSummary(out, "aux", resp->has_aux(), resp->aux());
+  if (!cl.output.empty()) {
+    std::vector<std::pair<std::string, v1::Tensor>> tensors;
+    auto add = [&](const char* n, bool has, const v1::Tensor& t) {
+      if (has) tensors.emplace_back(n, t);
+    };
+    add("new_residual", resp->has_new_residual(), resp->new_residual());
+    add("new_pre_mix", resp->has_new_pre_mix(), resp->new_pre_mix());
+    add("new_post_mix", resp->has_new_post_mix(), resp->new_post_mix());
+    add("new_comb_mix", resp->has_new_comb_mix(), resp->new_comb_mix());
+    add("y", resp->has_y(), resp->y());
+    add("aux", resp->has_aux(), resp->aux());
+    if (absl::Status s = WriteOutputs(cl.output, std::move(tensors), resp->report(), out); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
+  if (cl.weight_set.empty()) return absl::InvalidArgumentError("swa needs --weight_set=NAME");
+  if (!cl.input.empty() && (cl.tokens_set || cl.row_stride != 0)) {
+    return absl::InvalidArgumentError("--tokens/--row_stride and --input exclude each other (the file sets them)");
+  }
+  absl::StatusOr<v1::PathPreference> path = PathOf(cl);
+  if (!path.ok()) return path.status();
+  // The weight set's config is needed either way: for random inputs, and to dequantize q_fp8 with
+  // the right scale layout for the summary.
+  absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
+  if (!ws.ok()) return ws.status();
+  if (!ws->has_swa()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no SWA part"));
+
+  v1::SwaNormQuantRequest req;
+  std::string origin;
+  if (cl.input.empty()) {
+    SwaRequestSpec spec{.weight_set = cl.weight_set,
+                        .tokens = cl.tokens_set ? cl.tokens : 16,
+                        .row_stride = cl.row_stride,
+                        .path = *path};
+    const uint64_t seed = cl.seed ? cl.seed : FreshSeed();
+    std::mt19937_64 rng(seed);
+    absl::StatusOr<v1::SwaNormQuantRequest> r = RandomSwaRequest(ws->swa(), spec, rng);
+    if (!r.ok()) return r.status();
+    req = *std::move(r);
+    origin = absl::StrCat("random inputs, seed ", seed);
+  } else {
+    using Getter = v1::Tensor* (*)(v1::SwaNormQuantRequest&);
+    const std::map<std::string, Getter> fields = {
+        {"qr_kv", [](v1::SwaNormQuantRequest& r) { return r.mutable_qr_kv(); }}};
+    if (absl::Status s = FillFromFile(cl.input, fields, req); !s.ok()) return s;
+    req.set_weight_set(cl.weight_set);
+    req.set_path_preference(*path);
+    origin = absl::StrCat("inputs from ", cl.input);
+  }
+  const std::vector<int64_t> in_shape = ShapeOf(req.qr_kv());
+  out << "SwaNormQuant weight_set=" << cl.weight_set << " qr_kv=" << DataTypeName(req.qr_kv().dtype())
+      << ShapeString(in_shape) << " path=" << PathPreferenceName(*path) << " (" << origin << ")\n";
+
+  const Clock::time_point t0 = Clock::now();
+  absl::StatusOr<v1::SwaNormQuantResponse> resp = client.SwaNormQuant(req);
+  const double rtt = Since(t0);
+  if (!resp.ok()) return resp.status();
+  out << "request " << FormatBytes(double(req.ByteSizeLong())) << ", response "
+      << FormatBytes(double(resp->ByteSizeLong())) << ", request_id " << resp->request_id() << "\n";
+  out << FormatReport(resp->report(), rtt);
+  out << "outputs\n";
+  PrintSummary(out, "q_fp8", resp->has_q_fp8(), resp->q_fp8());
+  if (resp->has_q_fp8() && resp->has_q_scale()) {
+    absl::StatusOr<TensorSummary> dq = SummarizeDequantized(resp->q_fp8(), resp->q_scale(), ws->swa().scale_layout());
+    if (dq.ok()) {
+      out << FormatSummary("q (q_fp8*s)", *dq) << "\n";
+    } else {
+      out << "  q (q_fp8*s)   cannot dequantize: " << OneLine(dq.status().message()) << "\n";
+    }
+  }
+  PrintSummary(out, "q_scale", resp->has_q_scale(), resp->q_scale());
+  PrintSummary(out, "kv", resp->has_kv(), resp->kv());
+  PrintSummary(out, "q_proj", resp->has_q_proj(), resp->q_proj());
+  if (!cl.output.empty()) {
+    std::vector<std::pair<std::string, v1::Tensor>> tensors;
+    if (resp->has_q_fp8()) tensors.emplace_back("q_fp8", resp->q_fp8());
+    if (resp->has_q_scale()) tensors.emplace_back("q_scale", resp->q_scale());
+    if (resp->has_kv()) tensors.emplace_back("kv", resp->kv());
+    if (resp->has_q_proj()) tensors.emplace_back("q_proj", resp->q_proj());
+    if (absl::Status s = WriteOutputs(cl.output, std::move(tensors), resp->report(), out); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fusedlayer::client

@@ -1,0 +1,141 @@
+// fusedctl: command-line client of the fusedlayer service.
+//
+//   fusedctl [--target=host:port] COMMAND [flags]
+//
+// Exit status: 0 on success (health: only when SERVING), 1 on an error from the server or the
+// command, 2 on a usage error. Errors print one line: "fusedctl: error: CODE: message".
+#include <algorithm>
+#include <iostream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "client/cli_options.h"
+#include "client/fusedctl_commands.h"
+#include "client/fusedlayer_client.h"
+
+// Global flags.
+ABSL_FLAG(std::string, target, "localhost:50051", "Server address, host:port (or any gRPC target URI)");
+ABSL_FLAG(absl::Duration, deadline, absl::Seconds(60), "Deadline of each call (LoadWeights: max of this and 10m)");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30, "Largest message sent or received, bytes");
+
+// Command flags (each command accepts only its own; see `fusedctl help`).
+ABSL_FLAG(std::string, service, "", "health: service name (\"\" = whole server; e.g. fusedlayer.mhc)");
+ABSL_FLAG(bool, replace, false, "load: atomically replace weight sets of the same name");
+ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "load: payload bytes per stream message");
+ABSL_FLAG(std::string, weight_set, "", "seam/swa/bench: weight set name");
+ABSL_FLAG(int64_t, tokens, 16, "seam/swa/bench: tokens per request (T or M)");
+ABSL_FLAG(std::string, mode, "", "seam/bench: shifted (default) | normal");
+ABSL_FLAG(std::string, stage, "", "seam/bench: seam (default) | first | head");
+ABSL_FLAG(bool, no_pre_mix, false, "seam/bench: omit pre_mix (shifted: collapse selects stream 0)");
+ABSL_FLAG(bool, capture_aux, false, "seam/bench: also return aux (seam stage)");
+ABSL_FLAG(std::string, path, "", "seam/swa/bench: auto (default) | require_fused | force_unfused");
+ABSL_FLAG(std::string, input, "", "seam/swa: safetensors file with the request tensors (named as the fields)");
+ABSL_FLAG(std::string, output, "", "seam/swa: write the response tensors to this safetensors file");
+ABSL_FLAG(int64_t, row_stride, 0, "swa/bench: qr_kv row stride in elements (0 = Q + D)");
+ABSL_FLAG(std::string, op, "", "bench: mhc | swa");
+ABSL_FLAG(int32_t, concurrency, 1, "bench: concurrent callers");
+ABSL_FLAG(std::string, duration, "10", "bench: measured duration, seconds (or e.g. 10s, 1m)");
+ABSL_FLAG(uint64_t, seed, 0, "seam/swa/bench: random input seed (0 = fresh, printed)");
+
+namespace {
+
+using namespace fusedlayer::client;  // NOLINT: a main file
+
+constexpr int kExitError = 1;
+constexpr int kExitUsage = 2;
+
+std::string Usage() {
+  std::string s =
+      "fusedctl: command-line client of the fusedlayer service.\n\n"
+      "usage: fusedctl [--target=host:port] [--deadline=60s] COMMAND [flags]\n\ncommands:\n";
+  for (const CommandInfo& c : Commands()) absl::StrAppend(&s, "  fusedctl ", c.usage, "\n");
+  absl::StrAppend(&s, "\nexit status: 0 ok (health: SERVING), 1 error, 2 usage error");
+  return s;
+}
+
+int UsageError(const std::string& message) {
+  std::cerr << "fusedctl: usage error: " << OneLine(message) << "\n(run `fusedctl --help` for usage)\n";
+  return kExitUsage;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(Usage());
+  // Copied before parsing, to find which flags were written (FlagsOnCommandLine).
+  const std::vector<std::string> raw_args(argv, argv + argc);
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() < 2) return UsageError("no command given");
+  const std::string command_name = positional[1];
+  if (command_name == "help") {
+    std::cout << Usage() << "\n";
+    return 0;
+  }
+  const CommandInfo* command = FindCommand(command_name);
+  if (command == nullptr) return UsageError(absl::StrCat("unknown command '", command_name, "'"));
+
+  const std::set<std::string> specified = FlagsOnCommandLine(raw_args, AllCommandFlags());
+  CommandLine cl;
+  cl.args.assign(positional.begin() + 2, positional.end());
+  if (absl::Status s = CheckCommandLine(*command, specified, cl.args.size()); !s.ok()) {
+    return UsageError(std::string(s.message()));
+  }
+
+  cl.target = absl::GetFlag(FLAGS_target);
+  cl.service = absl::GetFlag(FLAGS_service);
+  cl.replace = absl::GetFlag(FLAGS_replace);
+  cl.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  cl.weight_set = absl::GetFlag(FLAGS_weight_set);
+  cl.tokens = absl::GetFlag(FLAGS_tokens);
+  cl.tokens_set = specified.count("tokens") > 0;
+  cl.mode = absl::GetFlag(FLAGS_mode);
+  cl.stage = absl::GetFlag(FLAGS_stage);
+  cl.no_pre_mix = absl::GetFlag(FLAGS_no_pre_mix);
+  cl.capture_aux = absl::GetFlag(FLAGS_capture_aux);
+  cl.path = absl::GetFlag(FLAGS_path);
+  cl.input = absl::GetFlag(FLAGS_input);
+  cl.output = absl::GetFlag(FLAGS_output);
+  cl.row_stride = absl::GetFlag(FLAGS_row_stride);
+  cl.op = absl::GetFlag(FLAGS_op);
+  cl.concurrency = absl::GetFlag(FLAGS_concurrency);
+  absl::StatusOr<absl::Duration> duration = ParseDurationFlag(absl::GetFlag(FLAGS_duration));
+  if (!duration.ok()) return UsageError(std::string(duration.status().message()));
+  cl.duration = *duration;
+  cl.seed = absl::GetFlag(FLAGS_seed);
+  if (cl.chunk_bytes <= 0) return UsageError("--chunk_bytes must be positive");
+  if (cl.tokens < 0) return UsageError("--tokens must be >= 0");
+  if (cl.row_stride < 0) return UsageError("--row_stride must be >= 0");
+
+  ClientOptions options;
+  options.deadline = absl::GetFlag(FLAGS_deadline);
+  options.load_deadline = std::max(options.deadline, options.load_deadline);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  absl::StatusOr<std::unique_ptr<FusedLayerClient>> client = FusedLayerClient::Connect(cl.target, options);
+  if (!client.ok()) return UsageError(std::string(client.status().message()));
+
+  absl::Status status;
+  bool serving = false;
+  const std::string& n = command->name;
+  if (n == "info") status = RunInfo(**client, cl, std::cout);
+  else if (n == "health") status = RunHealth(**client, cl, std::cout, &serving);
+  else if (n == "load") status = RunLoad(**client, cl, std::cout);
+  else if (n == "list") status = RunList(**client, cl, std::cout);
+  else if (n == "unload") status = RunUnload(**client, cl, std::cout);
+  else if (n == "seam") status = RunSeam(**client, cl, std::cout);
+  else if (n == "swa") status = RunSwa(**client, cl, std::cout);
+  else if (n == "bench") status = RunBench(**client, cl, std::cout);
+  std::cout.flush();
+  if (!status.ok()) {
+    std::cerr << ErrorLine(status) << "\n";
+    return kExitError;
+  }
+  if (n == "health" && !serving) return kExitError;
+  return 0;
+}

@@ -1,0 +1,205 @@
+#include "client/fusedlayer_client.h"
+
+#include <openssl/evp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/support/channel_arguments.h"
+
+namespace fusedlayer::client {
+
+absl::Status ValidateClientOptions(const ClientOptions& options) {
+  constexpr int64_t kMin = 4096;
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();  // protobuf's 2 GiB - 1 ceiling
+  if (options.max_message_bytes < kMin || options.max_message_bytes > kMax) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes = ", options.max_message_bytes,
+                                                   " is outside [", kMin, ", ", kMax, "]"));
+  }
+  if (options.deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("deadline = ", absl::FormatDuration(options.deadline),
+                                                   " must be positive"));
+  }
+  if (options.load_deadline <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "load_deadline = ", absl::FormatDuration(options.load_deadline), " must be positive"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ToAbslStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  // grpc::StatusCode and absl::StatusCode both follow google.rpc.Code (0..16).
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<FusedLayerClient>> FusedLayerClient::Connect(const std::string& target,
+                                                                             ClientOptions options) {
+  if (target.empty()) return absl::InvalidArgumentError("target is empty (expected host:port)");
+  if (absl::Status s = ValidateClientOptions(options); !s.ok()) return s;
+  grpc::ChannelArguments args;
+  // The defaults are 4 MiB to receive and unlimited to send; both set explicitly so the client never
+  // sends what it could not receive back, and the limits read the same as the server's flags.
+  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
+  auto channel = grpc::CreateCustomChannel(target, credentials, args);
+  if (!channel) return absl::InternalError(absl::StrCat("cannot create a channel to ", target));
+  return std::make_unique<FusedLayerClient>(std::move(channel), std::move(options));
+}
+
+FusedLayerClient::FusedLayerClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : channel_(std::move(channel)),
+      options_(std::move(options)),
+      stub_(v1::FusedLayer::NewStub(channel_)),
+      health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
+
+void FusedLayerClient::Prepare(grpc::ClientContext& ctx, const CallOptions& call,
+                               absl::Duration fallback) const {
+  const absl::Duration d = call.deadline.value_or(fallback);
+  // gRPC 1.51's set_deadline takes a system_clock time point (a steady_clock one does not compile
+  // into the right overload). absl::ToChronoTime converts an absl::Time to system_clock.
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + d));
+  ctx.set_wait_for_ready(options_.wait_for_ready);
+}
+
+absl::StatusOr<v1::MhcSeamResponse> FusedLayerClient::MhcSeam(const v1::MhcSeamRequest& request,
+                                                              const CallOptions& call) const {
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.deadline);
+  v1::MhcSeamResponse response;
+  if (grpc::Status s = stub_->MhcSeam(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
+  return response;
+}
+
+absl::StatusOr<v1::SwaNormQuantResponse> FusedLayerClient::SwaNormQuant(const v1::SwaNormQuantRequest& request,
+                                                                        const CallOptions& call) const {
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.deadline);
+  v1::SwaNormQuantResponse response;
+  if (grpc::Status s = stub_->SwaNormQuant(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
+  return response;
+}
+
+absl::StatusOr<v1::ListWeightSetsResponse> FusedLayerClient::ListWeightSets(const CallOptions& call) const {
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.deadline);
+  v1::ListWeightSetsResponse response;
+  if (grpc::Status s = stub_->ListWeightSets(&ctx, v1::ListWeightSetsRequest(), &response); !s.ok()) {
+    return ToAbslStatus(s);
+  }
+  return response;
+}
+
+absl::StatusOr<v1::UnloadWeightSetResponse> FusedLayerClient::UnloadWeightSet(const std::string& name,
+                                                                              const CallOptions& call) const {
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.deadline);
+  v1::UnloadWeightSetRequest request;
+  request.set_name(name);
+  v1::UnloadWeightSetResponse response;
+  if (grpc::Status s = stub_->UnloadWeightSet(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
+  return response;
+}
+
+absl::StatusOr<v1::GetServerInfoResponse> FusedLayerClient::GetServerInfo(const CallOptions& call) const {
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.deadline);
+  v1::GetServerInfoResponse response;
+  if (grpc::Status s = stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &response); !s.ok()) {
+    return ToAbslStatus(s);
+  }
+  return response;
+}
+
+absl::StatusOr<v1::WeightSetInfo> FusedLayerClient::FindWeightSet(const std::string& name,
+                                                                  const CallOptions& call) const {
+  absl::StatusOr<v1::ListWeightSetsResponse> list = ListWeightSets(call);
+  if (!list.ok()) return list.status();
+  for (const v1::WeightSetInfo& info : list->weight_sets()) {
+    if (info.name() == name) return info;
+  }
+  std::string names;
+  for (const v1::WeightSetInfo& info : list->weight_sets()) absl::StrAppend(&names, names.empty() ? "" : ", ", info.name());
+  return absl::NotFoundError(absl::StrCat("weight set \"", name, "\" is not loaded on the server (loaded: ",
+                                          names.empty() ? "none" : names, ")"));
+}
+
+std::string Sha256Hex(absl::string_view data) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  // EVP_Digest is OpenSSL's one-shot API (SHA256() is deprecated in 3.0 for new code).
+  if (EVP_Digest(data.data(), data.size(), digest, &len, EVP_sha256(), nullptr) != 1) return {};
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out(2 * len, '0');
+  for (unsigned i = 0; i < len; ++i) {
+    out[2 * i] = kHex[digest[i] >> 4];
+    out[2 * i + 1] = kHex[digest[i] & 15];
+  }
+  return out;
+}
+
+absl::StatusOr<v1::WeightSetInfo> FusedLayerClient::LoadWeights(v1::WeightSetHeader header, absl::string_view payload,
+                                                                 size_t chunk_bytes, const CallOptions& call) const {
+  if (chunk_bytes == 0) return absl::InvalidArgumentError("chunk_bytes must be positive");
+  // Leave room for the header and framing inside one message.
+  const size_t max_chunk = static_cast<size_t>(options_.max_message_bytes) / 2;
+  if (chunk_bytes > max_chunk) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk_bytes = ", chunk_bytes, " exceeds half the message limit (",
+                                                   max_chunk, ")"));
+  }
+  if (header.payload_bytes() == 0) {
+    header.set_payload_bytes(payload.size());
+  } else if (header.payload_bytes() != payload.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("header.payload_bytes = ", header.payload_bytes(),
+                                                   " but the payload has ", payload.size(), " bytes"));
+  }
+  const std::string digest = Sha256Hex(payload);
+  if (digest.empty()) return absl::InternalError("OpenSSL SHA-256 failed");
+  if (header.sha256().empty()) {
+    header.set_sha256(digest);
+  } else if (header.sha256() != digest) {
+    return absl::InvalidArgumentError(absl::StrCat("header.sha256 = ", header.sha256(),
+                                                   " does not match the payload's SHA-256 ", digest));
+  }
+
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.load_deadline);
+  v1::WeightSetInfo info;
+  std::unique_ptr<grpc::ClientWriter<v1::WeightChunk>> writer = stub_->LoadWeights(&ctx, &info);
+  size_t offset = 0;
+  bool first = true;
+  // A stream whose Write fails is broken (server error, deadline): stop writing and let Finish()
+  // report the server's status, which says why.
+  while (first || offset < payload.size()) {
+    v1::WeightChunk chunk;
+    if (first) *chunk.mutable_header() = header;
+    const size_t n = std::min(chunk_bytes, payload.size() - offset);
+    chunk.set_data(payload.data() + offset, n);
+    offset += n;
+    first = false;
+    if (!writer->Write(chunk)) break;
+  }
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok()) return ToAbslStatus(s);
+  return info;
+}
+
+absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> FusedLayerClient::CheckHealth(
+    const std::string& service, const CallOptions& call) const {
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.deadline);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  if (grpc::Status s = health_stub_->Check(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
+  return response.status();
+}
+
+}  // namespace fusedlayer::client

@@ -1,0 +1,120 @@
+// fusedlayer C++ client: a thin wrapper over the generated FusedLayer stub.
+//
+// What it adds over the raw stub, and why:
+//  - Message size limits raised on the channel. gRPC C++ refuses to *receive* more than 4 MiB by
+//    default, and a 64-token mHC seam at C = 7168 already returns ~4.6 MB, so the default would turn
+//    ordinary responses into RESOURCE_EXHAUSTED on the client side.
+//  - A deadline on every call (gRPC's default is none: a stuck server would hang the caller forever).
+//  - grpc::Status mapped to absl::Status with the same code and message, so callers use one error
+//    type (absl::StatusOr<Response>) and the gRPC code name survives (absl::StatusCodeToString).
+//  - LoadWeights streaming: the header goes in the first message, the payload follows in chunks
+//    (one message per chunk keeps each far below any message limit), with the payload length and
+//    SHA-256 filled in when the caller left them empty.
+//  - grpc.health.v1 Check, used by `fusedctl health` (Docker HEALTHCHECK, Kubernetes probes).
+//
+// Thread safety: a FusedLayerClient may be shared by any number of threads (the channel and the stubs
+// are thread-safe; every call has its own ClientContext).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "fusedlayer/v1/fusedlayer.grpc.pb.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/status.h"
+
+namespace fusedlayer::client {
+
+namespace v1 = ::fusedlayer::v1;
+
+inline constexpr int64_t kDefaultMaxMessageBytes = int64_t{1} << 30;  // 1 GiB, as the server
+inline constexpr size_t kDefaultChunkBytes = size_t{4} << 20;        // 4 MiB per LoadWeights message
+
+struct ClientOptions {
+  // Largest message the client sends or receives. Must lie in [4 KiB, 2 GiB - 1]: protobuf cannot
+  // serialise a message of 2 GiB or more, and below a few KiB not even an error reply fits.
+  int64_t max_message_bytes = kDefaultMaxMessageBytes;
+  // Deadline of compute and admin calls (MhcSeam, SwaNormQuant, List, Unload, Info, health).
+  absl::Duration deadline = absl::Seconds(60);
+  // Deadline of a whole LoadWeights stream: weight sets reach gigabytes, which take far longer than
+  // a compute call over a network.
+  absl::Duration load_deadline = absl::Minutes(10);
+  // Channel credentials; null means plaintext (grpc::InsecureChannelCredentials). TLS is a later
+  // step: pass grpc::SslCredentials(...) here when the server grows it.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // When true, calls wait for the channel to become ready (up to the deadline) instead of failing at
+  // once with UNAVAILABLE while the server is still starting. Off by default: a CLI should say
+  // "connection refused" immediately.
+  bool wait_for_ready = false;
+};
+
+// Checks ranges; InvalidArgument names the offending field.
+absl::Status ValidateClientOptions(const ClientOptions& options);
+
+// grpc::Status -> absl::Status, same code and message (the two enums share their numbering).
+absl::Status ToAbslStatus(const grpc::Status& status);
+
+// Per-call overrides.
+struct CallOptions {
+  std::optional<absl::Duration> deadline;  // default: ClientOptions::deadline (load_deadline for loads)
+};
+
+class FusedLayerClient {
+ public:
+  // Creates the channel (lazily connecting: no network traffic happens before the first call, so a
+  // wrong target surfaces as UNAVAILABLE on that call). InvalidArgument for an empty target or bad
+  // options.
+  static absl::StatusOr<std::unique_ptr<FusedLayerClient>> Connect(const std::string& target,
+                                                                    ClientOptions options = {});
+  // For tests and embedders that already have a channel (e.g. an in-process one).
+  FusedLayerClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
+
+  absl::StatusOr<v1::MhcSeamResponse> MhcSeam(const v1::MhcSeamRequest& request,
+                                              const CallOptions& call = {}) const;
+  absl::StatusOr<v1::SwaNormQuantResponse> SwaNormQuant(const v1::SwaNormQuantRequest& request,
+                                                        const CallOptions& call = {}) const;
+  absl::StatusOr<v1::ListWeightSetsResponse> ListWeightSets(const CallOptions& call = {}) const;
+  absl::StatusOr<v1::UnloadWeightSetResponse> UnloadWeightSet(const std::string& name,
+                                                              const CallOptions& call = {}) const;
+  absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo(const CallOptions& call = {}) const;
+
+  // Finds one weight set by name in ListWeightSets (NotFound if absent).
+  absl::StatusOr<v1::WeightSetInfo> FindWeightSet(const std::string& name, const CallOptions& call = {}) const;
+
+  // Streams one weight set: `header` in the first message, `payload` in chunks of `chunk_bytes`.
+  // header.payload_bytes and header.sha256 are filled in when zero/empty; when set they must match
+  // the payload (InvalidArgument before anything is sent: the server would answer DATA_LOSS after
+  // receiving gigabytes).
+  absl::StatusOr<v1::WeightSetInfo> LoadWeights(v1::WeightSetHeader header, absl::string_view payload,
+                                                size_t chunk_bytes = kDefaultChunkBytes,
+                                                const CallOptions& call = {}) const;
+
+  // grpc.health.v1.Health/Check for `service` ("" = the whole server).
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(
+      const std::string& service, const CallOptions& call = {}) const;
+
+  const ClientOptions& options() const { return options_; }
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  void Prepare(grpc::ClientContext& ctx, const CallOptions& call, absl::Duration fallback) const;
+
+  std::shared_ptr<grpc::Channel> channel_;
+  ClientOptions options_;
+  std::unique_ptr<v1::FusedLayer::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+};
+
+// Lower-case hex SHA-256 of `data` (the digest LoadWeights sends in the header).
+std::string Sha256Hex(absl::string_view data);
+
+}  // namespace fusedlayer::client
