@@ -226,10 +226,49 @@ void ExpectPaddingZero(const SwaResult& r) {
   }
 }
 
-// The spec's "bitwise on >= 99.9%" as a count. A sample of fewer than 1000 values (M = 1..3) still
-// tolerates one mismatch: the kernel's fp32 sum of squares may legitimately put y one fp32 ulp from
-// the reference's, which flips a bf16 rounding near a tie in ~1.5% of 512-wide rows.
-int64_t AllowedMismatches(int64_t n) { return std::max<int64_t>(1, n / 1000); }
+// The spec's "bitwise on >= 99.9%" is a rate, so it is asserted on the totals of a whole test (a
+// TallyScope at the top of the test), not per case: in a 1-row case a single legitimate flip (the
+// kernel's fp32 sum of squares puts y one fp32 ulp from the reference's, which flips a rounding
+// near a tie) would already be 0.07%, and two would fail a sound kernel at random.
+struct MismatchTally {
+  int64_t kv_values = 0, kv_diff = 0;
+  int64_t codes = 0, code_diff = 0;
+  int64_t groups = 0, moved_groups = 0;
+};
+
+class TallyScope {
+ public:
+  TallyScope() : previous_(current_) { current_ = &tally_; }
+  ~TallyScope() {
+    current_ = previous_;
+    EXPECT_LE(tally_.kv_diff * 1000, tally_.kv_values) << tally_.kv_diff << " of " << tally_.kv_values
+                                                        << " kv values differ from the reference (> 0.1%)";
+    EXPECT_LE(tally_.code_diff * 1000, tally_.codes) << tally_.code_diff << " of " << tally_.codes
+                                                     << " fp8 codes differ from the reference (> 0.1%)";
+    EXPECT_LE(tally_.moved_groups * 1000, std::max<int64_t>(tally_.groups, 1000))
+        << tally_.moved_groups << " of " << tally_.groups << " groups moved their scale";
+  }
+  static MismatchTally* current() { return current_; }
+
+ private:
+  MismatchTally tally_;
+  MismatchTally* previous_;
+  static inline MismatchTally* current_ = nullptr;
+};
+
+// The bf16 values adjacent to a positive bf16 value v (as floats).
+float Bf16Neighbour(float v, int dir) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  u = (u >> 16) + (dir > 0 ? 1 : -1);
+  return BitsFloat(u << 16);
+}
+
+// Scale the contract's formula gives for a group amax.
+float ScaleFor(float amax, const SwaCase& c) {
+  const float s = float(double(amax) / RefFp8Max(c.fmt));  // IEEE division of two floats, then rounded
+  return c.sf == ScaleFormat::kUe8m0 ? CeilToUe8m0(s) : s;
+}
 
 // spec "Equality and tolerance", against the reference of the same path.
 void CheckAgainstReference(const SwaProblem& p, const SwaResult& r, Path path) {
@@ -241,42 +280,63 @@ void CheckAgainstReference(const SwaProblem& p, const SwaResult& r, Path path) {
     ASSERT_EQ(int64_t(r.scale_padding.size()), (AlignTo4(M) - M) * G);
   }
 
-  // kv: within 1 bf16 ulp everywhere, bitwise on >= 99.9%.
-  int64_t kv_diff = 0;
+  MismatchTally local;
+  MismatchTally& tally = TallyScope::current() ? *TallyScope::current() : local;
+
+  // kv: within 1 bf16 ulp everywhere, bitwise on >= 99.9% (over the test: TallyScope).
   for (int64_t i = 0; i < M * D; ++i) {
     const int d = Bf16UlpDistance(r.kv[i], ref.kv[i]);
     ASSERT_LE(d, 1) << "kv[" << i / D << ", " << i % D << "] got " << Bf16F(r.kv[i]) << " want " << Bf16F(ref.kv[i]);
-    kv_diff += d != 0;
+    tally.kv_diff += d != 0;
   }
-  EXPECT_LE(kv_diff, AllowedMismatches(M * D)) << kv_diff << " kv values differ";
+  tally.kv_values += M * D;
 
   // Scales, then codes group by group.
-  int64_t code_diff = 0, flipped_groups = 0;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const float got = r.scale[m * G + g], want = ref.scale[m * G + g];
       ASSERT_TRUE(std::isfinite(got) && got > 0) << "scale(" << m << ", " << g << ") = " << got;
+      ++tally.groups;
       bool compare_codes = true;
-      if (c.sf == ScaleFormat::kFp32) {
-        ASSERT_LE(std::fabs(double(got) - want) / want, std::ldexp(1.0, -20))
-            << "scale(" << m << ", " << g << ") got " << got << " want " << want;
-      } else if (got != want) {
-        ASSERT_TRUE(NearPowerOfTwo(ref.amax[m * G + g], c.fmt) && (got == 2 * want || 2 * got == want))
-            << "ue8m0 scale(" << m << ", " << g << ") got " << got << " want " << want;
-        compare_codes = false;  // the whole group legitimately moved one binade
-        ++flipped_groups;
+      const bool exact = c.sf == ScaleFormat::kFp32
+                             ? std::fabs(double(got) - want) / want <= std::ldexp(1.0, -20)
+                             : got == want;
+      if (!exact) {
+        // Two legitimate ways for a group's scale to move, after which its codes are not comparable
+        // to the reference's (they are rescaled); both must stay rare (TallyScope):
+        //  - UE8M0 with amax/MAX within an ulp of a power of two: the ceiling lands either side;
+        //  - unfused path: the group amax is a bf16-rounded y, and the kernel's y may round to the
+        //    neighbouring bf16 value (the same 1-ulp flip the kv rule allows).
+        const float amax = ref.amax[m * G + g];
+        bool explained = c.sf == ScaleFormat::kUe8m0 && NearPowerOfTwo(amax, c.fmt) &&
+                         (got == 2 * want || 2 * got == want);
+        if (path == Path::kUnfused) {
+          for (int dir : {-1, 1}) {
+            const float alt = ScaleFor(Bf16Neighbour(amax, dir), c);
+            explained |= c.sf == ScaleFormat::kFp32 ? std::fabs(double(got) - alt) / alt <= std::ldexp(1.0, -20)
+                                                     : got == alt;
+          }
+        }
+        ASSERT_TRUE(explained) << ScaleFormatName(c.sf) << " scale(" << m << ", " << g << ") got " << got
+                               << " want " << want << " (amax " << amax << ")";
+        compare_codes = false;
+        ++tally.moved_groups;
       }
       if (!compare_codes) continue;
       for (int64_t i = m * Q + g * kG; i < m * Q + (g + 1) * kG; ++i) {
         const int d = Fp8CodeDistance(r.q[i], ref.q[i]);
         ASSERT_LE(d, 1) << "q(" << m << ", " << i % Q << ") got 0x" << std::hex << int(r.q[i]) << " want 0x"
                         << int(ref.q[i]);
-        code_diff += d != 0;
+        tally.code_diff += d != 0;
       }
+      tally.codes += kG;
     }
   }
-  EXPECT_LE(flipped_groups, std::max<int64_t>(1, M * G / 1000));
-  EXPECT_LE(code_diff, AllowedMismatches(M * Q)) << code_diff << " fp8 codes differ";
+  if (&tally == &local) {
+    EXPECT_LE(local.kv_diff, std::max<int64_t>(1, local.kv_values / 1000)) << local.kv_diff << " kv values differ";
+    EXPECT_LE(local.code_diff, std::max<int64_t>(1, local.codes / 1000)) << local.code_diff << " fp8 codes differ";
+    EXPECT_LE(local.moved_groups, std::max<int64_t>(1, local.groups / 1000));
+  }
 
   // Projection against dequant(q) * dequant(W)^T in fp64, from this run's own q and scales.
   if (c.N > 0) {
@@ -315,6 +375,7 @@ class SwaPathTest : public ::testing::TestWithParam<std::tuple<std::string, Path
 };
 
 TEST_P(SwaPathTest, MatchesReferenceAcrossShapesAndFormats) {
+  TallyScope tally;  // the 99.9% rules apply to the whole test
   using F = Fp8Format;
   using S = ScaleFormat;
   using L = ScaleLayout;
@@ -433,6 +494,7 @@ TEST_P(SwaPathTest, ExactRoundingOnExactInputs) {
 
 // Random inputs with an all-zero group and a group holding one huge outlier in every row.
 TEST_P(SwaPathTest, ZeroGroupsAndOutliers) {
+  TallyScope tally;  // the 99.9% rules apply to the whole test
   auto rng = MakeRng(3);
   for (const Fp8Format fmt : {Fp8Format::kE4M3FN, Fp8Format::kE4M3FNUZ}) {
     for (const ScaleFormat sf : {ScaleFormat::kFp32, ScaleFormat::kUe8m0}) {
@@ -656,6 +718,7 @@ TEST_P(SwaBackendTest, FusedVersusUnfused) {
 }
 
 TEST_P(SwaBackendTest, FusedPathLimits) {
+  TallyScope tally;  // the 99.9% rules apply to the whole test
   auto rng = MakeRng(9);
   BackendOptions opts;
   opts.fused_max_tokens = 8;
