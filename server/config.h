@@ -1,0 +1,45 @@
+// Server configuration: everything main.cc reads from flags, as a plain struct so tests (and
+// embedders) can build a server without touching global flags.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace fusedlayer::server {
+
+// The two ops the service serves; values double as the "op" metric label.
+enum class Op : uint8_t { kMhc = 0, kSwa = 1 };
+inline constexpr Op kAllOps[] = {Op::kMhc, Op::kSwa};
+const char* OpName(Op op);  // "mhc", "swa"
+
+struct ServerConfig {
+  std::string address = "0.0.0.0:50051";
+  std::string metrics_address = "0.0.0.0:9464";  // empty: no Exposer (metrics still collected)
+  std::string backend = "auto";
+  bool demo_weights = false;
+  std::string weights_manifest;
+  bool disable_fused_mhc = false;  // --disable_fused=mhc
+  bool disable_fused_swa = false;  // --disable_fused=swa
+  int64_t fused_max_tokens = int64_t{1} << 20;
+  int64_t max_tokens = int64_t{1} << 20;
+  int64_t max_message_bytes = int64_t{1} << 30;
+  int queue_capacity = 64;
+  int cpu_threads = 0;
+  double drain_seconds = 30;
+  // Largest LoadWeights payload accepted (bytes): the biggest DeepSeek weight part is far smaller
+  // (mhc.fn at n=4, C=7168 is 2.6 MB), so this only guards the host against a hostile header.
+  uint64_t max_weight_payload_bytes = uint64_t{16} << 30;
+
+  bool fused_disabled(Op op) const { return op == Op::kMhc ? disable_fused_mhc : disable_fused_swa; }
+  // InvalidArgument when a limit is out of range (checked once at startup).
+  absl::Status Validate() const;
+};
+
+// Parses the --disable_fused list ("", "mhc", "swa", "mhc,swa"); InvalidArgument on unknown ops.
+absl::Status ParseDisableFused(std::string_view list, ServerConfig& config);
+
+}  // namespace fusedlayer::server

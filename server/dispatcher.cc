@@ -1,0 +1,87 @@
+#include "dispatcher.h"
+
+#include "absl/strings/str_cat.h"
+#include "log.h"
+
+namespace fusedlayer::server {
+
+absl::StatusOr<PathDecision> ChoosePath(Op op, v1::PathPreference preference, bool disabled_by_config,
+                                        absl::FunctionRef<FusedSupport()> fused_support) {
+  PathDecision d;
+  if (preference == v1::PATH_PREFERENCE_FORCE_UNFUSED) {
+    d.path = Path::kUnfused;
+    d.reason = FallbackReason::kClientForcedUnfused;
+    d.detail = "path_preference = FORCE_UNFUSED";
+    return d;
+  }
+  if (disabled_by_config) {
+    d.path = Path::kUnfused;
+    d.reason = FallbackReason::kDisabledByConfig;
+    d.detail = absl::StrCat("the fused ", OpName(op), " path is switched off on this server (--disable_fused)");
+  } else {
+    FusedSupport s = fused_support();
+    if (!s.supported) {
+      d.path = Path::kUnfused;
+      d.reason = s.reason;
+      d.detail = std::move(s.detail);
+    }
+  }
+  if (d.reason.has_value() && preference == v1::PATH_PREFERENCE_REQUIRE_FUSED) {
+    return absl::FailedPreconditionError(absl::StrCat("REQUIRE_FUSED: the fused ", OpName(op), " path cannot run (",
+                                                      FallbackReasonName(*d.reason), "): ", d.detail));
+  }
+  return d;
+}
+
+absl::StatusOr<DispatchOutcome> RunWithFallback(Op op, const PathDecision& decision, bool require_fused,
+                                                const std::string& what,
+                                                absl::FunctionRef<absl::StatusOr<RunStats>(Path)> run) {
+  absl::StatusOr<RunStats> first = run(decision.path);
+  if (first.ok()) return DispatchOutcome{decision, *first};
+  // Bad arguments are the caller's fault on either path: no re-run, no alarm.
+  if (decision.path == Path::kUnfused || absl::IsInvalidArgument(first.status())) return first.status();
+
+  if (require_fused) {
+    LogError("fused ", OpName(op), " kernel failed for ", what, " (REQUIRE_FUSED, not re-run): ",
+             first.status().ToString());
+    return absl::FailedPreconditionError(absl::StrCat("REQUIRE_FUSED: the fused ", OpName(op), " path failed (",
+                                                      FallbackReasonName(FallbackReason::kFusedKernelError),
+                                                      "): ", first.status().message()));
+  }
+  LogError("fused ", OpName(op), " kernel failed for ", what, "; re-running unfused (fused_kernel_error): ",
+           first.status().ToString());
+  absl::StatusOr<RunStats> second = run(Path::kUnfused);
+  if (!second.ok()) {
+    return absl::InternalError(absl::StrCat(OpName(op), " failed on both paths: fused: ", first.status().ToString(),
+                                            "; unfused: ", second.status().ToString()));
+  }
+  DispatchOutcome out;
+  out.decision.path = Path::kUnfused;
+  out.decision.reason = FallbackReason::kFusedKernelError;
+  out.decision.detail = absl::StrCat("fused launch failed: ", first.status().ToString());
+  out.stats = *second;
+  return out;
+}
+
+v1::FallbackReason ToProto(FallbackReason reason) {
+  // The proto enum is the library enum shifted by one (0 = NONE); names match one to one.
+  switch (reason) {
+    case FallbackReason::kDisabledByConfig: return v1::FALLBACK_REASON_DISABLED_BY_CONFIG;
+    case FallbackReason::kClientForcedUnfused: return v1::FALLBACK_REASON_CLIENT_FORCED_UNFUSED;
+    case FallbackReason::kBackendHasNoFusedKernel: return v1::FALLBACK_REASON_BACKEND_HAS_NO_FUSED_KERNEL;
+    case FallbackReason::kDeviceArchUnsupported: return v1::FALLBACK_REASON_DEVICE_ARCH_UNSUPPORTED;
+    case FallbackReason::kHcMultUnsupported: return v1::FALLBACK_REASON_HC_MULT_UNSUPPORTED;
+    case FallbackReason::kHiddenSizeUnsupported: return v1::FALLBACK_REASON_HIDDEN_SIZE_UNSUPPORTED;
+    case FallbackReason::kTooManyTokens: return v1::FALLBACK_REASON_TOO_MANY_TOKENS;
+    case FallbackReason::kAuxCaptureRequested: return v1::FALLBACK_REASON_AUX_CAPTURE_REQUESTED;
+    case FallbackReason::kWorkspaceUnavailable: return v1::FALLBACK_REASON_WORKSPACE_UNAVAILABLE;
+    case FallbackReason::kFusedKernelError: return v1::FALLBACK_REASON_FUSED_KERNEL_ERROR;
+  }
+  return v1::FALLBACK_REASON_NONE;
+}
+
+v1::ExecutionPath ToProto(Path path) {
+  return path == Path::kFused ? v1::EXECUTION_PATH_FUSED : v1::EXECUTION_PATH_UNFUSED;
+}
+
+}  // namespace fusedlayer::server

@@ -1,0 +1,46 @@
+#include "flags.h"
+
+#include <cstdint>
+#include <string>
+
+#include "absl/flags/flag.h"
+
+ABSL_FLAG(std::string, address, "0.0.0.0:50051", "gRPC listen address (host:port)");
+ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9464",
+          "Prometheus /metrics listen address (host:port); empty disables the HTTP endpoint");
+ABSL_FLAG(std::string, backend, "auto", "compute backend: auto (a GPU when present, else cpu), cpu, cuda, hip");
+ABSL_FLAG(bool, demo_weights, false,
+          "load the seeded random demo weight sets v41-flash/demo and v4-pro/demo at startup");
+ABSL_FLAG(std::string, weights_manifest, "", "JSON manifest of weight sets (safetensors) to load at startup");
+ABSL_FLAG(std::string, disable_fused, "",
+          "comma-separated ops whose fused path is switched off (mhc, swa): the operator kill switch");
+ABSL_FLAG(int64_t, fused_max_tokens, int64_t{1} << 20,
+          "largest token count the fused paths run; above it requests fall back (too_many_tokens)");
+ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 20, "largest token count accepted; above it INVALID_ARGUMENT");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
+          "largest gRPC message received or sent, bytes (T=4096 at C=7168 needs ~470 MB)");
+ABSL_FLAG(int32_t, queue_capacity, 64, "device executor queue length; when full, RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend worker threads (0 = all cores)");
+ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM/SIGINT, how long in-flight calls may take to finish");
+
+namespace fusedlayer::server {
+
+absl::StatusOr<ServerConfig> ConfigFromFlags() {
+  ServerConfig c;
+  c.address = absl::GetFlag(FLAGS_address);
+  c.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  c.backend = absl::GetFlag(FLAGS_backend);
+  c.demo_weights = absl::GetFlag(FLAGS_demo_weights);
+  c.weights_manifest = absl::GetFlag(FLAGS_weights_manifest);
+  if (absl::Status s = ParseDisableFused(absl::GetFlag(FLAGS_disable_fused), c); !s.ok()) return s;
+  c.fused_max_tokens = absl::GetFlag(FLAGS_fused_max_tokens);
+  c.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  c.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
+  c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  if (absl::Status s = c.Validate(); !s.ok()) return s;
+  return c;
+}
+
+}  // namespace fusedlayer::server

@@ -1,0 +1,94 @@
+// fusedlayer_server: serves the fused DeepSeek-V4 layer ops over gRPC. Flags: flags.cc.
+//
+// Startup fails fast (exit 1, one clear line) on bad flags, an unavailable backend, a bad manifest
+// or a port in use. SIGTERM/SIGINT drain: health goes NOT_SERVING at once, in-flight calls get up
+// to --drain_seconds, then the process exits 0.
+#include <signal.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "flags.h"
+#include "fusedlayer/backend.h"
+#include "log.h"
+#include "server.h"
+#include "weights/demo_weights.h"
+#include "weights/manifest.h"
+
+namespace fs = fusedlayer::server;
+
+namespace {
+
+int Fail(const std::string& message) {
+  fs::LogError(message);
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("fusedlayer gRPC server: fused mHC seam and SWA norm+quant ops");
+  absl::ParseCommandLine(argc, argv);
+
+  // Block the shutdown signals before any thread exists so that every thread inherits the mask and
+  // the main thread alone receives them through sigwait.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<fs::ServerConfig> config = fs::ConfigFromFlags();
+  if (!config.ok()) return Fail(std::string(config.status().message()));
+
+  fusedlayer::BackendOptions options;
+  options.num_threads = config->cpu_threads;
+  options.fused_max_tokens = config->fused_max_tokens;
+  absl::StatusOr<std::unique_ptr<fusedlayer::Backend>> backend = fusedlayer::CreateBackend(config->backend, options);
+  if (!backend.ok()) {
+    return Fail(absl::StrCat("--backend=", config->backend, ": ", backend.status().message()));
+  }
+
+  std::vector<std::pair<fs::PackedWeightSet, std::string>> initial;
+  if (config->demo_weights) {
+    // A fixed seed: every server (and every client test) sees the same demo weights.
+    absl::StatusOr<std::vector<fs::PackedWeightSet>> demo = fs::MakeDemoWeightSets(fs::kDefaultDemoSeed);
+    if (!demo.ok()) return Fail(absl::StrCat("--demo_weights: ", demo.status().ToString()));
+    for (fs::PackedWeightSet& set : *demo) initial.emplace_back(std::move(set), "demo");
+  }
+  if (!config->weights_manifest.empty()) {
+    absl::StatusOr<std::vector<fs::PackedWeightSet>> sets = fs::LoadManifest(config->weights_manifest);
+    if (!sets.ok()) {
+      return Fail(absl::StrCat("--weights_manifest=", config->weights_manifest, ": ", sets.status().ToString()));
+    }
+    for (fs::PackedWeightSet& set : *sets) {
+      initial.emplace_back(std::move(set), absl::StrCat("manifest:", config->weights_manifest));
+    }
+  }
+  if (initial.empty()) {
+    fs::LogWarning("no weight sets at startup (--demo_weights, --weights_manifest): load some with LoadWeights");
+  }
+
+  const double drain_seconds = config->drain_seconds;
+  absl::StatusOr<std::unique_ptr<fs::FusedLayerServer>> server =
+      fs::FusedLayerServer::Start(*std::move(config), *std::move(backend), std::move(initial));
+  if (!server.ok()) return Fail(server.status().ToString());
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  fs::LogInfo("received ", sig == SIGTERM ? "SIGTERM" : "SIGINT", ": draining for up to ", drain_seconds, " s");
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                            std::chrono::duration<double>(drain_seconds));
+  (*server)->Shutdown(deadline);
+  server->reset();
+  fs::LogInfo("shut down cleanly");
+  return 0;
+}

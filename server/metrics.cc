@@ -1,0 +1,180 @@
+#include "metrics.h"
+
+#include <sstream>
+
+#include "prometheus/text_serializer.h"
+
+namespace fusedlayer::server {
+namespace {
+
+using prometheus::Histogram;
+
+// Geometric buckets: `count` bounds from `first`, each `factor` times the previous.
+Histogram::BucketBoundaries Geometric(double first, double factor, int count) {
+  Histogram::BucketBoundaries b;
+  double v = first;
+  for (int i = 0; i < count; ++i, v *= factor) b.push_back(v);
+  return b;
+}
+
+// Op (kernel) time: ~1 us (decode-size launches on a GPU) to ~17 s (CPU at huge T), x4 steps.
+Histogram::BucketBoundaries OpBuckets() { return Geometric(1e-6, 4.0, 13); }
+// Request time in the server: 10 us to ~42 s, x4 steps.
+Histogram::BucketBoundaries RequestBuckets() { return Geometric(1e-5, 4.0, 12); }
+// Queue wait: 1 us to ~4 s, x4 steps.
+Histogram::BucketBoundaries QueueBuckets() { return Geometric(1e-6, 4.0, 12); }
+
+}  // namespace
+
+const char* MethodName(Method m) {
+  switch (m) {
+    case Method::kMhcSeam: return "MhcSeam";
+    case Method::kSwaNormQuant: return "SwaNormQuant";
+    case Method::kLoadWeights: return "LoadWeights";
+    case Method::kListWeightSets: return "ListWeightSets";
+    case Method::kUnloadWeightSet: return "UnloadWeightSet";
+    case Method::kGetServerInfo: return "GetServerInfo";
+  }
+  return "unknown";
+}
+
+const char* StatusCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+Metrics::Metrics(std::string_view version, std::string_view backend, std::string_view arch, std::string device)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& reg = *registry_;
+  executions_family_ = &prometheus::BuildCounter()
+                            .Name("fusedlayer_op_executions_total")
+                            .Help("Op executions by path (fused or unfused); hit rate = fused / all")
+                            .Register(reg);
+  fallbacks_family_ = &prometheus::BuildCounter()
+                           .Name("fusedlayer_op_fallbacks_total")
+                           .Help("Op executions that ran unfused, by reason")
+                           .Register(reg);
+  available_family_ = &prometheus::BuildGauge()
+                           .Name("fusedlayer_fused_kernel_available")
+                           .Help("1 if the op's fused path is usable on this server for the loaded weight sets")
+                           .Register(reg);
+  op_duration_family_ = &prometheus::BuildHistogram()
+                             .Name("fusedlayer_op_duration_seconds")
+                             .Help("Kernel time of one op execution, by path")
+                             .Register(reg);
+  requests_family_ = &prometheus::BuildCounter()
+                          .Name("fusedlayer_requests_total")
+                          .Help("RPCs completed, by method and gRPC status code")
+                          .Register(reg);
+  request_duration_family_ = &prometheus::BuildHistogram()
+                                  .Name("fusedlayer_request_duration_seconds")
+                                  .Help("Server time from receipt to response, by method")
+                                  .Register(reg);
+  request_bytes_family_ = &prometheus::BuildCounter()
+                               .Name("fusedlayer_request_bytes_total")
+                               .Help("Serialized request bytes received, by method")
+                               .Register(reg);
+  response_bytes_family_ = &prometheus::BuildCounter()
+                                .Name("fusedlayer_response_bytes_total")
+                                .Help("Serialized response bytes sent, by method")
+                                .Register(reg);
+  inflight_ = &prometheus::BuildGauge()
+                   .Name("fusedlayer_inflight_requests")
+                   .Help("RPCs received and not yet finished")
+                   .Register(reg)
+                   .Add({});
+  queue_duration_ = &prometheus::BuildHistogram()
+                         .Name("fusedlayer_queue_duration_seconds")
+                         .Help("Time a task waited in the device executor's queue")
+                         .Register(reg)
+                         .Add({}, QueueBuckets());
+  resident_bytes_ = &prometheus::BuildGauge()
+                         .Name("fusedlayer_weights_resident_bytes")
+                         .Help("Device memory held by loaded weight sets")
+                         .Register(reg)
+                         .Add({{"device", std::move(device)}});
+  prometheus::BuildGauge()
+      .Name("fusedlayer_build_info")
+      .Help("Build and runtime identity; always 1")
+      .Register(reg)
+      .Add({{"version", std::string(version)}, {"backend", std::string(backend)}, {"arch", std::string(arch)}})
+      .Set(1);
+
+  for (Op op : kAllOps) {
+    const int o = static_cast<int>(op);
+    for (Path path : {Path::kFused, Path::kUnfused}) {
+      const int p = static_cast<int>(path);
+      executions_[o][p] = &executions_family_->Add({{"op", OpName(op)}, {"path", PathName(path)}});
+      op_duration_[o][p] = &op_duration_family_->Add({{"op", OpName(op)}, {"path", PathName(path)}}, OpBuckets());
+    }
+    for (FallbackReason r : AllFallbackReasons()) {
+      fallbacks_[o][static_cast<int>(r)] =
+          &fallbacks_family_->Add({{"op", OpName(op)}, {"reason", FallbackReasonName(r)}});
+    }
+    available_[o] = &available_family_->Add({{"op", OpName(op)}});
+  }
+  for (int m = 0; m < kNumMethods; ++m) {
+    const char* name = MethodName(static_cast<Method>(m));
+    for (auto& c : requests_[m]) c.store(nullptr, std::memory_order_relaxed);
+    requests_[m][0].store(&requests_family_->Add({{"method", name}, {"code", "OK"}}), std::memory_order_release);
+    request_duration_[m] = &request_duration_family_->Add({{"method", name}}, RequestBuckets());
+    request_bytes_[m] = &request_bytes_family_->Add({{"method", name}});
+    response_bytes_[m] = &response_bytes_family_->Add({{"method", name}});
+  }
+}
+
+std::string Metrics::Serialize() const {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, registry_->Collect());
+  return out.str();
+}
+
+void Metrics::RecordExecution(Op op, Path path, double kernel_seconds) {
+  const int o = static_cast<int>(op), p = static_cast<int>(path);
+  executions_[o][p]->Increment();
+  op_duration_[o][p]->Observe(kernel_seconds);
+}
+
+void Metrics::RecordFallback(Op op, FallbackReason reason) {
+  fallbacks_[static_cast<int>(op)][static_cast<int>(reason)]->Increment();
+}
+
+void Metrics::SetFusedAvailable(Op op, bool available) { available_[static_cast<int>(op)]->Set(available ? 1 : 0); }
+
+void Metrics::RecordRequest(Method method, grpc::StatusCode code, double seconds, uint64_t request_bytes,
+                            uint64_t response_bytes) {
+  const int m = static_cast<int>(method);
+  int c = static_cast<int>(code);
+  if (c < 0 || c >= kNumCodes) c = static_cast<int>(grpc::StatusCode::UNKNOWN);
+  prometheus::Counter* counter = requests_[m][c].load(std::memory_order_acquire);
+  if (counter == nullptr) {
+    // Add returns the existing child for known labels, so a race here creates one series.
+    counter = &requests_family_->Add(
+        {{"method", MethodName(method)}, {"code", StatusCodeName(static_cast<grpc::StatusCode>(c))}});
+    requests_[m][c].store(counter, std::memory_order_release);
+  }
+  counter->Increment();
+  request_duration_[m]->Observe(seconds);
+  request_bytes_[m]->Increment(static_cast<double>(request_bytes));
+  response_bytes_[m]->Increment(static_cast<double>(response_bytes));
+}
+
+}  // namespace fusedlayer::server

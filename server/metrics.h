@@ -1,0 +1,77 @@
+// The service's Prometheus metrics (names fixed in docs/HELPER_BRIEF.md and design.md). Every
+// handle used on a request path is created once here and cached: prometheus-cpp's Family::Add
+// takes a mutex, Counter/Gauge updates are lock-free atomics. Every op x path and op x reason
+// series is pre-created at 0 so dashboards and alerts see a 0 rather than a missing series.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "config.h"
+#include "fusedlayer/fallback.h"
+#include "grpcpp/support/status.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace fusedlayer::server {
+
+// The RPCs, as the "method" label (the RPC's short name).
+enum class Method : uint8_t { kMhcSeam, kSwaNormQuant, kLoadWeights, kListWeightSets, kUnloadWeightSet, kGetServerInfo };
+inline constexpr int kNumMethods = 6;
+const char* MethodName(Method m);
+// gRPC code name as the "code" label: "OK", "INVALID_ARGUMENT", ...
+const char* StatusCodeName(grpc::StatusCode code);
+
+class Metrics {
+ public:
+  // `device` labels the resident-bytes gauge ("cpu:0", "cuda:0").
+  Metrics(std::string_view version, std::string_view backend, std::string_view arch, std::string device);
+
+  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+  // The text exposition of the registry (what /metrics serves, minus the Exposer's own metrics).
+  std::string Serialize() const;
+
+  void RecordExecution(Op op, Path path, double kernel_seconds);
+  void RecordFallback(Op op, FallbackReason reason);
+  void SetFusedAvailable(Op op, bool available);
+  void RecordRequest(Method method, grpc::StatusCode code, double seconds, uint64_t request_bytes,
+                     uint64_t response_bytes);
+  void InflightAdd(double delta) { inflight_->Increment(delta); }
+  void ObserveQueue(double seconds) { queue_duration_->Observe(seconds); }
+  void SetResidentBytes(uint64_t bytes) { resident_bytes_->Set(static_cast<double>(bytes)); }
+
+ private:
+  static constexpr int kNumCodes = 17;  // grpc::StatusCode 0..16
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* executions_family_;
+  prometheus::Family<prometheus::Counter>* fallbacks_family_;
+  prometheus::Family<prometheus::Gauge>* available_family_;
+  prometheus::Family<prometheus::Histogram>* op_duration_family_;
+  prometheus::Family<prometheus::Counter>* requests_family_;
+  prometheus::Family<prometheus::Histogram>* request_duration_family_;
+  prometheus::Family<prometheus::Counter>* request_bytes_family_;
+  prometheus::Family<prometheus::Counter>* response_bytes_family_;
+
+  std::array<std::array<prometheus::Counter*, 2>, 2> executions_{};  // [op][path]
+  std::array<std::array<prometheus::Counter*, kNumFallbackReasons>, 2> fallbacks_{};
+  std::array<prometheus::Gauge*, 2> available_{};
+  std::array<std::array<prometheus::Histogram*, 2>, 2> op_duration_{};
+  // [method][code]: OK is pre-created; error codes are created on first use (then cached).
+  std::array<std::array<std::atomic<prometheus::Counter*>, kNumCodes>, kNumMethods> requests_{};
+  std::array<prometheus::Histogram*, kNumMethods> request_duration_{};
+  std::array<prometheus::Counter*, kNumMethods> request_bytes_{};
+  std::array<prometheus::Counter*, kNumMethods> response_bytes_{};
+  prometheus::Gauge* inflight_;
+  prometheus::Histogram* queue_duration_;
+  prometheus::Gauge* resident_bytes_;
+};
+
+}  // namespace fusedlayer::server

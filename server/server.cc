@@ -1,0 +1,93 @@
+#include "server.h"
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "log.h"
+#include "prometheus/exposer.h"
+
+#ifndef FUSEDLAYER_VERSION_STRING
+#error "FUSEDLAYER_VERSION_STRING must be defined by the build"
+#endif
+
+namespace fusedlayer::server {
+
+const char* ServerVersion() { return FUSEDLAYER_VERSION_STRING; }
+
+absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
+    ServerConfig config, std::unique_ptr<Backend> backend,
+    std::vector<std::pair<PackedWeightSet, std::string>> initial_sets) {
+  if (absl::Status s = config.Validate(); !s.ok()) return s;
+  std::unique_ptr<FusedLayerServer> srv(new FusedLayerServer(std::move(config)));
+  const ServerConfig& cfg = srv->config_;
+  srv->backend_ = std::move(backend);
+  Backend& be = *srv->backend_;
+  const ServerIdentity identity{ServerVersion(), std::string(be.kind()), be.device_name(), be.arch()};
+  LogInfo("fusedlayer ", identity.version, ": backend ", identity.backend, ", device ", identity.device, ", arch ",
+          identity.arch);
+
+  srv->metrics_ = std::make_unique<Metrics>(identity.version, identity.backend, identity.arch,
+                                            absl::StrCat(identity.backend, ":0"));
+  if (!cfg.metrics_address.empty()) {
+    try {
+      srv->exposer_ = std::make_unique<prometheus::Exposer>(cfg.metrics_address);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve metrics on ", cfg.metrics_address, " (--metrics_address): ", e.what()));
+    }
+    srv->exposer_->RegisterCollectable(srv->metrics_->registry());
+    const std::vector<int> ports = srv->exposer_->GetListeningPorts();
+    srv->metrics_port_ = ports.empty() ? 0 : ports.front();
+    LogInfo("metrics on http://", cfg.metrics_address, "/metrics (port ", srv->metrics_port_, ")");
+  }
+
+  srv->executor_ = std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity));
+  srv->weights_ = std::make_unique<WeightManager>(cfg, be, *srv->executor_, *srv->metrics_, srv->health_);
+  for (auto& [packed, source] : initial_sets) {
+    const std::string name = packed.first.name();
+    absl::StatusOr<v1::WeightSetInfo> info =
+        srv->weights_->InstallAndWait(packed.first, std::move(packed.second), source);
+    if (!info.ok()) {
+      return absl::Status(info.status().code(),
+                          absl::StrCat("loading weight set '", name, "' from ", source, ": ", info.status().message()));
+    }
+  }
+  srv->weights_->FinishStartup();
+
+  srv->service_ = std::make_unique<FusedLayerService>(cfg, identity, be, *srv->executor_, *srv->weights_,
+                                                      *srv->metrics_);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(cfg.address, grpc::InsecureServerCredentials(), &srv->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(cfg.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(cfg.max_message_bytes));
+  builder.RegisterService(srv->service_.get());
+  srv->server_ = builder.BuildAndStart();
+  if (srv->server_ == nullptr || srv->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", cfg.address, " (--address)"));
+  }
+  srv->health_.Attach(srv->server_->GetHealthCheckService());
+  LogInfo("serving fusedlayer.v1.FusedLayer on ", cfg.address, " (port ", srv->port_, "), queue capacity ",
+          cfg.queue_capacity, ", max message ", cfg.max_message_bytes, " bytes");
+  return srv;
+}
+
+void FusedLayerServer::Shutdown(std::chrono::system_clock::time_point deadline) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  health_.Shutdown();
+  // Waits for in-flight RPCs (their executor tasks finish them) until the deadline, then cancels
+  // what is left; queued tasks of cancelled calls are dropped at their launch check.
+  if (server_) server_->Shutdown(deadline);
+  if (executor_) executor_->Stop();
+  if (server_) server_->Wait();
+}
+
+FusedLayerServer::FusedLayerServer(ServerConfig config) : config_(std::move(config)) {}
+
+FusedLayerServer::~FusedLayerServer() { Shutdown(std::chrono::system_clock::now()); }
+
+}  // namespace fusedlayer::server

@@ -1,0 +1,70 @@
+// Assembles a running fusedlayer server: backend, executor, weights, metrics (+ Exposer), health,
+// the gRPC service with reflection. main.cc and the end-to-end tests both build servers this way.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "config.h"
+#include "executor.h"
+#include "fusedlayer/backend.h"
+#include "grpcpp/server.h"
+#include "health.h"
+#include "metrics.h"
+#include "service.h"
+#include "weight_manager.h"
+#include "weights/weight_set.h"
+
+namespace prometheus {
+class Exposer;
+}
+
+namespace fusedlayer::server {
+
+class FusedLayerServer {
+ public:
+  // Starts a server on `backend`: loads `initial_sets` (each built, warmed up and published; the
+  // first failure aborts startup with its status), logs the per-op capability, starts gRPC on
+  // config.address and the Exposer on config.metrics_address (when non-empty). A port of 0 in
+  // either address picks a free port (see port() / metrics_port()).
+  static absl::StatusOr<std::unique_ptr<FusedLayerServer>> Start(
+      ServerConfig config, std::unique_ptr<Backend> backend,
+      std::vector<std::pair<PackedWeightSet, std::string /*source*/>> initial_sets);
+  ~FusedLayerServer();  // Shutdown(now)
+
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }
+  Metrics& metrics() { return *metrics_; }
+  Backend& backend() { return *backend_; }
+  const ServerConfig& config() const { return config_; }
+  // Tasks waiting in the device executor's queue (tests use it to sequence back-pressure cases).
+  size_t queued_tasks() const { return executor_->queued(); }
+
+  // Health NOT_SERVING, then gRPC shutdown: in-flight calls may finish until `deadline`, after
+  // which they are cancelled; then the executor drains and stops. Idempotent.
+  void Shutdown(std::chrono::system_clock::time_point deadline);
+
+ private:
+  explicit FusedLayerServer(ServerConfig config);
+
+  ServerConfig config_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<Executor> executor_;
+  Health health_;
+  std::unique_ptr<WeightManager> weights_;
+  std::unique_ptr<FusedLayerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+  int metrics_port_ = 0;
+  bool shut_down_ = false;
+};
+
+// The version string compiled into this build (CMake project version).
+const char* ServerVersion();
+
+}  // namespace fusedlayer::server

@@ -1,0 +1,367 @@
+#include "service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "dispatcher.h"
+#include "log.h"
+#include "op_calls.h"
+
+namespace fusedlayer::server {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+}  // namespace
+
+// A unary RPC in flight: counts itself in the inflight gauge, and on Complete() records the
+// request metrics, enforces the send limit and finishes. Complete() is called exactly once, from
+// the reactor thread (early errors, cheap RPCs) or from the executor.
+class FusedLayerService::UnaryCall final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, grpc::CallbackServerContext* ctx,
+            const google::protobuf::Message* request, google::protobuf::Message* response)
+      : metrics_(metrics),
+        method_(method),
+        max_send_bytes_(max_send_bytes),
+        ctx_(ctx),
+        response_(response),
+        start_(Clock::now()),
+        request_bytes_(request->ByteSizeLong()) {
+    metrics_.InflightAdd(1);
+  }
+
+  void Complete(absl::Status status) {
+    uint64_t response_bytes = 0;
+    if (status.ok()) {
+      response_bytes = response_->ByteSizeLong();
+      // gRPC would fail the send itself, with a less helpful message; say what happened.
+      if (response_bytes > static_cast<uint64_t>(max_send_bytes_)) {
+        status = absl::ResourceExhaustedError(
+            absl::StrCat("response of ", response_bytes, " bytes exceeds the server's send limit of ", max_send_bytes_,
+                         " bytes (--max_message_bytes); send fewer tokens per call"));
+        response_->Clear();
+        response_bytes = 0;
+      }
+    }
+    metrics_.RecordRequest(method_, static_cast<grpc::StatusCode>(status.code()), SecondsSince(start_), request_bytes_,
+                           response_bytes);
+    Finish(ToGrpcStatus(status));
+  }
+
+  // Work that has not been launched yet is dropped when this says so.
+  absl::Status LaunchCheck() const {
+    if (ctx_->deadline() <= std::chrono::system_clock::now()) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("deadline passed after %.6f s in the server; the op was not launched", SecondsSince(start_)));
+    }
+    if (cancelled_.load(std::memory_order_acquire) || ctx_->IsCancelled()) {
+      return absl::CancelledError("the call was cancelled before the op was launched");
+    }
+    return absl::OkStatus();
+  }
+
+  double elapsed() const { return SecondsSince(start_); }
+
+  void OnCancel() override { cancelled_.store(true, std::memory_order_release); }
+  void OnDone() override {
+    metrics_.InflightAdd(-1);
+    delete this;
+  }
+
+ private:
+  Metrics& metrics_;
+  const Method method_;
+  const int64_t max_send_bytes_;
+  grpc::CallbackServerContext* const ctx_;
+  google::protobuf::Message* const response_;
+  const Clock::time_point start_;
+  const uint64_t request_bytes_;
+  std::atomic<bool> cancelled_{false};
+};
+
+FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend,
+                                     Executor& executor, WeightManager& weights, Metrics& metrics)
+    : config_(config),
+      identity_(std::move(identity)),
+      backend_(backend),
+      executor_(executor),
+      weights_(weights),
+      metrics_(metrics),
+      request_id_salt_(std::random_device{}() & 0xffffff) {}
+
+std::string FusedLayerService::RequestId(const std::string& given) {
+  if (!given.empty()) return given;
+  return absl::StrFormat("srv-%06x-%d", request_id_salt_, next_request_id_.fetch_add(1, std::memory_order_relaxed));
+}
+
+void FusedLayerService::FillReport(v1::ExecutionReport* report, const std::string& weight_set) const {
+  report->set_backend(identity_.backend);
+  report->set_device(identity_.device);
+  report->set_weight_set(weight_set);
+}
+
+// ---- compute -------------------------------------------------------------------------------------
+
+namespace {
+
+absl::Status CheckPreference(v1::PathPreference p) {
+  if (!v1::PathPreference_IsValid(p)) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown path_preference ", static_cast<int>(p)));
+  }
+  return absl::OkStatus();
+}
+
+// The executor-side half shared by both ops: launch checks, path choice, run with fallback,
+// metrics and the execution report. `support` and `run` are the op-specific parts.
+template <typename SupportFn, typename RunFn>
+absl::Status ExecuteOnWorker(Op op, v1::PathPreference preference, const ServerConfig& config, Metrics& metrics,
+                             const std::string& what, double queue_seconds, SupportFn&& support, RunFn&& run,
+                             v1::ExecutionReport* report) {
+  absl::StatusOr<PathDecision> decision = ChoosePath(op, preference, config.fused_disabled(op), support);
+  if (!decision.ok()) return decision.status();
+  absl::StatusOr<DispatchOutcome> outcome =
+      RunWithFallback(op, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what, run);
+  if (!outcome.ok()) return outcome.status();
+  const PathDecision& d = outcome->decision;
+  metrics.RecordExecution(op, d.path, outcome->stats.kernel_seconds);
+  if (d.reason.has_value()) metrics.RecordFallback(op, *d.reason);
+  report->set_path(ToProto(d.path));
+  report->set_fallback_reason(d.reason.has_value() ? ToProto(*d.reason) : v1::FALLBACK_REASON_NONE);
+  report->set_fallback_detail(d.detail);
+  report->set_kernel_seconds(outcome->stats.kernel_seconds);
+  report->set_queue_seconds(queue_seconds);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* FusedLayerService::MhcSeam(grpc::CallbackServerContext* ctx,
+                                                     const v1::MhcSeamRequest* request,
+                                                     v1::MhcSeamResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kMhcSeam, config_.max_message_bytes, ctx, request, response);
+  if (absl::Status s = StartMhc(call, request, response); !s.ok()) call->Complete(std::move(s));
+  return call;
+}
+
+absl::Status FusedLayerService::StartMhc(UnaryCall* call, const v1::MhcSeamRequest* request,
+                                         v1::MhcSeamResponse* response) {
+  if (absl::Status s = CheckPreference(request->path_preference()); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<const WeightSet>> set = weights_.Get(request->weight_set());
+  if (!set.ok()) return set.status();
+  if (!(*set)->mhc) {
+    return absl::NotFoundError(absl::StrCat("weight set '", request->weight_set(), "' has no mHC part"));
+  }
+  absl::StatusOr<MhcCall> decoded = DecodeMhcRequest(*request, *(*set)->mhc, config_.max_tokens, response);
+  if (!decoded.ok()) return decoded.status();
+  response->set_request_id(RequestId(request->request_id()));
+
+  return executor_.Submit([this, call, request, response, set = std::move(*set),
+                           decoded = std::move(*decoded)](double queue_seconds) {
+    metrics_.ObserveQueue(queue_seconds);
+    if (absl::Status s = call->LaunchCheck(); !s.ok()) return call->Complete(std::move(s));
+    const std::string what =
+        absl::StrCat("request ", response->request_id(), " (weight set '", set->name, "', T = ", decoded.args.tokens, ")");
+    v1::ExecutionReport* report = response->mutable_report();
+    absl::Status s = ExecuteOnWorker(
+        Op::kMhc, request->path_preference(), config_, metrics_, what, queue_seconds,
+        [&] { return backend_.MhcFusedSupport(*set->mhc, decoded.query); },
+        [&](Path path) { return RunMhcCall(backend_, *set->mhc, decoded.args, path); }, report);
+    if (s.ok()) {
+      FillReport(report, set->name);
+      report->set_server_seconds(call->elapsed());
+    }
+    call->Complete(std::move(s));
+  });
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::SwaNormQuant(grpc::CallbackServerContext* ctx,
+                                                          const v1::SwaNormQuantRequest* request,
+                                                          v1::SwaNormQuantResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kSwaNormQuant, config_.max_message_bytes, ctx, request, response);
+  if (absl::Status s = StartSwa(call, request, response); !s.ok()) call->Complete(std::move(s));
+  return call;
+}
+
+absl::Status FusedLayerService::StartSwa(UnaryCall* call, const v1::SwaNormQuantRequest* request,
+                                         v1::SwaNormQuantResponse* response) {
+  if (absl::Status s = CheckPreference(request->path_preference()); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<const WeightSet>> set = weights_.Get(request->weight_set());
+  if (!set.ok()) return set.status();
+  if (!(*set)->swa) {
+    return absl::NotFoundError(absl::StrCat("weight set '", request->weight_set(), "' has no SWA part"));
+  }
+  absl::StatusOr<SwaCall> decoded = DecodeSwaRequest(*request, *(*set)->swa, config_.max_tokens, response);
+  if (!decoded.ok()) return decoded.status();
+  response->set_request_id(RequestId(request->request_id()));
+
+  return executor_.Submit([this, call, request, response, set = std::move(*set),
+                           decoded = std::move(*decoded)](double queue_seconds) {
+    metrics_.ObserveQueue(queue_seconds);
+    if (absl::Status s = call->LaunchCheck(); !s.ok()) return call->Complete(std::move(s));
+    const std::string what =
+        absl::StrCat("request ", response->request_id(), " (weight set '", set->name, "', M = ", decoded.args.tokens, ")");
+    v1::ExecutionReport* report = response->mutable_report();
+    absl::Status s = ExecuteOnWorker(
+        Op::kSwa, request->path_preference(), config_, metrics_, what, queue_seconds,
+        [&] { return backend_.SwaFusedSupport(*set->swa, decoded.query); },
+        [&](Path path) { return RunSwaCall(backend_, *set->swa, decoded.args, path); }, report);
+    if (s.ok()) {
+      FillReport(report, set->name);
+      report->set_server_seconds(call->elapsed());
+    }
+    call->Complete(std::move(s));
+  });
+}
+
+// ---- weights -------------------------------------------------------------------------------------
+
+// Client-streaming LoadWeights: header first, then data; the payload is accumulated here and only
+// an exactly complete stream reaches the executor (build + warm-up + publish, all or nothing).
+class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
+ public:
+  LoadWeightsReactor(FusedLayerService& service, grpc::CallbackServerContext* ctx, v1::WeightSetInfo* response)
+      : service_(service), ctx_(ctx), response_(response), start_(Clock::now()) {
+    service_.metrics_.InflightAdd(1);
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return EndOfStream();
+    request_bytes_ += chunk_.ByteSizeLong();
+    if (!have_header_) {
+      if (!chunk_.has_header()) {
+        return Complete(absl::InvalidArgumentError("the first WeightChunk must carry the header"));
+      }
+      header_ = std::move(*chunk_.mutable_header());
+      have_header_ = true;
+      if (header_.payload_bytes() > service_.config_.max_weight_payload_bytes) {
+        return Complete(absl::ResourceExhaustedError(
+            absl::StrCat("weight set '", header_.name(), "': payload_bytes = ", header_.payload_bytes(),
+                         " exceeds this server's limit of ", service_.config_.max_weight_payload_bytes, " bytes")));
+      }
+      // Fail before the upload rather than after it.
+      if (!header_.replace() && service_.weights_.Contains(header_.name())) {
+        return Complete(absl::AlreadyExistsError(
+            absl::StrCat("weight set '", header_.name(), "' is already loaded (set replace to swap it)")));
+      }
+      // Reserve up front, bounded so a hostile header cannot make us allocate before data arrives.
+      payload_.reserve(std::min<uint64_t>(header_.payload_bytes(), uint64_t{256} << 20));
+    } else if (chunk_.has_header()) {
+      return Complete(absl::InvalidArgumentError("only the first WeightChunk may carry a header"));
+    }
+    if (payload_.size() + chunk_.data().size() > header_.payload_bytes()) {
+      return Complete(absl::InvalidArgumentError(
+          absl::StrCat("weight set '", header_.name(), "': the stream carries more than payload_bytes = ",
+                       header_.payload_bytes(), " bytes")));
+    }
+    payload_.append(chunk_.data());
+    chunk_.Clear();
+    StartRead(&chunk_);
+  }
+
+  void OnDone() override {
+    service_.metrics_.InflightAdd(-1);
+    delete this;
+  }
+
+ private:
+  void EndOfStream() {
+    if (ctx_->IsCancelled()) return Complete(absl::CancelledError("LoadWeights cancelled by the client"));
+    if (!have_header_) return Complete(absl::InvalidArgumentError("empty LoadWeights stream: no header"));
+    if (payload_.size() < header_.payload_bytes()) {
+      return Complete(absl::DataLossError(absl::StrCat("weight set '", header_.name(), "': the stream ended after ",
+                                                       payload_.size(), " of ", header_.payload_bytes(),
+                                                       " payload bytes")));
+    }
+    absl::Status submitted = service_.executor_.SubmitControl([this](double queue_seconds) {
+      service_.metrics_.ObserveQueue(queue_seconds);
+      absl::StatusOr<v1::WeightSetInfo> info = service_.weights_.InstallOnWorker(header_, payload_, "rpc");
+      std::string().swap(payload_);  // release the staging copy before the response goes out
+      if (!info.ok()) return Complete(info.status());
+      *response_ = std::move(*info);
+      Complete(absl::OkStatus());
+    });
+    if (!submitted.ok()) Complete(std::move(submitted));
+  }
+
+  void Complete(const absl::Status& status) {
+    const uint64_t response_bytes = status.ok() ? response_->ByteSizeLong() : 0;
+    service_.metrics_.RecordRequest(Method::kLoadWeights, static_cast<grpc::StatusCode>(status.code()),
+                                    SecondsSince(start_), request_bytes_, response_bytes);
+    if (!status.ok() && status.code() != absl::StatusCode::kCancelled) {
+      LogWarning("LoadWeights", have_header_ ? absl::StrCat(" '", header_.name(), "'") : std::string(),
+                 " failed: ", status.ToString());
+    }
+    Finish(ToGrpcStatus(status));
+  }
+
+  FusedLayerService& service_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::WeightSetInfo* const response_;
+  const Clock::time_point start_;
+  v1::WeightChunk chunk_;
+  v1::WeightSetHeader header_;
+  bool have_header_ = false;
+  std::string payload_;
+  uint64_t request_bytes_ = 0;
+};
+
+grpc::ServerReadReactor<v1::WeightChunk>* FusedLayerService::LoadWeights(grpc::CallbackServerContext* ctx,
+                                                                        v1::WeightSetInfo* response) {
+  return new LoadWeightsReactor(*this, ctx, response);
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::ListWeightSets(grpc::CallbackServerContext* ctx,
+                                                            const v1::ListWeightSetsRequest* request,
+                                                            v1::ListWeightSetsResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kListWeightSets, config_.max_message_bytes, ctx, request, response);
+  for (v1::WeightSetInfo& info : weights_.Infos()) *response->add_weight_sets() = std::move(info);
+  call->Complete(absl::OkStatus());
+  return call;
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::UnloadWeightSet(grpc::CallbackServerContext* ctx,
+                                                             const v1::UnloadWeightSetRequest* request,
+                                                             v1::UnloadWeightSetResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kUnloadWeightSet, config_.max_message_bytes, ctx, request, response);
+  // On the executor: the last reference to the prepared weights may be dropped there, and the
+  // capability refresh asks the backend.
+  absl::Status submitted = executor_.SubmitControl([this, call, request, response](double queue_seconds) {
+    metrics_.ObserveQueue(queue_seconds);
+    absl::StatusOr<uint64_t> freed = weights_.UnloadOnWorker(request->name());
+    if (freed.ok()) response->set_freed_bytes(*freed);
+    call->Complete(freed.status());
+  });
+  if (!submitted.ok()) call->Complete(std::move(submitted));
+  return call;
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::GetServerInfo(grpc::CallbackServerContext* ctx,
+                                                           const v1::GetServerInfoRequest* request,
+                                                           v1::GetServerInfoResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kGetServerInfo, config_.max_message_bytes, ctx, request, response);
+  response->set_version(identity_.version);
+  response->set_backend(identity_.backend);
+  response->set_device(identity_.device);
+  response->set_arch(identity_.arch);
+  for (v1::OpCapability& cap : weights_.Capabilities()) *response->add_ops() = std::move(cap);
+  response->set_max_receive_message_bytes(config_.max_message_bytes);
+  response->set_max_send_message_bytes(config_.max_message_bytes);
+  response->set_fused_max_tokens(config_.fused_max_tokens);
+  response->set_max_tokens(config_.max_tokens);
+  response->set_queue_capacity(config_.queue_capacity);
+  call->Complete(absl::OkStatus());
+  return call;
+}
+
+}  // namespace fusedlayer::server

@@ -1,0 +1,70 @@
+// The FusedLayer gRPC service on the callback API. Reactors never block: a compute RPC is decoded
+// and validated inline (cheap), then queued on the device executor, which checks the deadline and
+// cancellation before launching, runs the dispatcher's path, records metrics and finishes the RPC.
+// LoadWeights accumulates the stream in its reactor and hands build + warm-up + publish to the
+// executor; UnloadWeightSet runs there too (the backend is single-threaded).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "config.h"
+#include "executor.h"
+#include "fusedlayer/backend.h"
+#include "fusedlayer/v1/fusedlayer.grpc.pb.h"
+#include "metrics.h"
+#include "weight_manager.h"
+
+namespace fusedlayer::server {
+
+// What the service reports about itself (fixed at startup).
+struct ServerIdentity {
+  std::string version;
+  std::string backend;  // kind
+  std::string device;
+  std::string arch;
+};
+
+class FusedLayerService final : public v1::FusedLayer::CallbackService {
+ public:
+  FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend, Executor& executor,
+                    WeightManager& weights, Metrics& metrics);
+
+  grpc::ServerUnaryReactor* MhcSeam(grpc::CallbackServerContext* ctx, const v1::MhcSeamRequest* request,
+                                    v1::MhcSeamResponse* response) override;
+  grpc::ServerUnaryReactor* SwaNormQuant(grpc::CallbackServerContext* ctx, const v1::SwaNormQuantRequest* request,
+                                         v1::SwaNormQuantResponse* response) override;
+  grpc::ServerReadReactor<v1::WeightChunk>* LoadWeights(grpc::CallbackServerContext* ctx,
+                                                       v1::WeightSetInfo* response) override;
+  grpc::ServerUnaryReactor* ListWeightSets(grpc::CallbackServerContext* ctx, const v1::ListWeightSetsRequest* request,
+                                           v1::ListWeightSetsResponse* response) override;
+  grpc::ServerUnaryReactor* UnloadWeightSet(grpc::CallbackServerContext* ctx,
+                                            const v1::UnloadWeightSetRequest* request,
+                                            v1::UnloadWeightSetResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx, const v1::GetServerInfoRequest* request,
+                                          v1::GetServerInfoResponse* response) override;
+
+ private:
+  class UnaryCall;
+  class LoadWeightsReactor;
+
+  absl::Status StartMhc(UnaryCall* call, const v1::MhcSeamRequest* request, v1::MhcSeamResponse* response);
+  absl::Status StartSwa(UnaryCall* call, const v1::SwaNormQuantRequest* request, v1::SwaNormQuantResponse* response);
+  std::string RequestId(const std::string& given);
+  void FillReport(v1::ExecutionReport* report, const std::string& weight_set) const;
+
+  const ServerConfig& config_;
+  const ServerIdentity identity_;
+  Backend& backend_;
+  Executor& executor_;
+  WeightManager& weights_;
+  Metrics& metrics_;
+  std::atomic<uint64_t> next_request_id_{1};
+  const uint64_t request_id_salt_;
+};
+
+// absl::Status -> grpc::Status (the code spaces are identical).
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+}  // namespace fusedlayer::server

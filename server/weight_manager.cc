@@ -1,0 +1,207 @@
+#include "weight_manager.h"
+
+#include <cctype>
+#include <future>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "dispatcher.h"
+#include "log.h"
+#include "warmup.h"
+
+namespace fusedlayer::server {
+namespace {
+
+v1::OpCapability CapabilityFor(Op op, bool disabled, Backend& backend,
+                               const std::vector<std::shared_ptr<const WeightSet>>& sets) {
+  v1::OpCapability cap;
+  cap.set_op(OpName(op));
+  if (disabled) {
+    cap.set_fused_available(false);
+    cap.set_reason(v1::FALLBACK_REASON_DISABLED_BY_CONFIG);
+    cap.set_detail("switched off by --disable_fused");
+    return cap;
+  }
+  bool any = false;
+  for (const auto& set : sets) {
+    FusedSupport s;
+    if (op == Op::kMhc) {
+      if (!set->mhc) continue;
+      s = backend.MhcFusedSupport(*set->mhc, MhcShapeQuery{MhcStage::kSeam, MhcMode::kShifted, false, 1});
+    } else {
+      if (!set->swa) continue;
+      s = backend.SwaFusedSupport(*set->swa, SwaShapeQuery{1});
+    }
+    if (s.supported) {
+      cap.set_fused_available(true);
+      cap.set_reason(v1::FALLBACK_REASON_NONE);
+      cap.clear_detail();
+      return cap;
+    }
+    if (!any) {  // report the first set's reason
+      cap.set_reason(ToProto(s.reason));
+      cap.set_detail(absl::StrCat("weight set '", set->name, "': ", s.detail));
+    }
+    any = true;
+  }
+  if (!any) {
+    // Nothing loaded can fall back, so nothing is reported missing: the gauge (and the
+    // FusedCapabilityLost alert on it) speak about the weight sets this server actually serves.
+    cap.set_fused_available(true);
+    cap.set_reason(v1::FALLBACK_REASON_NONE);
+    cap.set_detail(absl::StrCat("no weight set with an ", OpName(op),
+                                " part is loaded; the backend is asked for each set as it loads"));
+    return cap;
+  }
+  cap.set_fused_available(false);
+  return cap;
+}
+
+std::string ReasonName(const v1::OpCapability& cap) {
+  // The proto enum names are the metric label values, upper-cased and prefixed.
+  std::string s = v1::FallbackReason_Name(cap.reason()).substr(std::string_view("FALLBACK_REASON_").size());
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+}  // namespace
+
+WeightManager::WeightManager(const ServerConfig& config, Backend& backend, Executor& executor, Metrics& metrics,
+                             Health& health)
+    : config_(config), backend_(backend), executor_(executor), metrics_(metrics), health_(health) {
+  for (Op op : kAllOps) {
+    capabilities_[static_cast<int>(op)] = CapabilityFor(op, config_.fused_disabled(op), backend_, {});
+    metrics_.SetFusedAvailable(op, capabilities_[static_cast<int>(op)].fused_available());
+  }
+}
+
+absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallOnWorker(const v1::WeightSetHeader& header,
+                                                                 std::string_view payload, std::string source) {
+  // Fail fast before preparing (uploading) anything; Publish re-checks atomically.
+  if (!header.replace() && store_.Get(header.name()).ok()) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("weight set '", header.name(), "' is already loaded (set replace to swap it)"));
+  }
+  absl::StatusOr<std::shared_ptr<const WeightSet>> set = BuildWeightSet(backend_, header, payload, std::move(source));
+  if (!set.ok()) return set.status();
+  if ((*set)->mhc) {
+    if (absl::Status s = WarmUpMhc(backend_, *(*set)->mhc); !s.ok()) {
+      return absl::InternalError(absl::StrCat("weight set '", (*set)->name, "': ", s.message()));
+    }
+  }
+  if ((*set)->swa) {
+    if (absl::Status s = WarmUpSwa(backend_, *(*set)->swa); !s.ok()) {
+      return absl::InternalError(absl::StrCat("weight set '", (*set)->name, "': ", s.message()));
+    }
+  }
+  if (absl::StatusOr<std::shared_ptr<const WeightSet>> replaced = store_.Publish(*set, header.replace());
+      !replaced.ok()) {
+    return replaced.status();
+  }
+  RefreshOnWorker();
+  LogInfo("loaded weight set '", (*set)->name, "' from ", (*set)->source, ": ", (*set)->mhc ? "mhc " : "",
+          (*set)->swa ? "swa " : "", (*set)->resident_bytes, " bytes resident");
+  return InfoOf(**set);
+}
+
+v1::WeightSetInfo WeightManager::InfoOf(const WeightSet& set) const {
+  v1::WeightSetInfo info = ToInfo(set, backend_);
+  // ToInfo answers for the backend; the operator's kill switch overrides it on this server.
+  for (v1::OpCapability& cap : *info.mutable_capabilities()) {
+    if (config_.fused_disabled(cap.op() == "mhc" ? Op::kMhc : Op::kSwa)) {
+      cap.set_fused_available(false);
+      cap.set_reason(v1::FALLBACK_REASON_DISABLED_BY_CONFIG);
+      cap.set_detail("switched off by --disable_fused");
+    }
+  }
+  return info;
+}
+
+absl::StatusOr<uint64_t> WeightManager::UnloadOnWorker(std::string_view name) {
+  absl::StatusOr<uint64_t> freed = store_.Unload(name);
+  if (!freed.ok()) return freed.status();
+  RefreshOnWorker();
+  LogInfo("unloaded weight set '", std::string(name), "' (", *freed, " bytes)");
+  return *freed;
+}
+
+absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallAndWait(const v1::WeightSetHeader& header,
+                                                                std::string payload, std::string source) {
+  std::promise<absl::StatusOr<v1::WeightSetInfo>> done;
+  std::future<absl::StatusOr<v1::WeightSetInfo>> result = done.get_future();
+  absl::Status submitted = executor_.SubmitControl(
+      [this, &header, payload = std::move(payload), source = std::move(source), &done](double queue_seconds) mutable {
+        metrics_.ObserveQueue(queue_seconds);
+        done.set_value(InstallOnWorker(header, payload, std::move(source)));
+      });
+  if (!submitted.ok()) return submitted;
+  return result.get();
+}
+
+absl::StatusOr<std::shared_ptr<const WeightSet>> WeightManager::Get(std::string_view name) const {
+  return store_.Get(name);
+}
+
+bool WeightManager::Contains(std::string_view name) const { return store_.Get(name).ok(); }
+
+std::vector<v1::WeightSetInfo> WeightManager::Infos() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return infos_;
+}
+
+std::vector<v1::OpCapability> WeightManager::Capabilities() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {capabilities_.begin(), capabilities_.end()};
+}
+
+void WeightManager::FinishStartup() {
+  std::lock_guard<std::mutex> lock(mu_);
+  started_ = true;
+  for (const v1::OpCapability& cap : capabilities_) {
+    if (cap.fused_available() && !cap.detail().empty()) LogInfo("fused ", cap.op(), " path: ", cap.detail());
+    if (!cap.fused_available()) {
+      LogWarning("fused ", cap.op(), " path UNAVAILABLE on backend ", std::string(backend_.kind()), " (", ReasonName(cap),
+                 "): ", cap.detail(), "; requests will run unfused");
+    }
+  }
+}
+
+void WeightManager::RefreshOnWorker() {
+  std::vector<std::shared_ptr<const WeightSet>> sets = store_.List();
+  std::vector<v1::WeightSetInfo> infos;
+  uint64_t resident = 0;
+  std::array<bool, 2> serving{};
+  for (const auto& set : sets) {
+    infos.push_back(InfoOf(*set));
+    resident += set->resident_bytes;
+    // Every published set was warmed up before Publish, so "loaded" means "warmed".
+    serving[0] = serving[0] || set->mhc != nullptr;
+    serving[1] = serving[1] || set->swa != nullptr;
+  }
+  std::array<v1::OpCapability, 2> caps;
+  for (Op op : kAllOps) caps[static_cast<int>(op)] = CapabilityFor(op, config_.fused_disabled(op), backend_, sets);
+
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Op op : kAllOps) {
+      const int o = static_cast<int>(op);
+      // After startup, say when an op's fused capability changes (a load or unload changed it).
+      if (started_ && caps[o].fused_available() != capabilities_[o].fused_available()) {
+        if (caps[o].fused_available()) {
+          LogInfo("fused ", OpName(op), " path now available");
+        } else {
+          LogWarning("fused ", OpName(op), " path now UNAVAILABLE (", ReasonName(caps[o]), "): ", caps[o].detail());
+        }
+      }
+    }
+    infos_ = std::move(infos);
+    capabilities_ = std::move(caps);
+  }
+  for (Op op : kAllOps) {
+    metrics_.SetFusedAvailable(op, capabilities_[static_cast<int>(op)].fused_available());
+    health_.SetOpServing(op, serving[static_cast<int>(op)]);
+  }
+  metrics_.SetResidentBytes(resident);
+}
+
+}  // namespace fusedlayer::server

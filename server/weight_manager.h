@@ -1,0 +1,71 @@
+// The lifecycle of weight sets inside the server: build (validate + prepare on the backend), warm
+// up, publish atomically, unload; and the state derived from the loaded sets: per-op fused
+// capability (gauge, GetServerInfo, startup warnings), per-op health, resident bytes, and the
+// WeightSetInfo list. Everything that drives the backend runs on the executor thread; readers get
+// snapshots under a mutex.
+#pragma once
+
+#include <array>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "config.h"
+#include "executor.h"
+#include "fusedlayer/backend.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
+#include "health.h"
+#include "metrics.h"
+#include "weights/weight_set.h"
+#include "weights/weight_store.h"
+
+namespace fusedlayer::server {
+
+class WeightManager {
+ public:
+  WeightManager(const ServerConfig& config, Backend& backend, Executor& executor, Metrics& metrics, Health& health);
+
+  // Executor thread only. Build + warm-up + publish: nothing is visible unless all succeed.
+  // ALREADY_EXISTS when the name is taken and !header.replace; BuildWeightSet's codes otherwise;
+  // INTERNAL when the warm-up fails.
+  absl::StatusOr<v1::WeightSetInfo> InstallOnWorker(const v1::WeightSetHeader& header, std::string_view payload,
+                                                    std::string source);
+  // Executor thread only. NOT_FOUND for an unknown name; returns the bytes freed (the memory is
+  // released once in-flight calls holding the set finish).
+  absl::StatusOr<uint64_t> UnloadOnWorker(std::string_view name);
+  // Any thread but the executor's: InstallOnWorker on the executor, waiting for it (startup).
+  absl::StatusOr<v1::WeightSetInfo> InstallAndWait(const v1::WeightSetHeader& header, std::string payload,
+                                                   std::string source);
+
+  // Any thread.
+  absl::StatusOr<std::shared_ptr<const WeightSet>> Get(std::string_view name) const;
+  bool Contains(std::string_view name) const;
+  std::vector<v1::WeightSetInfo> Infos() const;
+  std::vector<v1::OpCapability> Capabilities() const;
+  // End of startup: one WARNING line per op whose fused path is unavailable; from now on changes
+  // of an op's capability (after a load or unload) are logged.
+  void FinishStartup();
+
+ private:
+  // Recomputes capability, health, infos and resident bytes from the store (executor thread).
+  void RefreshOnWorker();
+  // The wire description of a set on this server (kill switch applied). Executor thread.
+  v1::WeightSetInfo InfoOf(const WeightSet& set) const;
+
+  const ServerConfig& config_;
+  Backend& backend_;
+  Executor& executor_;
+  Metrics& metrics_;
+  Health& health_;
+  WeightStore store_;
+
+  mutable std::mutex mu_;  // guards the snapshots below
+  std::vector<v1::WeightSetInfo> infos_;
+  std::array<v1::OpCapability, 2> capabilities_;
+  bool started_ = false;
+};
+
+}  // namespace fusedlayer::server

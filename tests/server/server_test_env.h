@@ -1,0 +1,141 @@
+// Harness for the end-to-end suites: a real FusedLayerServer on loopback (ports picked by the OS),
+// a client stub with large message limits, a /metrics scraper over plain HTTP, health and
+// reflection probes over raw gRPC, random weight sets and request builders (random values with
+// outliers, never zeros), and helpers to compare response tensors with the library run directly.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fusedlayer/backend.h"
+#include "fusedlayer/v1/fusedlayer.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "server.h"
+#include "tensor_codec.h"
+#include "dispatcher.h"
+#include "op_calls.h"
+#include "weights/weight_set.h"
+
+namespace fusedlayer::testing {
+
+// A config for tests: loopback, ephemeral ports, 2 CPU threads, defaults otherwise.
+server::ServerConfig TestConfig();
+
+// A CPU backend configured as the server would configure it from `config`.
+std::unique_ptr<Backend> CpuBackendFor(const server::ServerConfig& config);
+
+class TestServer {
+ public:
+  // Starts a server (ASSERT-style: returns null and records a failure when it cannot start).
+  static std::unique_ptr<TestServer> Start(server::ServerConfig config, std::unique_ptr<Backend> backend = nullptr,
+                                           std::vector<server::PackedWeightSet> initial = {});
+  ~TestServer();
+
+  v1::FusedLayer::Stub& stub() { return *stub_; }
+  const std::shared_ptr<grpc::Channel>& channel() { return channel_; }
+  server::FusedLayerServer& server() { return *server_; }
+  // GET /metrics from the live Exposer.
+  std::string Scrape();
+  void Shutdown();
+
+ private:
+  std::unique_ptr<server::FusedLayerServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::FusedLayer::Stub> stub_;
+};
+
+// A channel to 127.0.0.1:port whose client-side limits are `max_message_bytes` both ways.
+std::shared_ptr<grpc::Channel> MakeChannel(int port, int max_message_bytes = 1 << 30);
+
+// HTTP GET of path on 127.0.0.1:port; returns the body (empty on failure, with a test failure).
+std::string HttpGet(int port, const std::string& path);
+
+// The value of the sample `name{labels}` (label order irrelevant) in a text exposition; NaN when
+// there is no such sample.
+double MetricValue(const std::string& exposition, const std::string& name,
+                   const std::map<std::string, std::string>& labels = {});
+
+// Polls the scrape until fusedlayer_inflight_requests is 0 (a reactor's OnDone, which decrements
+// it, may run just after the client saw the status) and returns that scrape; fails after ~10 s.
+std::string ScrapeWhenIdle(TestServer& ts);
+
+// grpc.health.v1.Health/Check over raw bytes: returns the gRPC status and sets *serving_status
+// (1 SERVING, 2 NOT_SERVING) when OK.
+grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
+                         int* serving_status);
+
+// grpc.reflection.v1alpha ServerReflectionInfo with list_services: the raw response bytes.
+grpc::Status ReflectionListServices(const std::shared_ptr<grpc::Channel>& channel, std::string* response_bytes);
+
+// ---- weight sets ------------------------------------------------------------------------------
+
+struct MhcSetSpec {
+  int hc_mult = 4;
+  int64_t hidden = 256;
+  bool norm_weight = true;
+  float norm_eps = 1e-6f;
+};
+struct SwaSetSpec {
+  int64_t q_rank = 256;
+  int64_t head_dim = 128;
+  v1::Fp8Format fp8 = v1::FP8_FORMAT_E4M3FN;
+  v1::ScaleFormat scale = v1::SCALE_FORMAT_FP32;
+  v1::ScaleLayout layout = v1::SCALE_LAYOUT_ROW_MAJOR;
+  int64_t wq_b_rows = 0;
+};
+// A random weight set with the given parts (either may be absent).
+server::PackedWeightSet MakeWeightSet(std::mt19937_64& rng, const std::string& name,
+                                      const std::optional<MhcSetSpec>& mhc, const std::optional<SwaSetSpec>& swa);
+
+// Streams `set` over LoadWeights in chunks of `chunk_bytes` (the header rides with the first).
+grpc::Status LoadWeights(v1::FusedLayer::Stub& stub, const server::PackedWeightSet& set, v1::WeightSetInfo* info,
+                         size_t chunk_bytes = 1 << 16, bool replace = false);
+
+// ---- requests ---------------------------------------------------------------------------------
+
+v1::Tensor MakeTensor(DType dtype, const std::vector<int64_t>& dims, std::string bytes);
+template <typename T>
+v1::Tensor MakeTensorOf(DType dtype, const std::vector<int64_t>& dims, const std::vector<T>& values) {
+  return MakeTensor(dtype, dims, std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T)));
+}
+
+struct MhcRequestSpec {
+  int hc_mult = 4;
+  int64_t hidden = 256;
+  int64_t tokens = 3;
+  v1::MhcStage stage = v1::MHC_STAGE_SEAM;
+  v1::MhcMode mode = v1::MHC_MODE_SHIFTED;
+  bool pre_mix = true;
+  bool capture_aux = false;
+};
+v1::MhcSeamRequest MakeMhcRequest(std::mt19937_64& rng, const std::string& weight_set, const MhcRequestSpec& spec);
+
+// qr_kv [M, row_stride] with row_stride >= Q + D (padding columns random too: they must be ignored).
+v1::SwaNormQuantRequest MakeSwaRequest(std::mt19937_64& rng, const std::string& weight_set, int64_t tokens,
+                                       int64_t row_stride);
+
+// The library, run directly: the same packed set prepared on a fresh CPU backend.
+class Reference {
+ public:
+  Reference(const server::PackedWeightSet& set, int64_t fused_max_tokens = int64_t{1} << 20);
+  // Runs `path` on the request's inputs with NaN-poisoned outputs; returns the outputs as a
+  // response message (tensors only) for comparison.
+  v1::MhcSeamResponse RunMhc(const v1::MhcSeamRequest& request, Path path);
+  v1::SwaNormQuantResponse RunSwa(const v1::SwaNormQuantRequest& request, Path path);
+
+ private:
+  std::unique_ptr<Backend> backend_;
+  std::shared_ptr<const server::WeightSet> set_;
+};
+
+// Tensor equality: dtype, shape and every byte.
+::testing::AssertionResult TensorsBitwiseEqual(const v1::Tensor& actual, const v1::Tensor& expected);
+
+}  // namespace fusedlayer::testing

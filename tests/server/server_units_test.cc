@@ -1,0 +1,218 @@
+// Unit tests of the server's pure parts: the dispatcher's precedence and fallback rules, the
+// tensor codec's validation, the executor's bound, and flag parsing.
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+
+#include "config.h"
+#include "dispatcher.h"
+#include "executor.h"
+#include "gtest/gtest.h"
+#include "tensor_codec.h"
+
+namespace fusedlayer::server {
+namespace {
+
+FusedSupport Yes() { return FusedSupport::Yes(); }
+FusedSupport NoHc() { return FusedSupport::No(FallbackReason::kHcMultUnsupported, "n = 2"); }
+
+TEST(Dispatcher, Precedence) {
+  auto d = ChoosePath(Op::kMhc, v1::PATH_PREFERENCE_AUTO, false, Yes);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->path, Path::kFused);
+  EXPECT_FALSE(d->reason.has_value());
+
+  d = ChoosePath(Op::kMhc, v1::PATH_PREFERENCE_AUTO, false, NoHc);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->path, Path::kUnfused);
+  EXPECT_EQ(d->reason, FallbackReason::kHcMultUnsupported);
+  EXPECT_EQ(d->detail, "n = 2");
+
+  // The kill switch wins over the backend's answer; FORCE_UNFUSED wins over both.
+  d = ChoosePath(Op::kSwa, v1::PATH_PREFERENCE_AUTO, true, NoHc);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->reason, FallbackReason::kDisabledByConfig);
+  d = ChoosePath(Op::kSwa, v1::PATH_PREFERENCE_FORCE_UNFUSED, true, NoHc);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->reason, FallbackReason::kClientForcedUnfused);
+
+  // The backend is not asked when the answer is already known.
+  bool asked = false;
+  auto probe = [&] {
+    asked = true;
+    return Yes();
+  };
+  ASSERT_TRUE(ChoosePath(Op::kMhc, v1::PATH_PREFERENCE_FORCE_UNFUSED, false, probe).ok());
+  ASSERT_TRUE(ChoosePath(Op::kMhc, v1::PATH_PREFERENCE_AUTO, true, probe).ok());
+  EXPECT_FALSE(asked);
+}
+
+TEST(Dispatcher, RequireFusedNamesTheReason) {
+  auto d = ChoosePath(Op::kMhc, v1::PATH_PREFERENCE_REQUIRE_FUSED, false, NoHc);
+  EXPECT_TRUE(absl::IsFailedPrecondition(d.status()));
+  EXPECT_NE(d.status().message().find("hc_mult_unsupported"), std::string::npos);
+  d = ChoosePath(Op::kMhc, v1::PATH_PREFERENCE_REQUIRE_FUSED, true, Yes);
+  EXPECT_TRUE(absl::IsFailedPrecondition(d.status()));
+  EXPECT_NE(d.status().message().find("disabled_by_config"), std::string::npos);
+  d = ChoosePath(Op::kMhc, v1::PATH_PREFERENCE_REQUIRE_FUSED, false, Yes);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->path, Path::kFused);
+}
+
+TEST(Dispatcher, FusedFailureReRunsUnfused) {
+  PathDecision fused;
+  std::vector<Path> runs;
+  auto fail_fused = [&](Path p) -> absl::StatusOr<RunStats> {
+    runs.push_back(p);
+    if (p == Path::kFused) return absl::UnavailableError("launch failed");
+    return RunStats{0.5};
+  };
+  auto out = RunWithFallback(Op::kSwa, fused, false, "t", fail_fused);
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(runs, (std::vector<Path>{Path::kFused, Path::kUnfused}));
+  EXPECT_EQ(out->decision.path, Path::kUnfused);
+  EXPECT_EQ(out->decision.reason, FallbackReason::kFusedKernelError);
+  EXPECT_NE(out->decision.detail.find("launch failed"), std::string::npos);
+  EXPECT_EQ(out->stats.kernel_seconds, 0.5);
+
+  // REQUIRE_FUSED: no re-run.
+  runs.clear();
+  out = RunWithFallback(Op::kSwa, fused, true, "t", fail_fused);
+  EXPECT_TRUE(absl::IsFailedPrecondition(out.status()));
+  EXPECT_NE(out.status().message().find("fused_kernel_error"), std::string::npos);
+  EXPECT_EQ(runs, (std::vector<Path>{Path::kFused}));
+}
+
+TEST(Dispatcher, InvalidArgumentIsNotRetriedAndDoubleFailureIsInternal) {
+  PathDecision fused;
+  int calls = 0;
+  auto invalid = [&](Path) -> absl::StatusOr<RunStats> {
+    ++calls;
+    return absl::InvalidArgumentError("bad x");
+  };
+  EXPECT_TRUE(absl::IsInvalidArgument(RunWithFallback(Op::kMhc, fused, false, "t", invalid).status()));
+  EXPECT_EQ(calls, 1);
+  auto both = [&](Path p) -> absl::StatusOr<RunStats> {
+    return absl::UnavailableError(p == Path::kFused ? "fused broke" : "unfused broke");
+  };
+  absl::Status s = RunWithFallback(Op::kMhc, fused, false, "t", both).status();
+  EXPECT_TRUE(absl::IsInternal(s));
+  EXPECT_NE(s.message().find("fused broke"), std::string::npos);
+  EXPECT_NE(s.message().find("unfused broke"), std::string::npos);
+  // An unfused decision that fails is returned as is (nothing to fall back to).
+  PathDecision unfused{Path::kUnfused, FallbackReason::kClientForcedUnfused, ""};
+  EXPECT_TRUE(absl::IsUnavailable(RunWithFallback(Op::kMhc, unfused, false, "t", both).status()));
+}
+
+TEST(Dispatcher, ProtoReasonNamesMatchTheLibrary) {
+  for (FallbackReason r : AllFallbackReasons()) {
+    std::string name = v1::FallbackReason_Name(ToProto(r));
+    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    EXPECT_EQ(name, std::string("fallback_reason_") + FallbackReasonName(r));
+  }
+}
+
+v1::Tensor T(v1::DataType dtype, std::vector<int64_t> shape, size_t bytes) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_data(std::string(bytes, '\x11'));
+  return t;
+}
+
+TEST(TensorCodec, ValidatesDtypeShapeAndLength) {
+  auto ok = DecodeTensor(T(v1::DATA_TYPE_BF16, {2, 3}, 12), "x", DType::kBF16, {2, 3});
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->rank, 2);
+  EXPECT_EQ(ok->stride[0], 3);
+  for (auto [t, needle] : std::vector<std::pair<v1::Tensor, std::string>>{
+           {T(v1::DATA_TYPE_FP32, {2, 3}, 24), "dtype fp32"},
+           {T(v1::DATA_TYPE_BF16, {3, 2}, 12), "shape [3, 2]"},
+           {T(v1::DATA_TYPE_BF16, {2, 3}, 11), "needs 12 bytes, got 11"},
+           {T(v1::DATA_TYPE_UNSPECIFIED, {}, 0), "missing"},
+       }) {
+    auto r = DecodeTensor(t, "x", DType::kBF16, {2, 3});
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status()));
+    EXPECT_NE(r.status().message().find("'x'"), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status();
+  }
+}
+
+TEST(TensorCodec, HostileShapesDoNotOverflow) {
+  const int64_t big = int64_t{1} << 40;
+  auto r = DecodeStrided2D(T(v1::DATA_TYPE_BF16, {big, big}, 16), "qr_kv", DType::kBF16, 4);
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status()));
+  EXPECT_NE(r.status().message().find("overflow"), std::string::npos) << r.status();
+  auto n = LeadingDim(T(v1::DATA_TYPE_BF16, {-1, 4}, 0), "x", 2);
+  EXPECT_TRUE(absl::IsInvalidArgument(n.status()));
+}
+
+TEST(TensorCodec, Strided2DViewsTheLeadingColumns) {
+  auto r = DecodeStrided2D(T(v1::DATA_TYPE_BF16, {3, 10}, 60), "qr_kv", DType::kBF16, 7);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->shape[0], 3);
+  EXPECT_EQ(r->shape[1], 7);
+  EXPECT_EQ(r->stride[0], 10);
+  EXPECT_EQ(r->stride[1], 1);
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      DecodeStrided2D(T(v1::DATA_TYPE_BF16, {3, 6}, 36), "qr_kv", DType::kBF16, 7).status()));
+}
+
+TEST(TensorCodec, OutputsAreSizedInPlace) {
+  v1::Tensor out;
+  TensorView v = AllocateOutput(&out, DType::kFP32, {4, 5});
+  EXPECT_EQ(out.data().size(), 80u);
+  EXPECT_EQ(v.data, out.data().data());
+  EXPECT_EQ(out.dtype(), v1::DATA_TYPE_FP32);
+  EXPECT_EQ(out.shape_size(), 2);
+}
+
+TEST(Executor, BoundedQueueRejectsButControlTasksPass) {
+  Executor ex(1);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false, started = false;
+  std::atomic<int> ran{0};
+  ASSERT_TRUE(ex.Submit([&](double) {
+                  std::unique_lock<std::mutex> l(mu);
+                  started = true;
+                  cv.notify_all();
+                  cv.wait(l, [&] { return release; });
+                  ++ran;
+                }).ok());
+  {
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return started; });
+  }
+  ASSERT_TRUE(ex.Submit([&](double) { ++ran; }).ok());  // waits in the queue
+  EXPECT_TRUE(absl::IsResourceExhausted(ex.Submit([&](double) { ++ran; })));
+  EXPECT_TRUE(ex.SubmitControl([&](double) { ++ran; }).ok());
+  EXPECT_EQ(ex.queued(), 2u);
+  {
+    std::lock_guard<std::mutex> l(mu);
+    release = true;
+  }
+  cv.notify_all();
+  ex.Stop();  // drains
+  EXPECT_EQ(ran, 3);
+  EXPECT_TRUE(absl::IsUnavailable(ex.Submit([](double) {})));
+}
+
+TEST(Config, DisableFusedAndLimits) {
+  ServerConfig c;
+  ASSERT_TRUE(ParseDisableFused(" mhc , swa", c).ok());
+  EXPECT_TRUE(c.fused_disabled(Op::kMhc));
+  EXPECT_TRUE(c.fused_disabled(Op::kSwa));
+  ASSERT_TRUE(ParseDisableFused("", c).ok());
+  EXPECT_FALSE(c.fused_disabled(Op::kMhc));
+  EXPECT_TRUE(absl::IsInvalidArgument(ParseDisableFused("mhc,attn", c)));
+  EXPECT_TRUE(c.Validate().ok());
+  c.max_message_bytes = int64_t{1} << 31;
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.max_message_bytes = 1 << 20;
+  c.queue_capacity = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+}
+
+}  // namespace
+}  // namespace fusedlayer::server
