@@ -128,6 +128,7 @@ inline constexpr int kWarpSize = 32;
 // spelling it out keeps a stray -use_fast_math / -ffast-math from silently changing the numerics.
 __device__ __forceinline__ float DivRn(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ float SqrtRn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ float RcpRn(float a) { return __frcp_rn(a); }
 
 // 16-byte global load of data the kernel only reads (read-only / non-coherent path on NVIDIA).
 __device__ __forceinline__ uint4 LoadReadOnly16(const void* p) {

@@ -1,0 +1,260 @@
+// SWA GPU benchmark: fused vs unfused launch sequences, timed as CUDA/HIP graph replays with a cold
+// L2, against the byte-model floor.
+//
+// Method (device/METHOD.md, background/kernel-performance.md):
+//   - each graph holds L launches, each on its own input/output set (L = clamp(1 GiB / bytes per
+//     launch, 2, 200)), so no launch re-reads data another launch touched;
+//   - before every replay a 512 MiB memset evicts the 60 MB L2 (outside the timed region: events are
+//     recorded after it), so every launch reads its inputs from HBM; the small norm weights stay hot,
+//     as they do in serving;
+//   - time per launch = graph time / L; median of 15 replays after 2 warm-ups;
+//   - "fused warm": the same graph shape with every launch on one set and no eviction (the decode
+//     case, where the producing GEMM has just written the input into L2).
+// Floor: fused bytes (2(Q+D) read + Q + 4Q/128 + 2D written per row) at 4.2 TB/s. The device-to-device
+// copy bandwidth measured here is printed too (bytes read + written).
+//
+// usage: bench_swa_gpu [--csv FILE] [--quick]
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fusedlayer/numeric.h"
+#include "gpu_context.h"
+#include "gpu_runtime.h"
+#include "swa_kernels.h"
+
+namespace fl = fusedlayer;
+namespace gpu = fusedlayer::gpu;
+
+namespace {
+
+#define CHECK_GPU(expr)                                                                          \
+  do {                                                                                           \
+    gpuError_t e_ = (expr);                                                                      \
+    if (e_ != gpuSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, gpuGetErrorString(e_)); \
+      std::exit(1);                                                                              \
+    }                                                                                            \
+  } while (0)
+
+constexpr double kFloorBandwidth = 4.2e12;  // bytes/s, the team's H200 floor
+constexpr size_t kFlushBytes = size_t{512} << 20;
+
+void* Alloc(size_t bytes) {
+  void* p = nullptr;
+  CHECK_GPU(gpuMalloc(&p, std::max<size_t>(bytes, 256)));
+  return p;
+}
+
+// Timed replays of `exec`, each after an L2 flush; returns the median milliseconds per replay.
+// flush == nullptr: warm (no eviction between replays).
+double MedianReplayMs(gpuGraphExec_t exec, gpuStream_t stream, void* flush, gpuEvent_t e0, gpuEvent_t e1) {
+  std::vector<double> ms;
+  for (int rep = 0; rep < 17; ++rep) {
+    if (flush != nullptr) CHECK_GPU(gpuMemsetAsync(flush, rep & 0xff, kFlushBytes, stream));
+    CHECK_GPU(gpuEventRecord(e0, stream));
+    CHECK_GPU(gpuGraphLaunch(exec, stream));
+    CHECK_GPU(gpuEventRecord(e1, stream));
+    CHECK_GPU(gpuEventSynchronize(e1));
+    float t = 0;
+    CHECK_GPU(gpuEventElapsedTime(&t, e0, e1));
+    if (rep >= 2) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+template <typename Fn>
+gpuGraphExec_t Capture(gpuStream_t stream, int launches, Fn&& launch) {
+  gpuGraph_t g = nullptr;
+  gpuGraphExec_t exec = nullptr;
+  CHECK_GPU(gpuStreamBeginCapture(stream, gpuStreamCaptureModeThreadLocal));
+  for (int i = 0; i < launches; ++i) CHECK_GPU(launch(i));
+  CHECK_GPU(gpuStreamEndCapture(stream, &g));
+  CHECK_GPU(gpuGraphInstantiate(&exec, g));
+  CHECK_GPU(gpuGraphDestroy(g));
+  return exec;
+}
+
+double CopyBandwidth(gpuStream_t stream, gpuEvent_t e0, gpuEvent_t e1) {
+  const size_t bytes = size_t{2} << 30;
+  void* a = Alloc(bytes);
+  void* b = Alloc(bytes);
+  CHECK_GPU(gpuMemsetAsync(a, 1, bytes, stream));
+  std::vector<double> ms;
+  for (int rep = 0; rep < 7; ++rep) {
+    CHECK_GPU(gpuEventRecord(e0, stream));
+    CHECK_GPU(gpuMemcpyAsync(b, a, bytes, gpuMemcpyDeviceToDevice, stream));
+    CHECK_GPU(gpuEventRecord(e1, stream));
+    CHECK_GPU(gpuEventSynchronize(e1));
+    float t = 0;
+    CHECK_GPU(gpuEventElapsedTime(&t, e0, e1));
+    if (rep >= 2) ms.push_back(t);
+  }
+  CHECK_GPU(gpuFree(a));
+  CHECK_GPU(gpuFree(b));
+  std::sort(ms.begin(), ms.end());
+  return 2.0 * double(bytes) / (ms[ms.size() / 2] * 1e-3);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string csv_path;
+  bool quick = false;
+  int profile_q = 0;
+  int64_t profile_m = 0;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    // --profile Q M: three eager fused launches at one shape, nothing else (for ncu).
+    else if (!std::strcmp(argv[i], "--profile") && i + 2 < argc) {
+      profile_q = std::atoi(argv[++i]);
+      profile_m = std::atoll(argv[++i]);
+    }
+  }
+  auto ctx_or = gpu::GpuContext::Create(0);
+  if (!ctx_or.ok()) {
+    std::fprintf(stderr, "no GPU: %s\n", std::string(ctx_or.status().message()).c_str());
+    return 2;
+  }
+  gpu::GpuContext& ctx = **ctx_or;
+  if (profile_q > 0) {
+    const int Q = profile_q, D = 512;
+    const int64_t M = profile_m;
+    void* x = Alloc(size_t(M) * (Q + D) * 2);
+    void* w = Alloc(size_t(Q + D) * 2);
+    void* q = Alloc(size_t(M) * Q);
+    void* s = Alloc(size_t(M) * (Q / 128) * 4);
+    void* kv = Alloc(size_t(M) * D * 2);
+    CHECK_GPU(gpuMemset(x, 0x3f, size_t(M) * (Q + D) * 2));  // bf16 0x3f3f ~ 0.75: not zeros
+    CHECK_GPU(gpuMemset(w, 0x3f, size_t(Q + D) * 2));
+    gpu::SwaRowParams p;
+    p.qr_kv = static_cast<const uint16_t*>(x);
+    p.row_stride = Q + D;
+    p.tokens = M;
+    p.q_rank = Q;
+    p.head_dim = D;
+    p.q_norm = static_cast<const uint16_t*>(w);
+    p.kv_norm = static_cast<const uint16_t*>(w) + Q;
+    p.kv = static_cast<uint16_t*>(kv);
+    p.q_fp8 = static_cast<uint8_t*>(q);
+    p.q_scale = static_cast<float*>(s);
+    p.scale_layout = gpu::SwaScaleLayout{Q / 128, 1, M};
+    for (int i = 0; i < 3; ++i) CHECK_GPU(gpu::LaunchSwaFusedRows(p, ctx.sm_count, ctx.stream));
+    CHECK_GPU(gpuStreamSynchronize(ctx.stream));
+    return 0;
+  }
+  gpuEvent_t e0, e1;
+  CHECK_GPU(gpuEventCreate(&e0));
+  CHECK_GPU(gpuEventCreate(&e1));
+  void* flush = Alloc(kFlushBytes);
+  const double copy_bw = CopyBandwidth(ctx.stream, e0, e1);
+  std::printf("device %s (%s), %d SMs, L2 %.0f MB; measured D2D copy %.2f TB/s (read+write)\n", ctx.name.c_str(),
+              ctx.arch.c_str(), ctx.sm_count, ctx.l2_bytes / 1e6, copy_bw / 1e12);
+
+  FILE* csv = csv_path.empty() ? nullptr : std::fopen(csv_path.c_str(), "w");
+  if (csv) std::fprintf(csv, "Q,D,M,launches,fused_us,unfused_us,floor_us,fused_TBps,fused_pct_of_4.2,speedup,fused_warm_us\n");
+  std::printf("\n| Q | M | fused us | unfused us | floor us | fused TB/s | fused %% of 4.2 TB/s | fused/unfused | fused warm us |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+
+  const int D = 512;
+  std::vector<int> qs = {1024, 1280, 1536};
+  std::vector<int64_t> ms = {1, 64, 1024, 4096, 8192, 16384};
+  if (quick) {
+    qs = {1536};
+    ms = {64, 8192};
+  }
+  std::mt19937_64 rng(12345);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int Q : qs) {
+    const int G = Q / 128;
+    std::vector<uint16_t> wq(static_cast<size_t>(Q)), wk(static_cast<size_t>(D));
+    for (auto& v : wq) v = fl::FloatToBf16(1.0f + 0.1f * nd(rng));
+    for (auto& v : wk) v = fl::FloatToBf16(1.0f + 0.1f * nd(rng));
+    void* d_wq = Alloc(wq.size() * 2);
+    void* d_wk = Alloc(wk.size() * 2);
+    CHECK_GPU(gpuMemcpy(d_wq, wq.data(), wq.size() * 2, gpuMemcpyHostToDevice));
+    CHECK_GPU(gpuMemcpy(d_wk, wk.data(), wk.size() * 2, gpuMemcpyHostToDevice));
+    for (int64_t M : ms) {
+      const double in_bytes = double(M) * (Q + D) * 2;
+      const double fused_bytes = in_bytes + double(M) * (Q + 4.0 * G + 2.0 * D);
+      const int L = int(std::clamp<double>(std::floor(double(size_t{1} << 30) / fused_bytes), 2, 200));
+      const size_t xb = size_t(M) * (Q + D) * 2, qb = size_t(M) * Q, sb = size_t(M) * G * 4, kb = size_t(M) * D * 2;
+      char* x = static_cast<char*>(Alloc(xb * L));
+      char* q = static_cast<char*>(Alloc(qb * L));
+      char* s = static_cast<char*>(Alloc(sb * L));
+      char* kv = static_cast<char*>(Alloc(kb * L));
+      void* ws = Alloc(size_t(M) * Q * 2);
+      {
+        // Random bf16 inputs (never zeros), one set generated and copied to all L sets.
+        std::vector<uint16_t> hx(size_t(M) * (Q + D));
+        for (auto& v : hx) {
+          float f;
+          do f = nd(rng); while (f == 0.0f);
+          v = fl::FloatToBf16(f);
+        }
+        for (int i = 0; i < L; ++i) CHECK_GPU(gpuMemcpy(x + xb * i, hx.data(), xb, gpuMemcpyHostToDevice));
+      }
+      auto params = [&](int i) {
+        gpu::SwaRowParams p;
+        p.qr_kv = reinterpret_cast<const uint16_t*>(x + xb * i);
+        p.row_stride = Q + D;
+        p.tokens = M;
+        p.q_rank = Q;
+        p.head_dim = D;
+        p.q_norm = static_cast<const uint16_t*>(d_wq);
+        p.kv_norm = static_cast<const uint16_t*>(d_wk);
+        p.kv = reinterpret_cast<uint16_t*>(kv + kb * i);
+        p.q_fp8 = reinterpret_cast<uint8_t*>(q + qb * i);
+        p.q_scale = reinterpret_cast<float*>(s + sb * i);
+        p.scale_layout = gpu::SwaScaleLayout{G, 1, M};
+        p.q_bf16 = static_cast<uint16_t*>(ws);
+        return p;
+      };
+      gpuGraphExec_t fused = Capture(ctx.stream, L, [&](int i) {
+        return gpu::LaunchSwaFusedRows(params(i), ctx.sm_count, ctx.stream);
+      });
+      gpuGraphExec_t unfused = Capture(ctx.stream, L, [&](int i) {
+        gpu::SwaRowParams p = params(i);
+        gpuError_t e = gpu::LaunchSwaNormRows(p, ctx.sm_count, ctx.stream);
+        if (e != gpuSuccess) return e;
+        return gpu::LaunchSwaGroupQuant(p.q_bf16, M, Q, p.q_fp8, p.q_scale, p.scale_layout, fl::Fp8Format::kE4M3FN,
+                                        false, ctx.stream);
+      });
+      // Warm: every launch on set 0, no eviction (the decode case where the producer just wrote the input).
+      gpuGraphExec_t warm = Capture(ctx.stream, L, [&](int) {
+        return gpu::LaunchSwaFusedRows(params(0), ctx.sm_count, ctx.stream);
+      });
+      const double w_us = MedianReplayMs(warm, ctx.stream, nullptr, e0, e1) * 1e3 / L;
+      CHECK_GPU(gpuGraphExecDestroy(warm));
+      const double f_us = MedianReplayMs(fused, ctx.stream, flush, e0, e1) * 1e3 / L;
+      const double u_us = MedianReplayMs(unfused, ctx.stream, flush, e0, e1) * 1e3 / L;
+      const double floor_us = fused_bytes / kFloorBandwidth * 1e6;
+      const double tbps = fused_bytes / (f_us * 1e-6) / 1e12;
+      std::printf("| %d | %lld | %.2f | %.2f | %.3f | %.2f | %.0f%% | %.2fx | %.2f |\n", Q, (long long)M, f_us, u_us,
+                  floor_us, tbps, 100.0 * tbps * 1e12 / kFloorBandwidth, u_us / f_us, w_us);
+      if (csv) {
+        std::fprintf(csv, "%d,%d,%lld,%d,%.3f,%.3f,%.3f,%.3f,%.1f,%.3f,%.3f\n", Q, D, (long long)M, L, f_us, u_us,
+                     floor_us, tbps, 100.0 * tbps * 1e12 / kFloorBandwidth, u_us / f_us, w_us);
+      }
+      std::fflush(stdout);
+      CHECK_GPU(gpuGraphExecDestroy(fused));
+      CHECK_GPU(gpuGraphExecDestroy(unfused));
+      for (void* p : {static_cast<void*>(x), static_cast<void*>(q), static_cast<void*>(s), static_cast<void*>(kv), ws}) {
+        CHECK_GPU(gpuFree(p));
+      }
+    }
+    CHECK_GPU(gpuFree(d_wq));
+    CHECK_GPU(gpuFree(d_wk));
+  }
+  if (csv) std::fclose(csv);
+  CHECK_GPU(gpuFree(flush));
+  return 0;
+}

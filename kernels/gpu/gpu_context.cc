@@ -1,0 +1,137 @@
+// GpuContext: device selection, the backend's stream, device properties and scratch memory.
+#include "gpu_context.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace fusedlayer::gpu {
+
+void GpuFreeDeleter::operator()(void* p) const {
+  // gpuFree synchronises with the device, so memory still read by queued kernels is never reused
+  // early. Errors cannot be reported from a destructor; a failing free leaks at worst.
+  if (p != nullptr) (void)gpuFree(p);
+}
+
+absl::Status GpuStatus(gpuError_t err, const char* what) {
+  if (err == gpuSuccess) return absl::OkStatus();
+  std::string msg = absl::StrCat(what, ": ", gpuGetErrorString(err));
+  if (err == gpuErrorMemoryAllocation) return absl::ResourceExhaustedError(msg);
+  return absl::InternalError(msg);
+}
+
+absl::StatusOr<GpuMemory> GpuAlloc(size_t bytes) {
+  if (bytes == 0) return GpuMemory();
+  void* p = nullptr;
+  gpuError_t err = gpuMalloc(&p, bytes);
+  if (err != gpuSuccess) {
+    (void)gpuGetLastError();  // clear the sticky-free error state of the runtime API
+    if (err == gpuErrorMemoryAllocation) {
+      return absl::ResourceExhaustedError(absl::StrCat("device allocation of ", bytes, " bytes failed: out of memory"));
+    }
+    return GpuStatus(err, "gpuMalloc");
+  }
+  return GpuMemory(p);
+}
+
+absl::StatusOr<GpuMemory> GpuUpload(const void* host, size_t bytes, GpuContext& ctx) {
+  auto mem = GpuAlloc(bytes);
+  if (!mem.ok() || bytes == 0) return mem;
+  absl::Status s = GpuStatus(gpuMemcpyAsync(mem->get(), host, bytes, gpuMemcpyHostToDevice, ctx.stream), "upload");
+  if (s.ok()) s = GpuStatus(gpuStreamSynchronize(ctx.stream), "upload sync");
+  if (!s.ok()) return s;
+  return mem;
+}
+
+absl::StatusOr<std::unique_ptr<GpuContext>> GpuContext::Create(int device) {
+  int count = 0;
+  gpuError_t err = gpuGetDeviceCount(&count);
+  if (err != gpuSuccess || count == 0) {
+    (void)gpuGetLastError();
+    return absl::UnavailableError(absl::StrCat(
+        "no GPU device available", err != gpuSuccess ? absl::StrCat(" (", gpuGetErrorString(err), ")") : ""));
+  }
+  if (device < 0 || device >= count) {
+    return absl::UnavailableError(absl::StrCat("GPU device index ", device, " out of range: ", count, " device(s) present"));
+  }
+  if (absl::Status s = GpuStatus(gpuSetDevice(device), "gpuSetDevice"); !s.ok()) {
+    return absl::UnavailableError(s.message());
+  }
+  gpuDeviceProp prop;
+  std::memset(&prop, 0, sizeof(prop));
+  if (absl::Status s = GpuStatus(gpuGetDeviceProperties(&prop, device), "gpuGetDeviceProperties"); !s.ok()) {
+    return absl::UnavailableError(s.message());
+  }
+  auto ctx = std::make_unique<GpuContext>();
+  ctx->device = device;
+  ctx->sm_count = prop.multiProcessorCount;
+  ctx->l2_bytes = size_t(prop.l2CacheSize);
+  ctx->name = prop.name;
+#if FL_HIP
+  ctx->max_smem_per_block_optin = int(prop.sharedMemPerBlock);  // HIP 5.2 has no opt-in limit
+  // gcnArchName is e.g. "gfx90a:sramecc+:xnack-": the target id before the first ':'.
+  std::string gcn = prop.gcnArchName;
+  ctx->arch = gcn.substr(0, gcn.find(':'));
+  ctx->cc_major = prop.major;
+  ctx->cc_minor = prop.minor;
+#else
+  ctx->max_smem_per_block_optin = int(prop.sharedMemPerBlockOptin);
+  ctx->cc_major = prop.major;
+  ctx->cc_minor = prop.minor;
+  ctx->arch = absl::StrCat("sm_", prop.major, prop.minor);
+#endif
+  if (absl::Status s = GpuStatus(gpuStreamCreateWithFlags(&ctx->stream, gpuStreamNonBlocking), "stream create");
+      !s.ok()) {
+    ctx->stream = nullptr;
+    return absl::UnavailableError(s.message());
+  }
+  return ctx;
+}
+
+GpuContext::~GpuContext() {
+  if (stream != nullptr) {
+    (void)gpuStreamSynchronize(stream);
+    (void)gpuStreamDestroy(stream);
+  }
+  if (workspace_ != nullptr) (void)gpuFree(workspace_);
+  if (persistent_ != nullptr) (void)gpuFree(persistent_);
+}
+
+void* GpuContext::Workspace(size_t bytes) {
+  if (bytes <= workspace_bytes_) return workspace_;
+  // Work queued on the stream may still use the old block: gpuFree waits for the device.
+  if (workspace_ != nullptr) (void)gpuFree(workspace_);
+  workspace_ = nullptr;
+  workspace_bytes_ = 0;
+  void* p = nullptr;
+  if (gpuMalloc(&p, bytes) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return nullptr;
+  }
+  workspace_ = p;
+  workspace_bytes_ = bytes;
+  return workspace_;
+}
+
+void* GpuContext::PersistentZeroed(size_t bytes) {
+  if (bytes <= persistent_bytes_) return persistent_;
+  if (persistent_ != nullptr) (void)gpuFree(persistent_);
+  persistent_ = nullptr;
+  persistent_bytes_ = 0;
+  void* p = nullptr;
+  if (gpuMalloc(&p, bytes) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return nullptr;
+  }
+  // Synchronous zeroing: the first kernel that uses the block is queued after this returns.
+  if (gpuMemsetAsync(p, 0, bytes, stream) != gpuSuccess || gpuStreamSynchronize(stream) != gpuSuccess) {
+    (void)gpuGetLastError();
+    (void)gpuFree(p);
+    return nullptr;
+  }
+  persistent_ = p;
+  persistent_bytes_ = bytes;
+  return persistent_;
+}
+
+}  // namespace fusedlayer::gpu

@@ -1,0 +1,252 @@
+// The mHC finalize kernel, shared by both paths: reduces the split partials in a fixed order
+// (split 0, 1, 2, ...), computes the mixes (sigmoid gates, Sinkhorn) and y = RMSNorm(Collapse).
+//
+// Grid (1-D): blocks [0, T) are "y blocks", one token each; blocks [T, T + ceil(T / warps)) are
+// "mix blocks", one warp per token, whose lane 0 runs the ~1-2 us of serial Sinkhorn math. The two
+// kinds run concurrently, so Sinkhorn overlaps the bandwidth work of the y blocks. In normal mode
+// both kinds compute pre from the same partials with the same code (ComputePre), so the collapse
+// uses exactly the bits written to new_pre_mix.
+// Included by mhc_gpu.cu only.
+#pragma once
+
+#include "mhc_device_math.cuh"
+
+namespace fusedlayer::gpu::mhc {
+
+inline constexpr int kFinalizeThreads = 256;
+inline constexpr int kFinalizeWarps = kFinalizeThreads / kWarpSize;
+
+enum class YSource : int {
+  kCollapseGiven = 0,  // collapse R' with pre_mix (shifted / head), or stream 0 when pre_mix is null
+  kCollapseNew = 1,    // collapse R' with the new pre mix (normal mode)
+  kRescaleZ = 2,       // z is already in y (fused shifted): only rescale, sum(z^2) from the partials
+};
+
+struct FinalizeParams {
+  const float* partials;   // [T, nsplit, stride]: M dots, sum R'^2, (sum z^2)
+  int nsplit;
+  int stride;
+  float k_count;           // elements behind sum R'^2 (n*C; C in the first stage)
+  const float* scale;      // [3]
+  const float* base;       // [M]
+  MixHyper hyper;
+  bool has_mixes;          // false in the head stage
+  YSource y_source;
+  const float* pre_mix;    // [T, n] or null
+  const uint16_t* new_residual;  // [T, n, C] (R' for the collapse)
+  const uint16_t* norm_weight;   // [C] or null (y = z)
+  uint16_t* y;             // [T, C]
+  float* new_pre;          // [T, n]
+  float* new_post;         // [T, n]
+  float* new_comb;         // [T, n, n]
+  int64_t tokens;
+  int64_t C;
+};
+
+// Sum over splits in split order, from 0. Loads go out 32 at a time (one L2 round trip per 32
+// splits instead of one per split); the adds stay sequential.
+__device__ __forceinline__ float ReduceSplits(const float* __restrict__ p, int nsplit, int stride) {
+  constexpr int kBatch = 32;
+  float s = 0.0f;
+  for (int i = 0; i < nsplit; i += kBatch) {
+    float v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) v[k] = i + k < nsplit ? p[(i + k) * stride] : 0.0f;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k)
+      if (i + k < nsplit) s = __fadd_rn(s, v[k]);
+  }
+  return s;
+}
+
+__device__ __forceinline__ void WarpSync() {
+#if !FL_HIP
+  __syncwarp();
+#endif
+}
+
+template <int N, bool kVec>
+__global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizeParams p) {
+  constexpr int M = N * (N + 2);
+  __shared__ float dsum[kFinalizeWarps][M + 1];
+  __shared__ float pre_s[N];
+  __shared__ float rho_s;
+  extern __shared__ float dyn[];  // y blocks: [nvec] vec sums, then [nchunk] chunk sums
+
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int64_t T = p.tokens, C = p.C;
+#if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched with programmatic stream serialization: wait for the producer kernel's writes.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+
+  if (int64_t(blockIdx.x) >= T) {
+    // ---- mix block: one warp per token ----
+    const int64_t t = (int64_t(blockIdx.x) - T) * kFinalizeWarps + warp;
+    if (t >= T) return;
+    const float* part = p.partials + t * p.nsplit * p.stride;
+    for (int o = lane; o <= M; o += kWarpSize) dsum[warp][o] = ReduceSplits(part + o, p.nsplit, p.stride);
+    WarpSync();
+    if constexpr (N == 4 && kWarpSize >= 16) {
+      // The whole warp runs the Sinkhorn (CombSinkhornLanes4); lane 0 writes the gates.
+      const float P = CombSinkhornLanes4(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, lane);
+      if (lane < N * N) p.new_comb[t * N * N + lane] = P;
+      if (lane == 0) {
+        float pre[N], post[N];
+        ComputePre<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, pre);
+        ComputePost<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, post);
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          p.new_pre[t * N + j] = pre[j];
+          p.new_post[t * N + j] = post[j];
+        }
+      }
+      return;
+    }
+    if (lane == 0) {
+      float pre[N], post[N], comb[N * N];
+      ComputePre<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, pre);
+      ComputePostComb<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, post, comb);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        p.new_pre[t * N + j] = pre[j];
+        p.new_post[t * N + j] = post[j];
+      }
+#pragma unroll
+      for (int i = 0; i < N * N; ++i) p.new_comb[t * N * N + i] = comb[i];
+    }
+    return;
+  }
+
+  // ---- y block: token t ----
+  const int64_t t = blockIdx.x;
+  const int64_t nvec = (C + 7) / 8;
+  const int64_t nchunk = (C + 127) / 128;
+  float* vsum = dyn;
+  float* csum = dyn + nvec;
+  uint16_t* yt = p.y + t * C;
+  const float* part = p.partials + t * p.nsplit * p.stride;
+
+  if (p.y_source == YSource::kRescaleZ) {
+    if (p.norm_weight == nullptr) return;  // y is the un-normalised collapse, already written
+    // Stage the per-split sums in shared memory with one load per thread (one round trip), then
+    // add them in split order on one thread.
+    for (int i = threadIdx.x; i < p.nsplit; i += kFinalizeThreads) vsum[i] = part[int64_t(i) * p.stride + M + 1];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float s = 0.0f;
+      for (int i = 0; i < p.nsplit; ++i) s = __fadd_rn(s, vsum[i]);
+      rho_s = RsqrtMean(s, float(C), p.hyper.norm_eps);
+    }
+    __syncthreads();
+  } else {
+    float coef[N];
+    bool stream0 = false;
+    if (p.y_source == YSource::kCollapseNew) {
+      if (warp == 0) {
+        for (int o = lane; o <= M; o += kWarpSize)
+          if (o < N || o == M) dsum[0][o] = ReduceSplits(part + o, p.nsplit, p.stride);
+        WarpSync();
+        if (lane == 0) ComputePre<N>(dsum[0], dsum[0][M], p.k_count, p.scale, p.base, p.hyper, pre_s);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < N; ++j) coef[j] = pre_s[j];
+    } else if (p.pre_mix != nullptr) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) coef[j] = p.pre_mix[t * N + j];
+    } else {
+      stream0 = true;
+#pragma unroll
+      for (int j = 0; j < N; ++j) coef[j] = 0.0f;
+    }
+    const uint16_t* rt = p.new_residual + t * N * C;
+    // G vecs per thread per iteration with every load issued before the first use: the loop body
+    // is latency-bound at decode sizes, and the compiler cannot hoist loads past the y stores.
+    constexpr int G = N <= 2 ? 4 : (N <= 4 ? 2 : 1);
+    for (int64_t base = threadIdx.x; base < nvec; base += int64_t(G) * kFinalizeThreads) {
+      float r[G][N][8];
+#pragma unroll
+      for (int k = 0; k < G; ++k) {
+        const int64_t v = base + int64_t(k) * kFinalizeThreads;
+        const int64_t c0 = v * 8;
+        const int count = v < nvec ? int(C - c0 < 8 ? C - c0 : 8) : 0;
+        if (count == 0) continue;
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+          if (j == 0 || !stream0) Load8<kVec>(rt + j * C + c0, count, r[k][j]);
+      }
+#pragma unroll
+      for (int k = 0; k < G; ++k) {
+        const int64_t v = base + int64_t(k) * kFinalizeThreads;
+        if (v >= nvec) continue;
+        const int64_t c0 = v * 8;
+        const int count = int(C - c0 < 8 ? C - c0 : 8);
+        float z[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          if (stream0) {
+            z[e] = r[k][0][e];
+          } else {
+            float col[N];
+#pragma unroll
+            for (int j = 0; j < N; ++j) col[j] = r[k][j][e];
+            z[e] = e < count ? CollapseElement<N>(col, coef) : 0.0f;
+          }
+        }
+        Store8<kVec>(yt + c0, count, z);
+        vsum[v] = VecSumSq(z);
+      }
+    }
+    if (p.norm_weight == nullptr) return;
+    __syncthreads();
+    for (int64_t k = threadIdx.x; k < nchunk; k += kFinalizeThreads) {
+      float q[4];
+#pragma unroll
+      for (int qq = 0; qq < 4; ++qq) {
+        const int64_t v0 = (k * 4 + qq) * 4;
+        float pv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pv[i] = v0 + i < nvec ? vsum[v0 + i] : 0.0f;
+        q[qq] = QuadSum(pv[0], pv[1], pv[2], pv[3]);
+      }
+      csum[k] = ChunkSum(q[0], q[1], q[2], q[3]);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < nchunk; ++k) s = __fadd_rn(s, csum[k]);
+      rho_s = RsqrtMean(s, float(C), p.hyper.norm_eps);
+    }
+    __syncthreads();
+  }
+
+  // Normalise in place: each thread rescales the vecs it (or the fused pass) wrote; 4 vecs per
+  // iteration, loads first (see above).
+  const float rho = rho_s;
+  constexpr int G2 = 4;
+  for (int64_t base = threadIdx.x; base < nvec; base += int64_t(G2) * kFinalizeThreads) {
+    float z[G2][8], gw[G2][8];
+#pragma unroll
+    for (int k = 0; k < G2; ++k) {
+      const int64_t v = base + int64_t(k) * kFinalizeThreads;
+      if (v >= nvec) continue;
+      const int64_t c0 = v * 8;
+      const int count = int(C - c0 < 8 ? C - c0 : 8);
+      Load8<kVec>(yt + c0, count, z[k]);
+      Load8<kVec>(p.norm_weight + c0, count, gw[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < G2; ++k) {
+      const int64_t v = base + int64_t(k) * kFinalizeThreads;
+      if (v >= nvec) continue;
+      const int64_t c0 = v * 8;
+      const int count = int(C - c0 < 8 ? C - c0 : 8);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) z[k][e] = NormElement(z[k][e], rho, gw[k][e]);
+      Store8<kVec>(yt + c0, count, z[k]);
+    }
+  }
+}
+
+}  // namespace fusedlayer::gpu::mhc

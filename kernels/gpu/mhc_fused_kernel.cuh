@@ -1,0 +1,302 @@
+// Fused mHC pass (n = 4, C % 128 == 0, CUDA sm_80+): reads R and x once and writes R', aux, the
+// shifted collapse z (into y, rescaled by MhcFinalizeKernel) and per-chunk partials of the mixes
+// GEMM and of the two sums of squares.
+//
+// CTA = 4 warps = 128 channels (one 32-channel quad per warp) x 16*kTiles tokens (kTiles m16 tiles
+// per warp). Lane (g, t) = (lane / 4, lane % 4) owns channels quad*32 + t*8 .. +7 of tokens g, g+8
+// of each tile: exactly the rows and k-columns of its mma.sync m16n8k8 A fragments, so R' goes from the
+// post arithmetic to the tensor cores without shared memory. The mixes run as TF32 MMAs with fn
+// split into hi + lo TF32 parts (prepared on the host): R' is bf16, hence exact in TF32, and the two
+// MMAs give fp32-accurate dot products. B fragments are loaded once per warp and used for every
+// tile. The chunk partial is the fixed-order sum of the 4 warps' values, so the reduction order is
+// a function of C only.
+// Included by mhc_gpu.cu only.
+#pragma once
+
+#include "mhc_device_math.cuh"
+
+namespace fusedlayer::gpu::mhc {
+
+inline constexpr int kFusedChunkChannels = 128;
+inline constexpr int kFusedTileTokens = 32;  // at kTiles = 2; 16 at kTiles = 1
+inline constexpr int kFusedThreads = 128;
+inline constexpr int kFusedPartialStride = 26;  // 24 dots, sum R'^2, sum z^2
+
+struct FusedParams {
+  const uint16_t* x;          // [T, C]; the embedding e in the first stage
+  const uint16_t* residual;   // [T, 4, C] (unused in the first stage)
+  const float* post_mix;      // [T, 4]
+  const float* comb_mix;      // [T, 4, 4]
+  const float* pre_mix;       // [T, 4] or null (shifted mode: stream 0)
+  const float4* frag;         // prepared B fragments (fn_frag or fn_first_frag)
+  uint16_t* new_residual;     // [T, 4, C]
+  uint16_t* y;                // [T, C]: z (shifted mode), rescaled later
+  uint16_t* aux;              // [T, C] or null
+  float* partials;            // [T, C/128, 26]
+  int64_t tokens;
+  int64_t C;
+};
+
+#if !FL_HIP
+__device__ __forceinline__ void MmaTf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, float b0,
+                                        float b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+// kFirst: R' = e on every stream (layer 0). kShifted: write z = Collapse(R', pre_mix or stream 0)
+// into y and its sum of squares. kMix: compute the mixes partials (not in the head stage).
+// kGemmOnly: the unfused path's mixes GEMM: R' is read from `residual` (already written by the
+// post kernel; in the first stage e is read from `x`) and nothing but the partials is written. The
+// partials are then bit-identical to the fused pass's, so both paths produce the same mixes and
+// the same normal-mode y.
+//
+// kTiles (1 or 2): m16 tiles per warp. One tile halves each warp's serial work (decode sizes, where
+// a CTA's 4 warps are alone on their SM); two tiles reuse each B fragment twice (large T). Every
+// token's arithmetic is the same either way (each m-tile is its own MMA chain with the same k order),
+// so the choice may depend on T without breaking batch invariance.
+template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false, int kTiles = 2>
+__global__ void __launch_bounds__(kFusedThreads, 3) MhcFusedPassKernel(FusedParams p) {
+  static_assert(!kGemmOnly || (kMix && !kShifted && !kAux), "the GEMM-only pass writes partials only");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Let the finalize kernel (launched with programmatic stream serialization) become resident now;
+  // its griddepcontrol.wait still waits for this whole grid to finish and its writes to be visible.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  constexpr int N = 4;
+  constexpr int kStreams = kFirst ? 1 : N;   // distinct streams feeding the GEMM
+  constexpr int kSteps = kStreams * 4;       // k8 steps per warp: 8 channels x streams per lane / 2
+  constexpr int kTileTokens = 16 * kTiles;
+  __shared__ float red[4][kTileTokens][kFusedPartialStride];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  // Token tiles vary fastest across the grid, so CTAs resident together mostly share a chunk and
+  // its B fragments hit in L1/L2.
+  const int chunk = blockIdx.y, nchunk = gridDim.y;
+  const int quad = chunk * 4 + warp;
+  const int64_t c0 = int64_t(quad) * 32 + tq * 8;
+  const int64_t tok_base = int64_t(blockIdx.x) * kTileTokens;
+  const int64_t C = p.C;
+
+  // Row r = mt*16 + h*8 + g of the CTA's token tile: m-tile mt, fragment half h.
+  uint4 raw_x[kTiles][2], raw_r[kTiles][2][N];
+#pragma unroll
+  for (int mt = 0; mt < kTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = tok_base + mt * 16 + h * 8 + g;
+      if (t < p.tokens) {
+        if (kFirst || !kGemmOnly) raw_x[mt][h] = *reinterpret_cast<const uint4*>(p.x + t * C + c0);
+        if constexpr (!kFirst) {
+#pragma unroll
+          for (int i = 0; i < N; ++i)
+            raw_r[mt][h][i] = *reinterpret_cast<const uint4*>(p.residual + (t * N + i) * C + c0);
+        }
+      }
+    }
+
+  // The tile's mixing coefficients (post[4], comb[16], pre[4] per token) go through shared memory:
+  // one cooperative load round, overlapping the data loads above, instead of a dependent round of
+  // scalar loads per token inside the arithmetic below.
+  __shared__ float coef[kTileTokens][24];
+  if constexpr (!kFirst && !kGemmOnly) {
+    for (int i = threadIdx.x; i < kTileTokens * 24; i += kFusedThreads) {
+      const int row = i / 24, q = i % 24;
+      const int64_t t = tok_base + row;
+      float v = 0.0f;
+      if (t < p.tokens) {
+        if (q < 4) v = p.post_mix[t * N + q];
+        else if (q < 20) v = p.comb_mix[t * N * N + (q - 4)];
+        else if (kHasPre) v = p.pre_mix[t * N + (q - 20)];
+      }
+      coef[row][q] = v;
+    }
+    __syncthreads();
+  }
+
+  uint4 rq[kTiles][2][kStreams];  // R' packed as bf16 pairs: the A operands (bf16 bits << 16 is TF32)
+  float sq_r[kTiles][2], sq_z[kTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = tok_base + mt * 16 + h * 8 + g;
+      sq_r[mt][h] = 0.0f;
+      sq_z[mt][h] = 0.0f;
+      if (t >= p.tokens) {
+#pragma unroll
+        for (int j = 0; j < kStreams; ++j) rq[mt][h][j] = make_uint4(0, 0, 0, 0);
+        continue;
+      }
+      float out[N][8];
+      if constexpr (kFirst) {
+        Unpack8(raw_x[mt][h], out[0]);
+        rq[mt][h][0] = raw_x[mt][h];
+        if constexpr (!kGemmOnly) {
+#pragma unroll
+          for (int j = 0; j < N; ++j) *reinterpret_cast<uint4*>(p.new_residual + (t * N + j) * C + c0) = raw_x[mt][h];
+        }
+#pragma unroll
+        for (int j = 1; j < N; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) out[j][e] = out[0][e];
+      } else if constexpr (kGemmOnly) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          rq[mt][h][j] = raw_r[mt][h][j];
+          Unpack8(raw_r[mt][h][j], out[j]);
+        }
+      } else {
+        const float* cf = coef[mt * 16 + h * 8 + g];
+        float post[N], comb[N][N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) post[j] = cf[j];
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+          for (int j = 0; j < N; ++j) comb[j][i] = cf[4 + i * N + j];
+        float x[8], r[N][8];
+        Unpack8(raw_x[mt][h], x);
+#pragma unroll
+        for (int i = 0; i < N; ++i) Unpack8(raw_r[mt][h][i], r[i]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float col[N];
+#pragma unroll
+          for (int i = 0; i < N; ++i) col[i] = r[i][e];
+#pragma unroll
+          for (int j = 0; j < N; ++j) out[j][e] = PostElement<N>(x[e], col, post[j], comb[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          rq[mt][h][j] = Pack8(out[j]);
+          *reinterpret_cast<uint4*>(p.new_residual + (t * N + j) * C + c0) = rq[mt][h][j];
+        }
+        if constexpr (kAux) {
+          float a[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            float col[N];
+#pragma unroll
+            for (int j = 0; j < N; ++j) col[j] = out[j][e];
+            a[e] = AuxElement<N>(col);
+          }
+          *reinterpret_cast<uint4*>(p.aux + t * C + c0) = Pack8(a);
+        }
+      }
+      if constexpr (kMix) {
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kStreams; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s = __fmaf_rn(out[j][e], out[j][e], s);
+        sq_r[mt][h] = s;
+      }
+      if constexpr (kShifted) {
+        float z[8];
+        if (kHasPre && !kFirst) {
+          const float* cf = coef[mt * 16 + h * 8 + g];
+          float pre[N];
+#pragma unroll
+          for (int j = 0; j < N; ++j) pre[j] = cf[20 + j];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            float col[N];
+#pragma unroll
+            for (int j = 0; j < N; ++j) col[j] = out[j][e];
+            z[e] = CollapseElement<N>(col, pre);
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) z[e] = out[0][e];  // pre_mix absent: stream 0, bit for bit
+        }
+        *reinterpret_cast<uint4*>(p.y + t * C + c0) = Pack8(z);
+        sq_z[mt][h] = VecSumSq(z);
+      }
+    }
+
+  // Mixes: acc[mt][nt] is the m16n8 tile (tokens of m-tile mt) x (outputs nt*8 .. nt*8+7).
+  float acc[kTiles][3][4];
+#pragma unroll
+  for (int mt = 0; mt < kTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.0f;
+  if constexpr (kMix) {
+    // B fragments straight from global memory (L2-resident weights). Staging them in shared memory
+    // with cp.async was measured: no gain at decode sizes, and the 96 KB per CTA halved occupancy
+    // at large T.
+    const float4* frag = p.frag + size_t(quad) * kSteps * 3 * 32 + lane;
+    // Two steps of B in flight: step s+2 is requested while step s multiplies.
+    float4 bq[3][3];
+#pragma unroll
+    for (int s = 0; s < 2 && s < kSteps; ++s)
+#pragma unroll
+      for (int nt = 0; nt < 3; ++nt) bq[s][nt] = frag[(s * 3 + nt) * 32];
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      const int j = s / 4, w = s % 4;  // stream, bf16 pair within the lane's 8 channels
+      if (s + 2 < kSteps) {
+#pragma unroll
+        for (int nt = 0; nt < 3; ++nt) bq[(s + 2) % 3][nt] = frag[((s + 2) * 3 + nt) * 32];
+      }
+      float4 b[3];
+#pragma unroll
+      for (int nt = 0; nt < 3; ++nt) b[nt] = bq[s % 3][nt];
+#pragma unroll
+      for (int mt = 0; mt < kTiles; ++mt) {
+        const uint32_t w0 = (&rq[mt][0][j].x)[w], w1 = (&rq[mt][1][j].x)[w];
+        const uint32_t a0 = w0 << 16, a2 = w0 & 0xffff0000u;  // token g: channels 2w, 2w+1
+        const uint32_t a1 = w1 << 16, a3 = w1 & 0xffff0000u;  // token g+8
+#pragma unroll
+        for (int nt = 0; nt < 3; ++nt) {
+          MmaTf32(acc[mt][nt], a0, a1, a2, a3, b[nt].x, b[nt].y);  // hi
+          MmaTf32(acc[mt][nt], a0, a1, a2, a3, b[nt].z, b[nt].w);  // lo
+        }
+      }
+    }
+  }
+
+  // Sums of squares over the quad: butterfly over the 4 lanes of a row (the canonical quad order
+  // (p0 + p1) + (p2 + p3) for z), then one lane per row writes.
+#pragma unroll
+  for (int mt = 0; mt < kTiles; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float a = sq_r[mt][h], z = sq_z[mt][h];
+      a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, 1));
+      a = __fadd_rn(a, __shfl_xor_sync(0xffffffffu, a, 2));
+      z = __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, 1));
+      z = __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, 2));
+      const int row = mt * 16 + h * 8 + g;
+      if (tq == 0) {
+        red[warp][row][24] = a;
+        red[warp][row][25] = z;
+      }
+    }
+#pragma unroll
+  for (int mt = 0; mt < kTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 3; ++nt) {
+      const int o = nt * 8 + 2 * tq;
+      red[warp][mt * 16 + g][o] = acc[mt][nt][0];
+      red[warp][mt * 16 + g][o + 1] = acc[mt][nt][1];
+      red[warp][mt * 16 + 8 + g][o] = acc[mt][nt][2];
+      red[warp][mt * 16 + 8 + g][o + 1] = acc[mt][nt][3];
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTileTokens * kFusedPartialStride; i += kFusedThreads) {
+    const int row = i / kFusedPartialStride, q = i % kFusedPartialStride;
+    const int64_t t = tok_base + row;
+    if (t >= p.tokens) continue;
+    p.partials[(t * nchunk + chunk) * kFusedPartialStride + q] =
+        ChunkSum(red[0][row][q], red[1][row][q], red[2][row][q], red[3][row][q]);
+  }
+}
+#endif  // !FL_HIP
+
+}  // namespace fusedlayer::gpu::mhc

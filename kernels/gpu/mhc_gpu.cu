@@ -1,0 +1,486 @@
+// Host side of the GPU mHC op: weight preparation (transposes, the fused path's TF32 hi/lo B
+// fragments), the fused-path capability query and the launchers of both paths.
+// gpu_runtime.h before anything that pulls in fusedlayer/numeric.h: under hipcc its device branch
+// needs the HIP intrinsics (__float_as_uint) declared first.
+#include "gpu_runtime.h"
+#include "mhc_gpu.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "mhc_finalize_kernel.cuh"
+#include "mhc_fused_kernel.cuh"
+#include "mhc_unfused_kernels.cuh"
+
+namespace fusedlayer::gpu {
+namespace {
+
+using mhc::FinalizeParams;
+using mhc::FusedParams;
+using mhc::MixesParams;
+using mhc::PostParams;
+using mhc::YSource;
+
+#if FL_HIP
+constexpr auto kMaxDynamicSmemAttr = hipFuncAttributeMaxDynamicSharedMemorySize;
+#else
+constexpr auto kMaxDynamicSmemAttr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+#endif
+
+// Token slices: the partials workspace is sized for one slice, so memory stays bounded for any T.
+// Slicing never changes a token's arithmetic (every reduction order depends on C only).
+constexpr size_t kMaxWorkspaceBytes = size_t(256) << 20;
+constexpr int64_t kMaxSliceTokens = 65535;  // grid.y of the mixes kernel with one token per CTA
+
+// Round to the nearest TF32 value (10 mantissa bits), ties away from zero like cvt.rna.tf32.f32.
+float RoundToTf32(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+// fn as mma.sync m16n8k8 B fragments (see mhc_fused_kernel.cuh): for 32-channel quad G, k-step s
+// (stream j = s / 4, bf16 pair w = s % 4), n-tile nt and lane (g, t): output o = nt*8 + g and
+// k = j*C + G*32 + t*8 + 2w (b0) and k + 1 (b1), each as hi = tf32(f), lo = tf32(f - hi).
+// `row(o, k)` reads the source matrix; `streams` is 4 (seam) or 1 (first stage).
+template <typename Row>
+std::vector<float> BuildFragments(int64_t C, int streams, Row row) {
+  const int64_t quads = C / 32;
+  const int steps = streams * 4;
+  std::vector<float> out(size_t(quads) * steps * 3 * 32 * 4);
+  size_t i = 0;
+  for (int64_t G = 0; G < quads; ++G)
+    for (int s = 0; s < steps; ++s)
+      for (int nt = 0; nt < 3; ++nt)
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, t = lane % 4, j = s / 4, w = s % 4;
+          const int o = nt * 8 + g;
+          const int64_t k = int64_t(j) * C + G * 32 + t * 8 + 2 * w;
+          const float f0 = row(o, k), f1 = row(o, k + 1);
+          const float h0 = RoundToTf32(f0), h1 = RoundToTf32(f1);
+          out[i++] = h0;
+          out[i++] = h1;
+          out[i++] = RoundToTf32(f0 - h0);
+          out[i++] = RoundToTf32(f1 - h1);
+        }
+  return out;
+}
+
+absl::Status LaunchStatus(const char* what) {
+  const gpuError_t err = gpuGetLastError();
+  if (err == gpuSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, " launch failed: ", gpuGetErrorString(err)));
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+int GridStrideBlocks(int64_t items, const GpuContext& ctx) {
+  const int64_t want = (items + 255) / 256;
+  const int64_t cap = int64_t(std::max(ctx.sm_count, 1)) * 16;
+  return int(std::max<int64_t>(1, std::min(want, cap)));
+}
+
+mhc::MixHyper Hyper(const MhcHyperParams& p) {
+  return {p.hc_norm_eps, p.norm_eps, p.hc_pre_eps, p.sinkhorn_eps, p.post_scale, p.sinkhorn_iters};
+}
+
+// Everything one launch needs, with pointers already offset to the slice.
+struct Slice {
+  int64_t t0 = 0, tokens = 0;
+};
+
+template <typename T>
+T* Offset(const TensorView& v, int64_t t0, int64_t per_token) {
+  return v.data == nullptr ? nullptr : static_cast<T*>(v.data) + t0 * per_token;
+}
+
+template <int N, bool kVec>
+absl::Status LaunchFinalize(FinalizeParams fp, const GpuContext& ctx) {
+  const int64_t nvec = (fp.C + 7) / 8, nchunk = (fp.C + 127) / 128;
+  const size_t smem = size_t(nvec + nchunk) * sizeof(float);
+  auto kernel = mhc::MhcFinalizeKernel<N, kVec>;
+  if (smem > 48 * 1024) {
+    if (smem > size_t(ctx.max_smem_per_block_optin)) {
+      return absl::UnimplementedError(absl::StrCat("hidden size ", fp.C, " exceeds the finalize kernel's shared memory"));
+    }
+    if (gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), kMaxDynamicSmemAttr,
+                            int(smem)) != gpuSuccess) {
+      return LaunchStatus("MhcFinalizeKernel attribute");
+    }
+  }
+  const int64_t blocks = fp.tokens + (fp.has_mixes ? (fp.tokens + mhc::kFinalizeWarps - 1) / mhc::kFinalizeWarps : 0);
+#if FL_HIP
+  kernel<<<dim3(unsigned(blocks)), mhc::kFinalizeThreads, smem, ctx.stream>>>(fp);
+#else
+  // Programmatic dependent launch: the finalize kernel is launched while its producer drains and
+  // waits in griddepcontrol.wait (MhcFinalizeKernel) for the producer's memory, hiding the launch
+  // gap between the two kernels (~1-2 us at decode sizes). The producer never triggers early, so
+  // the wait is for its full completion.
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(mhc::kFinalizeThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = ctx.stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, fp) != cudaSuccess) return LaunchStatus("MhcFinalizeKernel (PDL)");
+#endif
+  return LaunchStatus("MhcFinalizeKernel");
+}
+
+template <int N>
+absl::Status LaunchFinalizeN(const FinalizeParams& fp, bool vec, const GpuContext& ctx) {
+  return vec ? LaunchFinalize<N, true>(fp, ctx) : LaunchFinalize<N, false>(fp, ctx);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Unfused path
+// ---------------------------------------------------------------------------------------------
+#if !FL_HIP
+// Token tiles of 16 (one m-tile per warp) up to this many tokens, 32 above (see kTiles).
+constexpr int64_t kSingleTileMaxTokens = 1024;
+
+template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false>
+void EnqueueFusedPass(const FusedParams& fp, int nchunk, gpuStream_t stream) {
+  if (fp.tokens <= kSingleTileMaxTokens) {
+    const dim3 grid(unsigned((fp.tokens + 15) / 16), unsigned(nchunk));
+    mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1>
+        <<<grid, mhc::kFusedThreads, 0, stream>>>(fp);
+  } else {
+    const dim3 grid(unsigned((fp.tokens + 31) / 32), unsigned(nchunk));
+    mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 2>
+        <<<grid, mhc::kFusedThreads, 0, stream>>>(fp);
+  }
+}
+#endif
+
+// The tensor-core mixes pass (mhc_fused_kernel.cuh) serves the unfused path too wherever the fused
+// path exists (n = 4, C % 128 == 0, sm_80+): both paths then share every reduction and their mixes
+// and normal-mode y agree bit for bit. Elsewhere the unfused path runs the FMA GEMM.
+bool UseMmaMixes(const GpuMhcWeights& w, const GpuContext& ctx) {
+#if FL_HIP
+  (void)w;
+  (void)ctx;
+  return false;
+#else
+  return w.params_.hc_mult == 4 && w.params_.hidden % mhc::kFusedChunkChannels == 0 && ctx.cc_major >= 8 &&
+         w.fn_frag != nullptr;
+#endif
+}
+
+template <int N>
+absl::Status LaunchUnfusedN(const GpuMhcWeights& w, const MhcArgs& a, GpuContext& ctx) {
+  constexpr int M = N * (N + 2);
+  constexpr int TT = mhc::MixTokensPerCta(M);
+  const MhcHyperParams& hp = w.params_;
+  const int64_t C = hp.hidden, T = a.tokens;
+  const bool first = a.stage == MhcStage::kFirst, head = a.stage == MhcStage::kHead;
+  const bool has_mixes = !head;
+  bool vec = C % 8 == 0;
+  for (const TensorView* v : {&a.x, &a.residual, &a.new_residual, &a.y, &a.aux}) vec = vec && Aligned16(v->data);
+  vec = vec && Aligned16(w.norm_weight.get());
+  const bool mma = vec && UseMmaMixes(w, ctx);
+  const int nsplit = mma ? int(C / mhc::kFusedChunkChannels)
+                         : int((C + mhc::kMixSplitChannels - 1) / mhc::kMixSplitChannels);
+  const int stride = mma ? mhc::kFusedPartialStride : M + 1;
+  const size_t per_token = size_t(nsplit) * stride * sizeof(float);
+  const int64_t slice = std::max<int64_t>(1, std::min<int64_t>({T, kMaxSliceTokens, int64_t(kMaxWorkspaceBytes / per_token)}));
+  float* ws = nullptr;
+  if (has_mixes) {
+    ws = static_cast<float*>(ctx.Workspace(per_token * size_t(slice)));
+    if (ws == nullptr) return absl::ResourceExhaustedError("mHC unfused workspace allocation failed");
+  }
+  const bool shifted_pre = a.mode == MhcMode::kShifted && !first && !a.pre_mix.empty_view();
+
+  for (int64_t t0 = 0; t0 < T; t0 += slice) {
+    const int64_t ts = std::min(slice, T - t0);
+    uint16_t* nr = Offset<uint16_t>(a.new_residual, t0, N * C);
+    if (first) {
+      mhc::MhcBroadcastKernel<<<GridStrideBlocks(ts * N * C, ctx), 256, 0, ctx.stream>>>(
+          Offset<const uint16_t>(a.x, t0, C), nr, ts, N, C);
+      if (absl::Status s = LaunchStatus("MhcBroadcastKernel"); !s.ok()) return s;
+    } else {
+      PostParams pp{Offset<const uint16_t>(a.x, t0, C), Offset<const uint16_t>(a.residual, t0, N * C),
+                    Offset<const float>(a.post_mix, t0, N), Offset<const float>(a.comb_mix, t0, N * N), nr,
+                    a.capture_aux ? Offset<uint16_t>(a.aux, t0, C) : nullptr, ts, C};
+      const int blocks = GridStrideBlocks(ts * ((C + 7) / 8), ctx);
+      if (vec) {
+        mhc::MhcPostKernel<N, true><<<blocks, 256, 0, ctx.stream>>>(pp);
+      } else {
+        mhc::MhcPostKernel<N, false><<<blocks, 256, 0, ctx.stream>>>(pp);
+      }
+      if (absl::Status s = LaunchStatus("MhcPostKernel"); !s.ok()) return s;
+    }
+    if (has_mixes && mma) {
+#if !FL_HIP
+      if constexpr (N == 4) {
+        FusedParams fp{};
+        fp.x = Offset<const uint16_t>(a.x, t0, C);
+        fp.residual = nr;
+        fp.frag = static_cast<const float4*>(first ? w.fn_first_frag.get() : w.fn_frag.get());
+        fp.partials = ws;
+        fp.tokens = ts;
+        fp.C = C;
+        if (first) {
+          EnqueueFusedPass<true, false, false, false, true, true>(fp, nsplit, ctx.stream);
+        } else {
+          EnqueueFusedPass<false, false, false, false, true, true>(fp, nsplit, ctx.stream);
+        }
+        if (absl::Status s = LaunchStatus("MhcFusedPassKernel (mixes GEMM)"); !s.ok()) return s;
+      }
+#endif
+    } else if (has_mixes) {
+      MixesParams mp;
+      mp.residual = first ? Offset<const uint16_t>(a.x, t0, C) : nr;
+      mp.token_stride = first ? C : N * C;
+      mp.stream_stride = C;
+      mp.fn_t = static_cast<const float*>(first ? w.fn_first_t.get() : w.fn_t.get());
+      mp.partials = ws;
+      mp.tokens = ts;
+      mp.C = C;
+      mp.nsplit = nsplit;
+      const dim3 grid(unsigned(nsplit), unsigned((ts + TT - 1) / TT));
+      if (first) {
+        mhc::MhcMixesKernel<1, M, TT><<<grid, mhc::kMixThreads, 0, ctx.stream>>>(mp);
+      } else {
+        mhc::MhcMixesKernel<N, M, TT><<<grid, mhc::kMixThreads, 0, ctx.stream>>>(mp);
+      }
+      if (absl::Status s = LaunchStatus("MhcMixesKernel"); !s.ok()) return s;
+    }
+    FinalizeParams fp{};
+    fp.partials = ws;
+    fp.nsplit = nsplit;
+    fp.stride = stride;
+    fp.k_count = float(first ? C : N * C);
+    fp.scale = static_cast<const float*>(w.scale.get());
+    fp.base = static_cast<const float*>(w.base.get());
+    fp.hyper = Hyper(hp);
+    fp.has_mixes = has_mixes;
+    fp.y_source = a.mode == MhcMode::kNormal ? YSource::kCollapseNew : YSource::kCollapseGiven;
+    fp.pre_mix = shifted_pre ? Offset<const float>(a.pre_mix, t0, N) : nullptr;
+    fp.new_residual = nr;
+    fp.norm_weight = static_cast<const uint16_t*>(w.norm_weight.get());
+    fp.y = Offset<uint16_t>(a.y, t0, C);
+    fp.new_pre = Offset<float>(a.new_pre_mix, t0, N);
+    fp.new_post = Offset<float>(a.new_post_mix, t0, N);
+    fp.new_comb = Offset<float>(a.new_comb_mix, t0, N * N);
+    fp.tokens = ts;
+    fp.C = C;
+    if (absl::Status s = LaunchFinalizeN<N>(fp, vec, ctx); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LaunchUnfused(const GpuMhcWeights& w, const MhcArgs& a, GpuContext& ctx) {
+  switch (w.params_.hc_mult) {
+    case 1: return LaunchUnfusedN<1>(w, a, ctx);
+    case 2: return LaunchUnfusedN<2>(w, a, ctx);
+    case 3: return LaunchUnfusedN<3>(w, a, ctx);
+    case 4: return LaunchUnfusedN<4>(w, a, ctx);
+    case 5: return LaunchUnfusedN<5>(w, a, ctx);
+    case 6: return LaunchUnfusedN<6>(w, a, ctx);
+    case 7: return LaunchUnfusedN<7>(w, a, ctx);
+    case 8: return LaunchUnfusedN<8>(w, a, ctx);
+  }
+  return absl::InvalidArgumentError("hc_mult must be in 1..8");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused path (n = 4)
+// ---------------------------------------------------------------------------------------------
+#if !FL_HIP
+absl::Status LaunchFused(const GpuMhcWeights& w, const MhcArgs& a, GpuContext& ctx) {
+  constexpr int N = 4;
+  const MhcHyperParams& hp = w.params_;
+  const int64_t C = hp.hidden, T = a.tokens;
+  const bool first = a.stage == MhcStage::kFirst, head = a.stage == MhcStage::kHead;
+  const bool shifted = a.mode == MhcMode::kShifted;
+  const bool has_pre = shifted && !first && !a.pre_mix.empty_view();
+  const bool aux = a.capture_aux;
+  for (const TensorView* v : {&a.x, &a.residual, &a.new_residual, &a.y, &a.aux}) {
+    if (!Aligned16(v->data)) return absl::FailedPreconditionError("the fused mHC path needs 16-byte aligned tensors");
+  }
+  const int nchunk = int(C / mhc::kFusedChunkChannels);
+  const size_t per_token = size_t(nchunk) * mhc::kFusedPartialStride * sizeof(float);
+  const int64_t slice = std::max<int64_t>(
+      1, std::min<int64_t>({T, kMaxSliceTokens * mhc::kFusedTileTokens, int64_t(kMaxWorkspaceBytes / per_token)}));
+  float* ws = static_cast<float*>(ctx.Workspace(per_token * size_t(slice)));
+  if (ws == nullptr) return absl::ResourceExhaustedError("mHC fused workspace allocation failed");
+
+  for (int64_t t0 = 0; t0 < T; t0 += slice) {
+    const int64_t ts = std::min(slice, T - t0);
+    FusedParams fp{};
+    fp.x = Offset<const uint16_t>(a.x, t0, C);
+    fp.residual = first ? nullptr : Offset<const uint16_t>(a.residual, t0, N * C);
+    fp.post_mix = first ? nullptr : Offset<const float>(a.post_mix, t0, N);
+    fp.comb_mix = first ? nullptr : Offset<const float>(a.comb_mix, t0, N * N);
+    fp.pre_mix = has_pre ? Offset<const float>(a.pre_mix, t0, N) : nullptr;
+    fp.frag = static_cast<const float4*>(first ? w.fn_first_frag.get() : w.fn_frag.get());
+    fp.new_residual = Offset<uint16_t>(a.new_residual, t0, N * C);
+    fp.y = Offset<uint16_t>(a.y, t0, C);
+    fp.aux = aux ? Offset<uint16_t>(a.aux, t0, C) : nullptr;
+    fp.partials = ws;
+    fp.tokens = ts;
+    fp.C = C;
+    // Template flags: (first, shifted, has_pre, aux, mix).
+    if (first) {
+      if (shifted) EnqueueFusedPass<true, true, false, false, true>(fp, nchunk, ctx.stream);
+      else EnqueueFusedPass<true, false, false, false, true>(fp, nchunk, ctx.stream);
+    } else if (head) {
+      if (has_pre) EnqueueFusedPass<false, true, true, false, false>(fp, nchunk, ctx.stream);
+      else EnqueueFusedPass<false, true, false, false, false>(fp, nchunk, ctx.stream);
+    } else if (shifted) {
+      if (has_pre) {
+        if (aux) EnqueueFusedPass<false, true, true, true, true>(fp, nchunk, ctx.stream);
+        else EnqueueFusedPass<false, true, true, false, true>(fp, nchunk, ctx.stream);
+      } else {
+        if (aux) EnqueueFusedPass<false, true, false, true, true>(fp, nchunk, ctx.stream);
+        else EnqueueFusedPass<false, true, false, false, true>(fp, nchunk, ctx.stream);
+      }
+    } else {
+      if (aux) EnqueueFusedPass<false, false, false, true, true>(fp, nchunk, ctx.stream);
+      else EnqueueFusedPass<false, false, false, false, true>(fp, nchunk, ctx.stream);
+    }
+    if (absl::Status s = LaunchStatus("MhcFusedPassKernel"); !s.ok()) return s;
+
+    FinalizeParams f{};
+    f.partials = ws;
+    f.nsplit = nchunk;
+    f.stride = mhc::kFusedPartialStride;
+    f.k_count = float(first ? C : N * C);
+    f.scale = static_cast<const float*>(w.scale.get());
+    f.base = static_cast<const float*>(w.base.get());
+    f.hyper = Hyper(hp);
+    f.has_mixes = !head;
+    f.y_source = shifted ? YSource::kRescaleZ : YSource::kCollapseNew;
+    f.pre_mix = nullptr;
+    f.new_residual = fp.new_residual;
+    f.norm_weight = static_cast<const uint16_t*>(w.norm_weight.get());
+    f.y = fp.y;
+    f.new_pre = Offset<float>(a.new_pre_mix, t0, N);
+    f.new_post = Offset<float>(a.new_post_mix, t0, N);
+    f.new_comb = Offset<float>(a.new_comb_mix, t0, N * N);
+    f.tokens = ts;
+    f.C = C;
+    if (absl::Status s = LaunchFinalizeN<N>(f, Aligned16(f.norm_weight) || f.norm_weight == nullptr, ctx); !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+#endif  // !FL_HIP
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GpuMhcWeights>> PrepareMhcGpu(const MhcHyperParams& params,
+                                                              const MhcWeightsHost& weights, GpuContext& ctx) {
+  if (absl::Status s = params.Validate(); !s.ok()) return s;
+  const int n = params.hc_mult, M = params.num_mixes();
+  const int64_t C = params.hidden, K = params.flat_width();
+  if (absl::Status s = ExpectTensor(weights.fn, "fn", DType::kFP32, {M, K}); !s.ok()) return s;
+  if (absl::Status s = ExpectTensor(weights.scale, "scale", DType::kFP32, {3}); !s.ok()) return s;
+  if (absl::Status s = ExpectTensor(weights.base, "base", DType::kFP32, {M}); !s.ok()) return s;
+  const bool has_g = !weights.norm_weight.empty_view();
+  if (has_g) {
+    if (absl::Status s = ExpectTensor(weights.norm_weight, "norm_weight", DType::kBF16, {C}); !s.ok()) return s;
+  }
+  const float* fn = weights.fn.ptr<const float>();
+
+  auto w = std::make_unique<GpuMhcWeights>();
+  w->params_ = params;
+  std::vector<float> fn_t(size_t(K) * M), fn_first(size_t(C) * M);
+  for (int o = 0; o < M; ++o)
+    for (int64_t k = 0; k < K; ++k) fn_t[size_t(k) * M + o] = fn[size_t(o) * K + k];
+  // First stage: R_0 = e on every stream, so sum_k R_0[k] fn[o][k] = sum_c e[c] (sum_j fn[o][j*C + c]).
+  for (int o = 0; o < M; ++o)
+    for (int64_t c = 0; c < C; ++c) {
+      float s = 0.0f;
+      for (int j = 0; j < n; ++j) s += fn[size_t(o) * K + size_t(j) * C + c];
+      fn_first[size_t(c) * M + o] = s;
+    }
+  size_t bytes = 0;
+  auto upload = [&](GpuMemory& dst, const void* src, size_t nbytes) -> absl::Status {
+    auto mem = GpuUpload(src, nbytes, ctx);
+    if (!mem.ok()) return mem.status();
+    dst = std::move(*mem);
+    bytes += nbytes;
+    return absl::OkStatus();
+  };
+  if (absl::Status s = upload(w->fn_t, fn_t.data(), fn_t.size() * 4); !s.ok()) return s;
+  if (absl::Status s = upload(w->fn_first_t, fn_first.data(), fn_first.size() * 4); !s.ok()) return s;
+  if (absl::Status s = upload(w->scale, weights.scale.data, 3 * 4); !s.ok()) return s;
+  if (absl::Status s = upload(w->base, weights.base.data, size_t(M) * 4); !s.ok()) return s;
+  if (has_g) {
+    if (absl::Status s = upload(w->norm_weight, weights.norm_weight.data, size_t(C) * 2); !s.ok()) return s;
+  }
+  if (n == 4 && C % mhc::kFusedChunkChannels == 0) {
+    const std::vector<float> frag =
+        BuildFragments(C, 4, [&](int o, int64_t k) { return fn[size_t(o) * K + size_t(k)]; });
+    const std::vector<float> frag_first =
+        BuildFragments(C, 1, [&](int o, int64_t k) { return fn_first[size_t(k) * M + o]; });
+    if (absl::Status s = upload(w->fn_frag, frag.data(), frag.size() * 4); !s.ok()) return s;
+    if (absl::Status s = upload(w->fn_first_frag, frag_first.data(), frag_first.size() * 4); !s.ok()) return s;
+  }
+  w->resident_bytes_ = bytes;
+  return w;
+}
+
+FusedSupport MhcFusedSupportGpu(const GpuMhcWeights& weights, const MhcShapeQuery& query, const GpuContext& ctx,
+                                int64_t fused_max_tokens) {
+  const MhcHyperParams& p = weights.params();
+#if FL_HIP
+  (void)ctx;
+  return FusedSupport::No(FallbackReason::kDeviceArchUnsupported,
+                          "the fused mHC kernel uses mma.sync TF32 tensor-core instructions (CUDA sm_80+)");
+#else
+  if (ctx.cc_major < 8) {
+    return FusedSupport::No(FallbackReason::kDeviceArchUnsupported,
+                            absl::StrCat("the fused mHC kernel needs sm_80+ (TF32 mma.sync), device is ", ctx.arch));
+  }
+#endif
+  if (p.hc_mult != 4) {
+    return FusedSupport::No(FallbackReason::kHcMultUnsupported,
+                            absl::StrCat("the fused mHC kernel is specialised for hc_mult = 4, got ", p.hc_mult));
+  }
+  if (p.hidden % mhc::kFusedChunkChannels != 0) {
+    return FusedSupport::No(FallbackReason::kHiddenSizeUnsupported,
+                            absl::StrCat("C = ", p.hidden, " is not a multiple of ", mhc::kFusedChunkChannels));
+  }
+  if (query.tokens > fused_max_tokens) {
+    return FusedSupport::No(FallbackReason::kTooManyTokens,
+                            absl::StrCat("T = ", query.tokens, " exceeds fused_max_tokens = ", fused_max_tokens));
+  }
+  return FusedSupport::Yes();
+}
+
+absl::Status LaunchMhcGpu(const GpuMhcWeights& weights, const MhcArgs& args, Path path, GpuContext& ctx,
+                          int64_t fused_max_tokens) {
+  if (absl::Status s = ValidateMhcArgs(weights.params(), weights.has_norm_weight(), args); !s.ok()) return s;
+  if (path == Path::kFused) {
+    MhcShapeQuery q;
+    q.stage = args.stage;
+    q.mode = args.mode;
+    q.capture_aux = args.capture_aux;
+    q.tokens = args.tokens;
+    const FusedSupport sup = MhcFusedSupportGpu(weights, q, ctx, fused_max_tokens);
+    if (!sup.supported) {
+      return absl::FailedPreconditionError(absl::StrCat("fused mHC path unsupported (",
+                                                        FallbackReasonName(sup.reason), "): ", sup.detail));
+    }
+  }
+  if (args.tokens == 0) return absl::OkStatus();
+#if !FL_HIP
+  if (path == Path::kFused) return LaunchFused(weights, args, ctx);
+#endif
+  return LaunchUnfused(weights, args, ctx);
+}
+
+}  // namespace fusedlayer::gpu

@@ -1,0 +1,153 @@
+// SWA op on the GPU: weight upload, capability query and the launch sequence of each path.
+#include "swa_gpu.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "swa_kernels.h"
+
+namespace fusedlayer::gpu {
+namespace {
+
+DType Fp8DType(Fp8Format f) { return f == Fp8Format::kE4M3FN ? DType::kFP8E4M3FN : DType::kFP8E4M3FNUZ; }
+
+absl::Status LaunchStatus(gpuError_t err, const char* what) {
+  if (err == gpuSuccess) return absl::OkStatus();
+  (void)gpuGetLastError();
+  return absl::InternalError(absl::StrCat(what, " launch failed: ", gpuGetErrorString(err)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GpuSwaWeights>> PrepareSwaGpu(const SwaHyperParams& params,
+                                                              const SwaWeightsHost& weights, GpuContext& ctx) {
+  if (absl::Status s = params.Validate(); !s.ok()) return s;
+  const int64_t Q = params.q_rank, D = params.head_dim;
+  absl::Status s;
+  if (!(s = ExpectTensor(weights.q_norm, "q_norm", DType::kBF16, {Q})).ok()) return s;
+  if (!(s = ExpectTensor(weights.kv_norm, "kv_norm", DType::kBF16, {D})).ok()) return s;
+  if (params.has_wq_b()) {
+    const int64_t N = params.wq_b_rows;
+    if (!(s = ExpectTensor(weights.wq_b, "wq_b", Fp8DType(params.fp8_format), {N, Q})).ok()) return s;
+    if (!(s = ExpectTensor(weights.wq_b_scale, "wq_b_scale", DType::kFP32, {N / kSwaGroup, Q / kSwaGroup})).ok()) {
+      return s;
+    }
+    // Dequant scales must be finite and positive (a zero or NaN scale would silently poison q_proj).
+    const float* bs = weights.wq_b_scale.ptr<const float>();
+    for (int64_t i = 0; i < weights.wq_b_scale.numel(); ++i) {
+      if (!(std::isfinite(bs[i]) && bs[i] > 0.0f)) {
+        return absl::InvalidArgumentError(absl::StrCat("wq_b_scale[", i, "] = ", bs[i], " is not finite and > 0"));
+      }
+    }
+  } else if (!weights.wq_b.empty_view() || !weights.wq_b_scale.empty_view()) {
+    return absl::InvalidArgumentError("wq_b given but wq_b_rows is 0");
+  }
+  // Only the first 2^31 elements of a row are addressed with 32-bit lane arithmetic.
+  if (Q + D > (int64_t{1} << 30)) return absl::InvalidArgumentError("q_rank + head_dim too large");
+
+  auto w = std::make_unique<GpuSwaWeights>();
+  w->params_ = params;
+  auto up = [&](const TensorView& t, GpuMemory& dst) -> absl::Status {
+    const size_t bytes = size_t(t.numel()) * DTypeSize(t.dtype);
+    auto mem = GpuUpload(t.data, bytes, ctx);
+    if (!mem.ok()) return mem.status();
+    dst = std::move(*mem);
+    w->resident_bytes_ += bytes;
+    return absl::OkStatus();
+  };
+  if (!(s = up(weights.q_norm, w->q_norm)).ok()) return s;
+  if (!(s = up(weights.kv_norm, w->kv_norm)).ok()) return s;
+  if (params.has_wq_b()) {
+    if (!(s = up(weights.wq_b, w->wq_b)).ok()) return s;
+    if (!(s = up(weights.wq_b_scale, w->wq_b_scale)).ok()) return s;
+  }
+  return w;
+}
+
+FusedSupport SwaFusedSupportGpu(const GpuSwaWeights& /*weights*/, const SwaShapeQuery& query,
+                                const GpuContext& /*ctx*/, int64_t fused_max_tokens) {
+  if (query.tokens > fused_max_tokens) {
+    return FusedSupport::No(FallbackReason::kTooManyTokens,
+                            absl::StrCat("T = ", query.tokens, " exceeds fused_max_tokens = ", fused_max_tokens));
+  }
+  return FusedSupport::Yes();
+}
+
+absl::Status LaunchSwaGpu(const GpuSwaWeights& weights, const SwaArgs& args, Path path, GpuContext& ctx,
+                          int64_t fused_max_tokens) {
+  const SwaHyperParams& hp = weights.params();
+  if (absl::Status s = ValidateSwaArgs(hp, args); !s.ok()) return s;
+  if (path == Path::kFused) {
+    FusedSupport sup = SwaFusedSupportGpu(weights, SwaShapeQuery{args.tokens}, ctx, fused_max_tokens);
+    if (!sup.supported) {
+      return absl::FailedPreconditionError(absl::StrCat("fused SWA path not supported: ", sup.detail));
+    }
+  }
+  const int64_t M = args.tokens;
+  if (M == 0) return absl::OkStatus();
+  const int Q = int(hp.q_rank), D = int(hp.head_dim);
+
+  SwaScaleLayout layout;
+  if (hp.scale_layout == ScaleLayout::kRowMajor) {
+    layout.m_stride = hp.groups();
+    layout.g_stride = 1;
+    layout.padded_rows = M;
+  } else {
+    layout.m_stride = 1;
+    layout.g_stride = AlignTo4(M);
+    layout.padded_rows = AlignTo4(M);
+  }
+
+  SwaRowParams p;
+  p.qr_kv = args.qr_kv.ptr<const uint16_t>();
+  p.row_stride = args.qr_kv.stride[0];
+  p.tokens = M;
+  p.q_rank = Q;
+  p.head_dim = D;
+  p.q_norm = static_cast<const uint16_t*>(weights.q_norm.get());
+  p.kv_norm = static_cast<const uint16_t*>(weights.kv_norm.get());
+  p.eps = hp.eps;
+  p.kv = args.kv.ptr<uint16_t>();
+  p.q_fp8 = args.q_fp8.ptr<uint8_t>();
+  p.q_scale = args.q_scale.ptr<float>();
+  p.scale_layout = layout;
+  p.fp8_format = hp.fp8_format;
+  p.ue8m0 = hp.scale_format == ScaleFormat::kUe8m0;
+
+  if (path == Path::kFused) {
+    if (absl::Status s = LaunchStatus(LaunchSwaFusedRows(p, ctx.sm_count, ctx.stream), "fused SWA"); !s.ok()) {
+      return s;
+    }
+  } else {
+    // The unfused chain materialises the bf16 q half, as vLLM's Triton norm does, then quantizes it.
+    void* ws = ctx.Workspace(size_t(M) * size_t(Q) * sizeof(uint16_t));
+    if (ws == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("unfused SWA: workspace of ", M * Q * 2, " bytes for the bf16 q could not be allocated"));
+    }
+    p.q_bf16 = static_cast<uint16_t*>(ws);
+    if (absl::Status s = LaunchStatus(LaunchSwaNormRows(p, ctx.sm_count, ctx.stream), "SWA RMSNorm"); !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = LaunchStatus(LaunchSwaGroupQuant(p.q_bf16, M, Q, p.q_fp8, p.q_scale, layout, hp.fp8_format,
+                                                          p.ue8m0, ctx.stream),
+                                      "SWA group quant");
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (hp.has_wq_b()) {
+    // Both paths feed the fp8 q and its scales to the GEMM (unfused: the re-quantized bf16 q).
+    if (absl::Status s = LaunchStatus(
+            LaunchWqbGemm(p.q_fp8, p.q_scale, layout, static_cast<const uint8_t*>(weights.wq_b.get()),
+                          static_cast<const float*>(weights.wq_b_scale.get()), args.q_proj.ptr<uint16_t>(), M,
+                          int(hp.wq_b_rows), Q, hp.fp8_format, ctx.stream),
+            "wq_b GEMM");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fusedlayer::gpu

@@ -1,0 +1,60 @@
+// Raw kernel launchers of the SWA op, shared by swa_gpu.cc, the GPU tests and the benchmark.
+// Pointers are device pointers; every launcher enqueues on `stream` and returns the launch error.
+#pragma once
+
+#include <cstdint>
+
+// gpu_runtime.h first: under hipcc, numeric.h's device intrinsics come from <hip/hip_runtime.h>.
+#include "gpu_runtime.h"
+#include "fusedlayer/numeric.h"
+
+namespace fusedlayer::gpu {
+
+// Where scale s(m, g) lives: q_scale[m * m_stride + g * g_stride]. Row-major: (G, 1);
+// DeepGEMM column-major TMA-aligned: (1, align(M, 4)), with rows [M, align(M,4)) zero-filled.
+struct SwaScaleLayout {
+  int64_t m_stride = 0;
+  int64_t g_stride = 1;
+  int64_t padded_rows = 0;  // align(M,4) for the column-major layout (padding zeroed), else M
+};
+
+struct SwaRowParams {
+  const uint16_t* qr_kv = nullptr;  // bf16 [M, Q + D], rows `row_stride` elements apart
+  int64_t row_stride = 0;
+  int64_t tokens = 0;
+  int q_rank = 0;    // Q
+  int head_dim = 0;  // D
+  const uint16_t* q_norm = nullptr;   // bf16 [Q]
+  const uint16_t* kv_norm = nullptr;  // bf16 [D]
+  float eps = 1e-6f;
+  uint16_t* kv = nullptr;             // bf16 [M, D]
+  // Fused: q codes and scales written from the fp32 normalised value.
+  uint8_t* q_fp8 = nullptr;           // [M, Q]
+  float* q_scale = nullptr;
+  SwaScaleLayout scale_layout;
+  Fp8Format fp8_format = Fp8Format::kE4M3FN;
+  bool ue8m0 = false;
+  // Unfused norm step: the bf16-rounded q half (dense [M, Q]); q_fp8/q_scale unused.
+  uint16_t* q_bf16 = nullptr;
+};
+
+// Whether this binary holds code the current device can run (gpuErrorInvalidDeviceFunction or
+// "no kernel image" otherwise, e.g. an sm_90a build on an sm_80 GPU).
+gpuError_t ProbeSwaKernelImage();
+
+// One launch: q and kv RMSNorm, q FP8 1x128 group quant straight from fp32 (single rounding).
+gpuError_t LaunchSwaFusedRows(const SwaRowParams& p, int sm_count, gpuStream_t stream);
+// The unfused chain: RMSNorm writing bf16 q (p.q_bf16) and kv, then a separate group quant of
+// the bf16 q. kv and the q-half normalisation are computed by the same code as the fused kernel,
+// so kv is bitwise equal between the two paths.
+gpuError_t LaunchSwaNormRows(const SwaRowParams& p, int sm_count, gpuStream_t stream);
+gpuError_t LaunchSwaGroupQuant(const uint16_t* q_bf16, int64_t tokens, int q_rank, uint8_t* q_fp8, float* q_scale,
+                               const SwaScaleLayout& layout, Fp8Format fmt, bool ue8m0, gpuStream_t stream);
+
+// q_proj[m, n] = bf16( sum_kb As[m,kb] * Bs[n/128,kb] * sum_{k in kb} fp8(A[m,k]) fp8(B[n,k]) ),
+// fp32 accumulation. A = q codes [M, K] (K = Q), B = wq_b codes [N, K], Bs [N/128, K/128].
+gpuError_t LaunchWqbGemm(const uint8_t* a, const float* a_scale, const SwaScaleLayout& a_layout, const uint8_t* b,
+                         const float* b_scale, uint16_t* out, int64_t tokens, int n, int k, Fp8Format fmt,
+                         gpuStream_t stream);
+
+}  // namespace fusedlayer::gpu

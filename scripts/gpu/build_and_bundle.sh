@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds the CUDA tree and bundles everything the GPU host runs into .gpu/ (git-ignored): the
+# contract and GPU suites, the GPU benchmarks and torch peers, and the server + fusedctl for the
+# end-to-end smoke run. Then, on the device machine (carry [".gpu"]):   bash .gpu/run_device.sh
+#
+# usage: scripts/gpu/build_and_bundle.sh [BUILD_DIR]     (default build-cuda)
+# The bundle script is the design repository's tools/bundle-runtime.sh (BUNDLE_RUNTIME overrides).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${1:-$root/build-cuda}
+bundle=${BUNDLE_RUNTIME:-$root/../shared/tools/bundle-runtime.sh}
+if [ ! -f "$build/build.ninja" ]; then
+  cmake -S "$root" -B "$build" -G Ninja -DFUSEDLAYER_CUDA=ON -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
+    -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST
+fi
+targets=(mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests bench_mhc_gpu bench_swa_gpu
+         fusedlayer_server fusedctl)
+cmake --build "$build" -j2 --target "${targets[@]}"
+rm -rf "$root/.gpu"
+exes=()
+for t in "${targets[@]}"; do exes+=("$(find "$build" -type f -name "$t" -perm -u+x | head -1)"); done
+"$bundle" "$root/.gpu" "${exes[@]}"
+# Debug info is most of the size; the device run needs symbols only.
+for e in "${exes[@]}"; do strip --strip-debug "$root/.gpu/$(basename "$e")"; done
+cp "$root/bench/gpu/torch_peers.py" "$root/bench/gpu/torch_mhc_peer.py" "$root/scripts/gpu/run_device.sh" "$root/.gpu/"
+du -sh "$root/.gpu"

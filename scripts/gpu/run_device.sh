@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
+#   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
+#   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke)
+set -uo pipefail
+cd "$(dirname "$0")"
+export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${STEPS:-"tests sanitize bench torch smoke"}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
+
+if want tests; then
+  for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests; do
+    echo "== $t" >> "$OUT/tests.log"; timeout 240 ./$t --gtest_brief=1 > /tmp/$t.log 2>&1; rc=$?
+    cat /tmp/$t.log >> "$OUT/tests.log"; echo "$t rc=$rc"; tail -3 /tmp/$t.log
+  done
+fi
+if want sanitize; then
+  { echo "== memcheck gpu_mhc_tests"; timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./gpu_mhc_tests --gtest_brief=1 2>&1 | tail -4
+    echo "== racecheck gpu_mhc_tests (fused)"; timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 ./gpu_mhc_tests --gtest_brief=1 --gtest_filter='*Fused*:*Shifted*' 2>&1 | tail -4
+    # BackendIdentityAndErrors asks for 2^60 bytes on purpose (ResourceExhausted): memcheck counts
+    # that failed cudaMalloc as 2 API errors, so it is left out here.
+    echo "== memcheck gpu_swa_tests"; timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./gpu_swa_tests --gtest_brief=1 --gtest_filter='-*BackendIdentityAndErrors*' 2>&1 | tail -4
+    echo "== memcheck swa_contract_tests (cuda)"; timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./swa_contract_tests --gtest_brief=1 --gtest_filter='*cuda*' 2>&1 | tail -4
+    echo "== racecheck gpu_swa_tests"; timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 ./gpu_swa_tests --gtest_brief=1 --gtest_filter='*Graph*:*Fused*' 2>&1 | tail -4
+  } > "$OUT/sanitizers.log" 2>&1; grep -E "==|ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitizers.log"
+fi
+if want bench; then
+  { echo "== bench_mhc_gpu"; timeout 200 ./bench_mhc_gpu
+    echo "== bench_swa_gpu"; timeout 150 ./bench_swa_gpu; } > "$OUT/bench.log" 2>&1; cat "$OUT/bench.log"
+fi
+if want torch; then
+  { PYTHONUNBUFFERED=1 timeout 150 python3 torch_mhc_peer.py --quick; PYTHONUNBUFFERED=1 timeout 120 python3 torch_peers.py --quick; } > "$OUT/torch.log" 2>&1; tail -30 "$OUT/torch.log"
+fi
+if want smoke; then
+  echo "== server smoke (CUDA backend, demo weights)"
+  ./fusedlayer_server --demo_weights --backend=cuda --address=127.0.0.1:50151 --metrics_address=127.0.0.1:50152 > "$OUT/server.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:50151 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+  { C="--target=127.0.0.1:50151"
+    ./fusedctl info $C; ./fusedctl health $C --service=fusedlayer.swa
+    ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64
+    ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=64
+    ./fusedctl seam $C --weight_set=v41-flash/demo --tokens=8 --path=force_unfused
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
+    ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
+    python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50152/metrics').read().decode())" \
+      | grep -E '^fusedlayer_(op_executions_total|op_fallbacks_total\{op="mhc",reason="client_forced_unfused"|fused_kernel_available|build_info|weights_resident)'
+  } > "$OUT/smoke.log" 2>&1
+  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/smoke.log"
+  cat "$OUT/smoke.log"
+fi

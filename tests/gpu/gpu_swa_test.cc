@@ -1,0 +1,439 @@
+// GPU-specific checks of the SWA op (spec/swa.md), beyond the backend-generic contract suite:
+//   - GPU against the CPU backend on the DeepSeek shapes and on the edge layouts (padded and odd
+//     row strides, D not a multiple of 8, rows too wide for the register-resident kernel);
+//   - fused against unfused on the GPU (kv bitwise, q within one code step);
+//   - batch invariance (a row's outputs do not depend on which batch it is in) and run-to-run
+//     determinism, bitwise;
+//   - graph capture + replay of the launcher, bitwise equal to eager launches;
+//   - the wq_b projection against an fp64 product of the GPU's own fp8 operands.
+// Every test skips when no GPU backend is available.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fusedlayer/backend.h"
+#include "fusedlayer/numeric.h"
+#include "gpu_backend_factory.h"
+#include "gpu_context.h"
+#include "gpu_runtime.h"
+#include "gtest/gtest.h"
+#include "swa_gpu.h"
+#include "test_util.h"
+
+namespace fusedlayer::testing {
+namespace {
+
+constexpr int64_t kG = 128;
+
+DType Fp8DType(Fp8Format f) { return f == Fp8Format::kE4M3FN ? DType::kFP8E4M3FN : DType::kFP8E4M3FNUZ; }
+
+struct Case {
+  int64_t M, Q, D;
+  int64_t pad = 0;  // row stride = Q + D + pad
+  Fp8Format fmt = Fp8Format::kE4M3FN;
+  ScaleFormat sf = ScaleFormat::kFp32;
+  ScaleLayout sl = ScaleLayout::kRowMajor;
+  int64_t N = 0;
+};
+
+std::string Name(const Case& c) {
+  return "M" + std::to_string(c.M) + "_Q" + std::to_string(c.Q) + "_D" + std::to_string(c.D) + "_pad" +
+         std::to_string(c.pad) + "_" + Fp8FormatName(c.fmt) + "_" + ScaleFormatName(c.sf) + "_" +
+         ScaleLayoutName(c.sl) + "_N" + std::to_string(c.N);
+}
+
+// Host inputs of one problem: random bf16 with outliers, plus one all-zero q group, one group with
+// a single huge outlier, and groups whose amax / MAX sits just above a power of two (UE8M0 edge).
+struct Problem {
+  Case c;
+  int64_t stride;
+  std::vector<uint16_t> x, q_norm, kv_norm;
+  std::vector<uint8_t> wq_b;
+  std::vector<float> wq_b_scale;
+
+  explicit Problem(const Case& cc) : c(cc), stride(cc.Q + cc.D + cc.pad) {
+    auto rng = MakeRng(uint64_t(c.M * 131 + c.Q * 7 + c.D));
+    x = RandomBf16(rng, size_t(c.M * stride));
+    q_norm = RandomBf16(rng, size_t(c.Q), 0.5f, 4.0f);
+    kv_norm = RandomBf16(rng, size_t(c.D), 0.5f, 4.0f);
+    if (c.M > 0) {
+      for (int64_t i = 0; i < kG; ++i) x[size_t(i)] = 0;                       // row 0, group 0: all zero
+      if (c.M > 1) x[size_t(stride + kG + 5)] = FloatToBf16(3.0e4f);           // row 1, group 1: outlier
+      if (c.M > 2) {
+        // row 2, every group: one element at 448 * 2^k * (1 + 2^-7) makes amax / 448 land just above
+        // a power of two before normalisation; the norm moves it, but some groups stay near the edge.
+        for (int64_t g = 0; g < c.Q / kG; ++g) x[size_t(2 * stride + g * kG)] = FloatToBf16(3.5f * (1.0f + 1.0f / 128));
+      }
+    }
+    if (c.N > 0) {
+      std::uniform_int_distribution<int> code(0, 255);
+      wq_b.resize(size_t(c.N * c.Q));
+      for (auto& b : wq_b) {
+        do b = uint8_t(code(rng)); while (std::isnan(Fp8ToFloat(b, c.fmt)));
+      }
+      wq_b_scale = RandomFloat(rng, size_t(c.N / kG * c.Q / kG), 1e-3f, 4e-3f);
+    }
+  }
+  SwaHyperParams Params() const {
+    SwaHyperParams p;
+    p.q_rank = c.Q;
+    p.head_dim = c.D;
+    p.fp8_format = c.fmt;
+    p.scale_format = c.sf;
+    p.scale_layout = c.sl;
+    p.wq_b_rows = c.N;
+    return p;
+  }
+  SwaWeightsHost Weights() {
+    SwaWeightsHost w;
+    w.q_norm = TensorView::Contiguous(q_norm.data(), DType::kBF16, {c.Q});
+    w.kv_norm = TensorView::Contiguous(kv_norm.data(), DType::kBF16, {c.D});
+    if (c.N > 0) {
+      w.wq_b = TensorView::Contiguous(wq_b.data(), Fp8DType(c.fmt), {c.N, c.Q});
+      w.wq_b_scale = TensorView::Contiguous(wq_b_scale.data(), DType::kFP32, {c.N / kG, c.Q / kG});
+    }
+    return w;
+  }
+  int64_t ScaleElems() const {
+    return c.sl == ScaleLayout::kRowMajor ? c.M * (c.Q / kG) : (c.Q / kG) * AlignTo4(c.M);
+  }
+};
+
+// Outputs of one run, downloaded.
+struct Outputs {
+  std::vector<uint8_t> q;
+  std::vector<float> scale;
+  std::vector<uint16_t> kv, proj;
+};
+
+// Runs `problem` on `backend` (inputs uploaded, outputs NaN-poisoned first).
+Outputs RunOn(Backend& backend, Problem& pb, Path path) {
+  const Case& c = pb.c;
+  auto w = backend.PrepareSwa(pb.Params(), pb.Weights());
+  EXPECT_TRUE(w.ok()) << w.status();
+  if (!w.ok()) return {};
+  DeviceTensor x(backend, DType::kBF16, {c.M, pb.stride});
+  DeviceTensor q(backend, Fp8DType(c.fmt), {c.M, c.Q});
+  DeviceTensor s(backend, DType::kFP32, {pb.ScaleElems()});
+  DeviceTensor kv(backend, DType::kBF16, {c.M, c.D});
+  DeviceTensor proj(backend, DType::kBF16, {c.M, c.N});
+  x.Set(pb.x);
+  q.Poison();
+  s.Poison();
+  kv.Poison();
+  proj.Poison();
+  SwaArgs a;
+  a.tokens = c.M;
+  a.qr_kv = TensorView::Strided2D(x.data(), DType::kBF16, c.M, c.Q + c.D, pb.stride);
+  a.q_fp8 = q.view();
+  a.q_scale = c.sl == ScaleLayout::kRowMajor
+                  ? TensorView::Contiguous(s.data(), DType::kFP32, {c.M, c.Q / kG})
+                  : TensorView::Contiguous(s.data(), DType::kFP32, {c.Q / kG, AlignTo4(c.M)});
+  a.kv = kv.view();
+  if (c.N > 0) a.q_proj = proj.view();
+  auto st = backend.RunSwa(**w, a, path);
+  EXPECT_TRUE(st.ok()) << st.status();
+  Outputs o;
+  o.q = q.Get<uint8_t>();
+  o.scale = s.Get<float>();
+  o.kv = kv.Get<uint16_t>();
+  if (c.N > 0) o.proj = proj.Get<uint16_t>();
+  return o;
+}
+
+std::unique_ptr<Backend> GpuOrNull() {
+  auto b = CreateBackend(GpuBackendKind());
+  return b.ok() ? std::move(*b) : nullptr;
+}
+
+#define SKIP_WITHOUT_GPU(var)                                                  \
+  auto var = GpuOrNull();                                                      \
+  if (!var) GTEST_SKIP() << "no " << GpuBackendKind() << " device available"
+
+// Both scale values of a UE8M0 group agree, or differ by exactly one binade (amax within an ulp of a
+// power of two after differently ordered sums of squares).
+bool ScalesAgree(float a, float b, bool ue8m0) {
+  if (a == b) return true;
+  if (ue8m0) return a == 2 * b || b == 2 * a;
+  return std::fabs(double(a) - double(b)) <= std::ldexp(std::fabs(double(b)), -20);
+}
+
+class GpuVsCpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GpuVsCpu, MatchesCpuBackendBothPaths) {
+  SKIP_WITHOUT_GPU(gpu);
+  auto cpu = CreateBackend("cpu");
+  ASSERT_TRUE(cpu.ok());
+  Problem pb(GetParam());
+  const Case& c = pb.c;
+  const bool ue8m0 = c.sf == ScaleFormat::kUe8m0;
+  for (Path path : {Path::kFused, Path::kUnfused}) {
+    SCOPED_TRACE(PathName(path));
+    // The CPU's fused kernel has its own tile limits (e.g. D % 64 == 0). Where it declines, the GPU's
+    // fused result is held against the CPU's unfused one within the fused-versus-unfused bounds.
+    auto cpu_w = (*cpu)->PrepareSwa(pb.Params(), pb.Weights());
+    ASSERT_TRUE(cpu_w.ok()) << cpu_w.status();
+    const Path ref_path =
+        path == Path::kFused && !(*cpu)->SwaFusedSupport(**cpu_w, SwaShapeQuery{c.M}).supported ? Path::kUnfused : path;
+    const bool cross = ref_path != path;
+    Outputs g = RunOn(*gpu, pb, path);
+    Outputs r = RunOn(**cpu, pb, ref_path);
+    ASSERT_EQ(g.kv.size(), r.kv.size());
+    // kv: the two backends sum the squares in different orders, so rrms may differ by an ulp.
+    int64_t kv_diff = 0;
+    for (size_t i = 0; i < g.kv.size(); ++i) {
+      ASSERT_LE(Bf16UlpDistance(g.kv[i], r.kv[i]), 1) << "kv[" << i << "]";
+      kv_diff += g.kv[i] != r.kv[i];
+    }
+    EXPECT_LE(double(kv_diff), 1e-3 * double(g.kv.size()) + 1);
+    // Scales (including the column-major padding, which must be 0 on both).
+    ASSERT_EQ(g.scale.size(), r.scale.size());
+    int64_t scale_binade = 0;
+    for (size_t i = 0; i < g.scale.size(); ++i) {
+      // The unfused amax is a bf16 value: where the backends' rrms differ by an ulp, the group's
+      // largest bf16(y) may round the other way, one bf16 ulp (<= 2^-7 relative) apart; across paths
+      // the amax comes from y on one side and bf16(y) on the other (<= 2^-8 apart).
+      const bool bf16_amax = (path == Path::kUnfused || cross) && !ue8m0;
+      const bool agree = bf16_amax
+                             ? std::fabs(double(g.scale[i]) - double(r.scale[i])) <= std::ldexp(double(r.scale[i]), -7)
+                             : ScalesAgree(g.scale[i], r.scale[i], ue8m0);
+      ASSERT_TRUE(agree) << "scale[" << i << "] " << g.scale[i] << " vs " << r.scale[i];
+      if (ue8m0) scale_binade += g.scale[i] != r.scale[i];
+    }
+    // UE8M0 groups one binade apart need an amax within an ulp of a power of two: rare.
+    EXPECT_LE(double(scale_binade), (cross ? 5e-2 : 1e-2) * double(g.scale.size()) + 1);
+    // Codes: within one step (UE8M0: where the scales agree), bitwise on >= 99.9%.
+    int64_t q_diff = 0;
+    for (size_t i = 0; i < g.q.size(); ++i) {
+      const int64_t m = int64_t(i) / c.Q, grp = (int64_t(i) % c.Q) / kG;
+      const size_t si = c.sl == ScaleLayout::kRowMajor ? size_t(m * (c.Q / kG) + grp) : size_t(grp * AlignTo4(c.M) + m);
+      if (ue8m0 && g.scale[si] != r.scale[si]) continue;  // a group one binade apart: codes not comparable
+      ASSERT_LE(Fp8CodeDistance(g.q[i], r.q[i]), 1) << "q[" << i << "]";
+      q_diff += g.q[i] != r.q[i];
+    }
+    // Across paths: about 2% of codes move one step with fp32 scales (the contract's 3% bound);
+    // with UE8M0 the bf16 rounding flips a few percent more (the contract bounds values, not counts).
+    EXPECT_LE(double(q_diff), (cross ? (ue8m0 ? 6e-2 : 3e-2) : 1e-3) * double(g.q.size()) + 1);
+    if (c.N > 0) {
+      // Projection: both backends within the contract's tolerance of each other's fp64 product is
+      // implied by the next test; here the two GEMMs see (nearly) the same operands.
+      for (size_t i = 0; i < g.proj.size(); ++i) {
+        const double a = Bf16ToFloat(g.proj[i]), b = Bf16ToFloat(r.proj[i]);
+        ASSERT_LE(std::fabs(a - b), 0.25 + 0.02 * std::fabs(b)) << "q_proj[" << i << "]";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GpuVsCpu,
+    ::testing::Values(Case{1, 1536, 512}, Case{3, 1024, 512}, Case{64, 1280, 512},
+                      Case{1023, 1536, 512, 8, Fp8Format::kE4M3FN, ScaleFormat::kUe8m0, ScaleLayout::kColumnMajorTma},
+                      Case{1025, 1536, 512, 0, Fp8Format::kE4M3FNUZ, ScaleFormat::kFp32, ScaleLayout::kColumnMajorTma},
+                      Case{4096, 1024, 512, 0, Fp8Format::kE4M3FN, ScaleFormat::kFp32, ScaleLayout::kRowMajor},
+                      Case{2, 1536, 512, 0, Fp8Format::kE4M3FNUZ, ScaleFormat::kUe8m0, ScaleLayout::kRowMajor},
+                      // odd row stride: scalar loads; D % 8 != 0: partial chunks, scalar kv stores
+                      Case{37, 384, 200, 3, Fp8Format::kE4M3FN, ScaleFormat::kFp32, ScaleLayout::kColumnMajorTma},
+                      // wider than the register-resident kernel: the streamed variant
+                      Case{19, 2560, 1100, 4, Fp8Format::kE4M3FN, ScaleFormat::kUe8m0, ScaleLayout::kRowMajor},
+                      // with the wq_b projection
+                      Case{77, 1536, 512, 0, Fp8Format::kE4M3FN, ScaleFormat::kFp32, ScaleLayout::kColumnMajorTma, 256},
+                      Case{5, 1024, 512, 0, Fp8Format::kE4M3FNUZ, ScaleFormat::kUe8m0, ScaleLayout::kRowMajor, 384}),
+    [](const ::testing::TestParamInfo<Case>& i) { return Name(i.param); });
+
+TEST(GpuSwa, FusedVersusUnfusedOnGpu) {
+  SKIP_WITHOUT_GPU(gpu);
+  for (ScaleFormat sf : {ScaleFormat::kFp32, ScaleFormat::kUe8m0}) {
+    Problem pb(Case{2048, 1536, 512, 0, Fp8Format::kE4M3FN, sf});
+    Outputs f = RunOn(*gpu, pb, Path::kFused);
+    Outputs u = RunOn(*gpu, pb, Path::kUnfused);
+    ASSERT_EQ(f.kv, u.kv) << "kv must be bitwise equal between the paths";
+    int64_t differ = 0;
+    const int64_t G = pb.c.Q / kG;
+    for (size_t i = 0; i < f.q.size(); ++i) {
+      const size_t si = size_t(int64_t(i) / pb.c.Q * G + (int64_t(i) % pb.c.Q) / kG);
+      if (sf == ScaleFormat::kFp32) {
+        ASSERT_LE(Fp8CodeDistance(f.q[i], u.q[i]), 1) << i;
+      } else {
+        // UE8M0: dequantized values agree within one binade per group.
+        const double a = Fp8ToFloat(f.q[i], pb.c.fmt) * double(f.scale[si]);
+        const double b = Fp8ToFloat(u.q[i], pb.c.fmt) * double(u.scale[si]);
+        ASSERT_LE(std::fabs(a - b), std::fabs(b) + 2 * double(u.scale[si])) << i;
+      }
+      differ += f.q[i] != u.q[i];
+    }
+    if (sf == ScaleFormat::kFp32) EXPECT_LE(double(differ), 0.03 * double(f.q.size()));
+    EXPECT_GT(differ, 0) << "the paths round differently by design; identical codes mean one path is wrong";
+  }
+}
+
+TEST(GpuSwa, BatchInvariantAndDeterministic) {
+  SKIP_WITHOUT_GPU(gpu);
+  for (Path path : {Path::kFused, Path::kUnfused}) {
+    Problem big(Case{1025, 1536, 512, 0, Fp8Format::kE4M3FN, ScaleFormat::kFp32});
+    Outputs a = RunOn(*gpu, big, path);
+    Outputs a2 = RunOn(*gpu, big, path);
+    ASSERT_EQ(a.q, a2.q);
+    ASSERT_EQ(a.scale, a2.scale);
+    ASSERT_EQ(a.kv, a2.kv);
+    // Rows [500, 503) alone: same bits as inside the batch of 1025 (different grid and block shape).
+    Problem small = big;
+    small.c.M = 3;
+    small.x.assign(big.x.begin() + 500 * big.stride, big.x.begin() + 503 * big.stride);
+    Outputs b = RunOn(*gpu, small, path);
+    const int64_t Q = big.c.Q, D = big.c.D, G = Q / kG;
+    for (int64_t r = 0; r < 3; ++r) {
+      ASSERT_TRUE(std::equal(b.q.begin() + r * Q, b.q.begin() + (r + 1) * Q, a.q.begin() + (500 + r) * Q));
+      ASSERT_TRUE(std::equal(b.kv.begin() + r * D, b.kv.begin() + (r + 1) * D, a.kv.begin() + (500 + r) * D));
+      ASSERT_TRUE(std::equal(b.scale.begin() + r * G, b.scale.begin() + (r + 1) * G, a.scale.begin() + (500 + r) * G));
+    }
+  }
+}
+
+TEST(GpuSwa, ProjectionMatchesFp64ProductOfItsOperands) {
+  SKIP_WITHOUT_GPU(gpu);
+  for (ScaleLayout sl : {ScaleLayout::kRowMajor, ScaleLayout::kColumnMajorTma}) {
+    Problem pb(Case{130, 1024, 512, 0, Fp8Format::kE4M3FN, ScaleFormat::kFp32, sl, 256});
+    Outputs o = RunOn(*gpu, pb, Path::kFused);
+    const int64_t M = pb.c.M, Q = pb.c.Q, N = pb.c.N, G = Q / kG;
+    int64_t checked = 0;
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = 0; n < N; ++n) {
+        double ref = 0;
+        for (int64_t k = 0; k < Q; ++k) {
+          const int64_t g = k / kG;
+          const double as = sl == ScaleLayout::kRowMajor ? o.scale[size_t(m * G + g)] : o.scale[size_t(g * AlignTo4(M) + m)];
+          const double bs = pb.wq_b_scale[size_t(n / kG * G + g)];
+          ref += Fp8ToFloat(o.q[size_t(m * Q + k)], pb.c.fmt) * as * Fp8ToFloat(pb.wq_b[size_t(n * Q + k)], pb.c.fmt) * bs;
+        }
+        const double got = Bf16ToFloat(o.proj[size_t(m * N + n)]);
+        ASSERT_LE(std::fabs(got - ref), 0.125 + 0.01 * std::fabs(ref)) << "m=" << m << " n=" << n;
+        ++checked;
+      }
+    }
+    EXPECT_EQ(checked, M * N);
+  }
+}
+
+TEST(GpuSwa, GraphReplayBitwiseEqualsEager) {
+  auto ctx_or = gpu::GpuContext::Create(0);
+  if (!ctx_or.ok() || !GpuOrNull()) GTEST_SKIP() << "no GPU: " << ctx_or.status();
+  gpu::GpuContext& ctx = **ctx_or;
+  for (Path path : {Path::kFused, Path::kUnfused}) {
+    Problem pb(Case{777, 1536, 512, 0, Fp8Format::kE4M3FN, ScaleFormat::kUe8m0, ScaleLayout::kColumnMajorTma, 128});
+    auto w = gpu::PrepareSwaGpu(pb.Params(), pb.Weights(), ctx);
+    ASSERT_TRUE(w.ok()) << w.status();
+    const Case& c = pb.c;
+    const size_t xb = size_t(c.M * pb.stride) * 2, qb = size_t(c.M * c.Q), sb = size_t(pb.ScaleElems()) * 4,
+                 kb = size_t(c.M * c.D) * 2, pbytes = size_t(c.M * c.N) * 2;
+    auto x = gpu::GpuUpload(pb.x.data(), xb, ctx);
+    auto q = gpu::GpuAlloc(qb);
+    auto s = gpu::GpuAlloc(sb);
+    auto kv = gpu::GpuAlloc(kb);
+    auto pr = gpu::GpuAlloc(pbytes);
+    ASSERT_TRUE(x.ok() && q.ok() && s.ok() && kv.ok() && pr.ok());
+    SwaArgs a;
+    a.tokens = c.M;
+    a.qr_kv = TensorView::Strided2D(x->get(), DType::kBF16, c.M, c.Q + c.D, pb.stride);
+    a.q_fp8 = TensorView::Contiguous(q->get(), Fp8DType(c.fmt), {c.M, c.Q});
+    a.q_scale = TensorView::Contiguous(s->get(), DType::kFP32, {c.Q / kG, AlignTo4(c.M)});
+    a.kv = TensorView::Contiguous(kv->get(), DType::kBF16, {c.M, c.D});
+    a.q_proj = TensorView::Contiguous(pr->get(), DType::kBF16, {c.M, c.N});
+    auto poison = [&] {
+      for (auto* m : {&*q, &*s, &*kv, &*pr}) {
+        ASSERT_EQ(gpuMemsetAsync(m->get(), 0xff, m == &*q ? qb : m == &*s ? sb : m == &*kv ? kb : pbytes, ctx.stream),
+                  gpuSuccess);
+      }
+    };
+    auto download = [&] {
+      Outputs o;
+      o.q.resize(qb);
+      o.scale.resize(sb / 4);
+      o.kv.resize(kb / 2);
+      o.proj.resize(pbytes / 2);
+      EXPECT_EQ(gpuMemcpy(o.q.data(), q->get(), qb, gpuMemcpyDeviceToHost), gpuSuccess);
+      EXPECT_EQ(gpuMemcpy(o.scale.data(), s->get(), sb, gpuMemcpyDeviceToHost), gpuSuccess);
+      EXPECT_EQ(gpuMemcpy(o.kv.data(), kv->get(), kb, gpuMemcpyDeviceToHost), gpuSuccess);
+      EXPECT_EQ(gpuMemcpy(o.proj.data(), pr->get(), pbytes, gpuMemcpyDeviceToHost), gpuSuccess);
+      return o;
+    };
+    // Eager first (it also sizes the unfused workspace, which capture must not allocate).
+    poison();
+    ASSERT_TRUE(gpu::LaunchSwaGpu(**w, a, path, ctx, int64_t{1} << 20).ok());
+    ASSERT_EQ(gpuStreamSynchronize(ctx.stream), gpuSuccess);
+    Outputs eager = download();
+
+    gpuGraph_t graph = nullptr;
+    gpuGraphExec_t exec = nullptr;
+    ASSERT_EQ(gpuStreamBeginCapture(ctx.stream, gpuStreamCaptureModeThreadLocal), gpuSuccess);
+    absl::Status launched = gpu::LaunchSwaGpu(**w, a, path, ctx, int64_t{1} << 20);
+    ASSERT_EQ(gpuStreamEndCapture(ctx.stream, &graph), gpuSuccess);
+    ASSERT_TRUE(launched.ok()) << launched;
+    ASSERT_EQ(gpuGraphInstantiate(&exec, graph), gpuSuccess);
+    for (int rep = 0; rep < 3; ++rep) {
+      poison();
+      ASSERT_EQ(gpuGraphLaunch(exec, ctx.stream), gpuSuccess);
+      ASSERT_EQ(gpuStreamSynchronize(ctx.stream), gpuSuccess);
+      Outputs replay = download();
+      ASSERT_EQ(replay.q, eager.q);
+      ASSERT_EQ(replay.kv, eager.kv);
+      ASSERT_EQ(replay.proj, eager.proj);
+      ASSERT_EQ(0, std::memcmp(replay.scale.data(), eager.scale.data(), sb));
+    }
+    ASSERT_EQ(gpuGraphExecDestroy(exec), gpuSuccess);
+    ASSERT_EQ(gpuGraphDestroy(graph), gpuSuccess);
+  }
+}
+
+TEST(GpuSwa, BackendIdentityAndErrors) {
+  SKIP_WITHOUT_GPU(gpu);
+  EXPECT_EQ(gpu->kind(), GpuBackendKind());
+  EXPECT_FALSE(gpu->device_name().empty());
+  EXPECT_FALSE(gpu->host_accessible());
+#if FL_HIP
+  EXPECT_EQ(gpu->arch().rfind("gfx", 0), 0u) << gpu->arch();
+#else
+  EXPECT_EQ(gpu->arch().rfind("sm_", 0), 0u) << gpu->arch();
+#endif
+  // Out of memory is ResourceExhausted (no device has 2^60 bytes).
+  auto huge = gpu->Allocate(size_t{1} << 60);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  // The token cap of the fused path.
+  BackendOptions opt;
+  opt.fused_max_tokens = 8;
+  auto capped = CreateBackend(GpuBackendKind(), opt);
+  ASSERT_TRUE(capped.ok());
+  Problem pb(Case{9, 1024, 512});
+  auto w = (*capped)->PrepareSwa(pb.Params(), pb.Weights());
+  ASSERT_TRUE(w.ok());
+  FusedSupport sup = (*capped)->SwaFusedSupport(**w, SwaShapeQuery{9});
+  EXPECT_FALSE(sup.supported);
+  EXPECT_EQ(sup.reason, FallbackReason::kTooManyTokens);
+  EXPECT_TRUE((*capped)->SwaFusedSupport(**w, SwaShapeQuery{8}).supported);
+  DeviceTensor x(**capped, DType::kBF16, {9, 1536});
+  DeviceTensor q(**capped, DType::kFP8E4M3FN, {9, 1024});
+  DeviceTensor s(**capped, DType::kFP32, {9, 8});
+  DeviceTensor kv(**capped, DType::kBF16, {9, 512});
+  x.Set(pb.x);
+  SwaArgs a;
+  a.tokens = 9;
+  a.qr_kv = TensorView::Strided2D(x.data(), DType::kBF16, 9, 1536, 1536);
+  a.q_fp8 = q.view();
+  a.q_scale = s.view();
+  a.kv = kv.view();
+  auto r = (*capped)->RunSwa(**w, a, Path::kFused);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_TRUE((*capped)->RunSwa(**w, a, Path::kUnfused).ok());
+  // A wrong shape is InvalidArgument, nothing launched.
+  a.kv = TensorView::Contiguous(kv.data(), DType::kBF16, {9, 511});
+  EXPECT_EQ((*capped)->RunSwa(**w, a, Path::kUnfused).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace fusedlayer::testing
