@@ -12,7 +12,7 @@ PACKAGES=(
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
   # metrics lint, real Prometheus for the integration test, helpers of the deploy checks
-  prometheus curl python3 python3-yaml
+  prometheus curl python3 python3-yaml shellcheck
   # HIP compile check (Debian's ROCm 5.2 hipcc; compile-only, no AMD GPU needed)
   hipcc libamdhip64-dev
   # fuzzing and sanitizers (clang's runtimes)
