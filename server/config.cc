@@ -24,6 +24,10 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("--queue_capacity must be >= 1, got ", queue_capacity));
   }
   if (cpu_threads < 0) return absl::InvalidArgumentError(absl::StrCat("--cpu_threads must be >= 0, got ", cpu_threads));
+  if (!(max_connection_age_seconds >= 0) || max_connection_age_seconds > 1e6) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_connection_age_seconds must be in [0, 1e6], got ",
+                                                   max_connection_age_seconds));
+  }
   if (!(drain_seconds >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat("--drain_seconds must be >= 0, got ", drain_seconds));
   }

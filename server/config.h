@@ -30,6 +30,7 @@ struct ServerConfig {
   int queue_capacity = 64;
   int cpu_threads = 0;
   double drain_seconds = 30;
+  double max_connection_age_seconds = 0;  // 0: connections never age out
   // Largest LoadWeights payload accepted (bytes): the biggest DeepSeek weight part is far smaller
   // (mhc.fn at n=4, C=7168 is 2.6 MB), so this only guards the host against a hostile header.
   uint64_t max_weight_payload_bytes = uint64_t{16} << 30;

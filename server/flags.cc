@@ -22,6 +22,9 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
 ABSL_FLAG(int32_t, queue_capacity, 64, "device executor queue length; when full, RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend worker threads (0 = all cores)");
 ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM/SIGINT, how long in-flight calls may take to finish");
+ABSL_FLAG(double, max_connection_age_seconds, 0,
+          "close client connections (GOAWAY, after a grace of --drain_seconds) after this age so clients "
+          "re-resolve and spread over new replicas; 0 = never");
 
 namespace fusedlayer::server {
 
@@ -39,6 +42,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
   c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  c.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
   if (absl::Status s = c.Validate(); !s.ok()) return s;
   return c;
 }

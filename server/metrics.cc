@@ -38,6 +38,16 @@ const char* MethodName(Method m) {
   return "unknown";
 }
 
+// The codes the server itself returns (proto/fusedlayer/v1/fusedlayer.proto lists when).
+constexpr grpc::StatusCode kServerStatusCodes[] = {
+    grpc::StatusCode::OK,                  grpc::StatusCode::CANCELLED,
+    grpc::StatusCode::INVALID_ARGUMENT,    grpc::StatusCode::DEADLINE_EXCEEDED,
+    grpc::StatusCode::NOT_FOUND,           grpc::StatusCode::ALREADY_EXISTS,
+    grpc::StatusCode::RESOURCE_EXHAUSTED,  grpc::StatusCode::FAILED_PRECONDITION,
+    grpc::StatusCode::INTERNAL,            grpc::StatusCode::UNAVAILABLE,
+    grpc::StatusCode::DATA_LOSS,
+};
+
 const char* StatusCodeName(grpc::StatusCode code) {
   switch (code) {
     case grpc::StatusCode::OK: return "OK";
@@ -134,7 +144,13 @@ Metrics::Metrics(std::string_view version, std::string_view backend, std::string
   for (int m = 0; m < kNumMethods; ++m) {
     const char* name = MethodName(static_cast<Method>(m));
     for (auto& c : requests_[m]) c.store(nullptr, std::memory_order_relaxed);
-    requests_[m][0].store(&requests_family_->Add({{"method", name}, {"code", "OK"}}), std::memory_order_release);
+    // Every code this server returns starts at 0, so the first error of a kind shows in rate()
+    // and increase() (a series born at 1 is invisible to both). Other codes (gRPC-internal ones)
+    // are created on first use.
+    for (grpc::StatusCode code : kServerStatusCodes) {
+      requests_[m][static_cast<int>(code)].store(&requests_family_->Add({{"method", name}, {"code", StatusCodeName(code)}}),
+                                                std::memory_order_release);
+    }
     request_duration_[m] = &request_duration_family_->Add({{"method", name}}, RequestBuckets());
     request_bytes_[m] = &request_bytes_family_->Add({{"method", name}});
     response_bytes_[m] = &response_bytes_family_->Add({{"method", name}});

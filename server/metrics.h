@@ -64,7 +64,7 @@ class Metrics {
   std::array<std::array<prometheus::Counter*, kNumFallbackReasons>, 2> fallbacks_{};
   std::array<prometheus::Gauge*, 2> available_{};
   std::array<std::array<prometheus::Histogram*, 2>, 2> op_duration_{};
-  // [method][code]: OK is pre-created; error codes are created on first use (then cached).
+  // [method][code]: the codes the server returns are pre-created at 0; others on first use (cached).
   std::array<std::array<std::atomic<prometheus::Counter*>, kNumCodes>, kNumMethods> requests_{};
   std::array<prometheus::Histogram*, kNumMethods> request_duration_{};
   std::array<prometheus::Counter*, kNumMethods> request_bytes_{};

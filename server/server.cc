@@ -1,6 +1,7 @@
 #include "server.h"
 
 #include "absl/strings/str_cat.h"
+#include "grpc/grpc.h"  // GRPC_ARG_* channel argument names
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -64,6 +65,12 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   builder.AddListeningPort(cfg.address, grpc::InsecureServerCredentials(), &srv->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(cfg.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(cfg.max_message_bytes));
+  if (cfg.max_connection_age_seconds > 0) {
+    // Long-lived HTTP/2 connections pin a client to the replicas it first resolved; ageing them
+    // out lets dns:/// + round_robin clients pick up new replicas (the grace lets calls finish).
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, static_cast<int>(cfg.max_connection_age_seconds * 1000));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, static_cast<int>(cfg.drain_seconds * 1000));
+  }
   builder.RegisterService(srv->service_.get());
   srv->server_ = builder.BuildAndStart();
   if (srv->server_ == nullptr || srv->port_ == 0) {

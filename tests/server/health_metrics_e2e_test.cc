@@ -145,6 +145,11 @@ TEST(ServerMetrics, ExpositionPassesPromtoolAndHasTheDocumentedNames) {
   EXPECT_EQ(MetricValue(m, "fusedlayer_op_duration_seconds_count", {{"op", "mhc"}, {"path", "fused"}}), 1);
   EXPECT_EQ(MetricValue(m, "fusedlayer_requests_total", {{"method", "MhcSeam"}, {"code", "OK"}}), 2);
   EXPECT_EQ(MetricValue(m, "fusedlayer_requests_total", {{"method", "SwaNormQuant"}, {"code", "NOT_FOUND"}}), 1);
+  // Error series the server can return exist from the start at 0 (a series born at 1 is invisible
+  // to rate() and increase(), so the first error of a kind would not show on a dashboard).
+  EXPECT_EQ(MetricValue(m, "fusedlayer_requests_total", {{"method", "MhcSeam"}, {"code", "DATA_LOSS"}}), 0);
+  EXPECT_EQ(MetricValue(m, "fusedlayer_requests_total", {{"method", "LoadWeights"}, {"code", "INTERNAL"}}), 0);
+  EXPECT_EQ(MetricValue(m, "fusedlayer_requests_total", {{"method", "SwaNormQuant"}, {"code", "RESOURCE_EXHAUSTED"}}), 0);
   EXPECT_EQ(MetricValue(m, "fusedlayer_request_duration_seconds_count", {{"method", "MhcSeam"}}), 2);
   EXPECT_GT(MetricValue(m, "fusedlayer_request_bytes_total", {{"method", "MhcSeam"}}), 0);
   EXPECT_GT(MetricValue(m, "fusedlayer_response_bytes_total", {{"method", "MhcSeam"}}), 0);

@@ -212,6 +212,11 @@ TEST(Config, DisableFusedAndLimits) {
   c.max_message_bytes = 1 << 20;
   c.queue_capacity = 0;
   EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.queue_capacity = 64;
+  c.max_connection_age_seconds = 300;
+  EXPECT_TRUE(c.Validate().ok());
+  c.max_connection_age_seconds = -1;
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
 }
 
 }  // namespace
