@@ -43,10 +43,13 @@ struct FinalizeParams {
   int64_t C;
 };
 
-// Sum over splits in split order, from 0. Loads go out 32 at a time (one L2 round trip per 32
-// splits instead of one per split); the adds stay sequential.
+// Sum over splits in split order, from 0. Loads go out 64 at a time (one L2 round trip per 64
+// splits instead of one per split); the adds stay sequential. 64 covers every DeepSeek C on the
+// fused path (C / 128 = 32, 40, 56 splits) in one round trip: the mix warp's reduction sits on the
+// decode-size critical path, and the second round trip of 32-wide batches cost C = 5120 and 7168
+// ~1-1.3 µs per call (bench_mhc_gpu, 2026-11-29).
 __device__ __forceinline__ float ReduceSplits(const float* __restrict__ p, int nsplit, int stride) {
-  constexpr int kBatch = 32;
+  constexpr int kBatch = 64;
   float s = 0.0f;
   for (int i = 0; i < nsplit; i += kBatch) {
     float v[kBatch];
