@@ -106,6 +106,11 @@ const std::vector<CommandInfo>& Commands() {
        0,
        {"op", "weight_set", "tokens", "concurrency", "duration", "path", "mode", "stage", "no_pre_mix", "capture_aux",
         "row_stride", "seed"}},
+      {"soak",
+       "soak --concurrency=N --duration=SECONDS [--warmup=SECONDS] [--server_pid=PID] [--max_rss_growth_mb=MB] "
+       "[--seed=S]",
+       0,
+       {"concurrency", "duration", "warmup", "server_pid", "max_rss_growth_mb", "seed"}},
   };
   return kCommands;
 }

@@ -35,6 +35,9 @@ struct CommandLine {
   int concurrency = 1;
   absl::Duration duration = absl::Seconds(10);
   uint64_t seed = 0;              // 0 = fresh random seed (printed)
+  absl::Duration warmup = absl::Seconds(5);  // soak
+  int64_t server_pid = 0;                    // soak: 0 = do not watch the server's RSS
+  int max_rss_growth_mb = 64;                // soak
 };
 
 absl::Status RunInfo(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
@@ -46,6 +49,8 @@ absl::Status RunUnload(const FusedLayerClient& client, const CommandLine& cl, st
 absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+// Mixed valid/invalid load with expected codes, latency and server RSS (fusedctl_soak.cc).
+absl::Status RunSoak(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 
 // Shared by the commands: the report block ("path  fused", "fallback ...", times).
 std::string FormatReport(const v1::ExecutionReport& report, double round_trip_seconds);

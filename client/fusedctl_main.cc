@@ -5,6 +5,7 @@
 // Exit status: 0 on success (health: only when SERVING), 1 on an error from the server or the
 // command, 2 on a usage error. Errors print one line: "fusedctl: error: CODE: message".
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 #include <set>
 #include <string>
@@ -13,17 +14,26 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "client/cli_options.h"
 #include "client/fusedctl_commands.h"
 #include "client/fusedlayer_client.h"
+#include "client/transport_credentials.h"
 
 // Global flags.
 ABSL_FLAG(std::string, target, "localhost:50051", "Server address, host:port (or any gRPC target URI)");
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(60), "Deadline of each call (LoadWeights: max of this and 10m)");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30, "Largest message sent or received, bytes");
+// Transport security (docs/security.md). Any --tls_* flag switches the channel to TLS.
+ABSL_FLAG(std::string, tls_ca, "", "TLS: PEM CA bundle that signed the server certificate (default: system roots)");
+ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: PEM client certificate chain (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM client private key");
+ABSL_FLAG(std::string, tls_server_name, "", "TLS: name to verify in the server certificate instead of the target host");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding just the bearer token (default: the FUSEDCTL_TOKEN environment variable, if set)");
 
 // Command flags (each command accepts only its own; see `fusedctl help`).
 ABSL_FLAG(std::string, service, "", "health: service name (\"\" = whole server; e.g. fusedlayer.mhc)");
@@ -42,7 +52,10 @@ ABSL_FLAG(int64_t, row_stride, 0, "swa/bench: qr_kv row stride in elements (0 = 
 ABSL_FLAG(std::string, op, "", "bench: mhc | swa");
 ABSL_FLAG(int32_t, concurrency, 1, "bench: concurrent callers");
 ABSL_FLAG(std::string, duration, "10", "bench: measured duration, seconds (or e.g. 10s, 1m)");
-ABSL_FLAG(uint64_t, seed, 0, "seam/swa/bench: random input seed (0 = fresh, printed)");
+ABSL_FLAG(uint64_t, seed, 0, "seam/swa/bench/soak: random input seed (0 = fresh, printed)");
+ABSL_FLAG(std::string, warmup, "5", "soak: warm-up at full concurrency before the RSS baseline, seconds (0 = none)");
+ABSL_FLAG(int64_t, server_pid, 0, "soak: server process id (same host) whose VmRSS is read before and after");
+ABSL_FLAG(int32_t, max_rss_growth_mb, 64, "soak: fail when the server RSS grows by more than this, MiB");
 
 namespace {
 
@@ -54,7 +67,9 @@ constexpr int kExitUsage = 2;
 std::string Usage() {
   std::string s =
       "fusedctl: command-line client of the fusedlayer service.\n\n"
-      "usage: fusedctl [--target=host:port] [--deadline=60s] COMMAND [flags]\n\ncommands:\n";
+      "usage: fusedctl [--target=host:port] [--deadline=60s] [--tls_ca=PEM [--tls_cert=PEM --tls_key=PEM]\n"
+      "                [--tls_server_name=NAME]] [--token_file=FILE | env FUSEDCTL_TOKEN] COMMAND [flags]\n\n"
+      "commands:\n";
   for (const CommandInfo& c : Commands()) absl::StrAppend(&s, "  fusedctl ", c.usage, "\n");
   absl::StrAppend(&s, "\nexit status: 0 ok (health: SERVING), 1 error, 2 usage error");
   return s;
@@ -109,6 +124,13 @@ int main(int argc, char** argv) {
   if (!duration.ok()) return UsageError(std::string(duration.status().message()));
   cl.duration = *duration;
   cl.seed = absl::GetFlag(FLAGS_seed);
+  absl::StatusOr<absl::Duration> warmup = absl::GetFlag(FLAGS_warmup) == "0"
+                                              ? absl::StatusOr<absl::Duration>(absl::ZeroDuration())
+                                              : ParseDurationFlag(absl::GetFlag(FLAGS_warmup));
+  if (!warmup.ok()) return UsageError(std::string(warmup.status().message()));
+  cl.warmup = *warmup;
+  cl.server_pid = absl::GetFlag(FLAGS_server_pid);
+  cl.max_rss_growth_mb = absl::GetFlag(FLAGS_max_rss_growth_mb);
   if (cl.chunk_bytes <= 0) return UsageError("--chunk_bytes must be positive");
   if (cl.tokens < 0) return UsageError("--tokens must be >= 0");
   if (cl.row_stride < 0) return UsageError("--row_stride must be >= 0");
@@ -117,6 +139,21 @@ int main(int argc, char** argv) {
   options.deadline = absl::GetFlag(FLAGS_deadline);
   options.load_deadline = std::max(options.deadline, options.load_deadline);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  const TlsFiles tls{absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key)};
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  if (!tls.ca.empty() || !tls.cert.empty() || !tls.key.empty() || !options.tls_server_name.empty()) {
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = TlsChannelCredentials(tls);
+    if (!credentials.ok()) return UsageError(std::string(credentials.status().message()));
+    options.credentials = *std::move(credentials);
+  }
+  // A token on the command line would show in `ps` and shell history: only a file or the environment.
+  if (const std::string token_file = absl::GetFlag(FLAGS_token_file); !token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadBearerTokenFile(token_file);
+    if (!token.ok()) return UsageError(std::string(token.status().message()));
+    options.bearer_token = *std::move(token);
+  } else if (const char* env = std::getenv("FUSEDCTL_TOKEN"); env != nullptr && *env != '\0') {
+    options.bearer_token = std::string(absl::StripAsciiWhitespace(env));
+  }
   absl::StatusOr<std::unique_ptr<FusedLayerClient>> client = FusedLayerClient::Connect(cl.target, options);
   if (!client.ok()) return UsageError(std::string(client.status().message()));
 
@@ -131,6 +168,7 @@ int main(int argc, char** argv) {
   else if (n == "seam") status = RunSeam(**client, cl, std::cout);
   else if (n == "swa") status = RunSwa(**client, cl, std::cout);
   else if (n == "bench") status = RunBench(**client, cl, std::cout);
+  else if (n == "soak") status = RunSoak(**client, cl, std::cout);
   std::cout.flush();
   if (!status.ok()) {
     std::cerr << ErrorLine(status) << "\n";

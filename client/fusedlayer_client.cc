@@ -25,6 +25,12 @@ absl::Status ValidateClientOptions(const ClientOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat("deadline = ", absl::FormatDuration(options.deadline),
                                                    " must be positive"));
   }
+  for (const char ch : options.bearer_token) {
+    // An HTTP/2 header value: visible ASCII only (never echo the token itself in the message).
+    if (ch <= ' ' || ch > '~') {
+      return absl::InvalidArgumentError("bearer_token has a character outside visible ASCII (space, newline?)");
+    }
+  }
   if (options.load_deadline <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "load_deadline = ", absl::FormatDuration(options.load_deadline), " must be positive"));
@@ -47,6 +53,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerClient>> FusedLayerClient::Connect(cons
   // sends what it could not receive back, and the limits read the same as the server's flags.
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
   auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
   auto channel = grpc::CreateCustomChannel(target, credentials, args);
   if (!channel) return absl::InternalError(absl::StrCat("cannot create a channel to ", target));
@@ -66,6 +73,7 @@ void FusedLayerClient::Prepare(grpc::ClientContext& ctx, const CallOptions& call
   // into the right overload). absl::ToChronoTime converts an absl::Time to system_clock.
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + d));
   ctx.set_wait_for_ready(options_.wait_for_ready);
+  if (!options_.bearer_token.empty()) ctx.AddMetadata("authorization", "Bearer " + options_.bearer_token);
 }
 
 absl::StatusOr<v1::MhcSeamResponse> FusedLayerClient::MhcSeam(const v1::MhcSeamRequest& request,

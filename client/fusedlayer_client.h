@@ -48,9 +48,17 @@ struct ClientOptions {
   // Deadline of a whole LoadWeights stream: weight sets reach gigabytes, which take far longer than
   // a compute call over a network.
   absl::Duration load_deadline = absl::Minutes(10);
-  // Channel credentials; null means plaintext (grpc::InsecureChannelCredentials). TLS is a later
-  // step: pass grpc::SslCredentials(...) here when the server grows it.
+  // Channel credentials; null means plaintext (grpc::InsecureChannelCredentials). For TLS / mTLS
+  // see TlsChannelCredentials (client/transport_credentials.h) and docs/security.md.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // TLS only: the name checked against the server certificate instead of the target's host (a
+  // certificate for "fusedlayer.internal" reached through an IP address; tests). Empty: the host.
+  std::string tls_server_name;
+  // Sent as `authorization: Bearer <token>` metadata on every call (health included, where the
+  // server ignores it). Empty: no token. Per-call metadata rather than CallCredentials because gRPC
+  // drops CallCredentials on channels it does not consider secure, and a token server without TLS
+  // (loopback, local credentials) still needs the header.
+  std::string bearer_token;
   // When true, calls wait for the channel to become ready (up to the deadline) instead of failing at
   // once with UNAVAILABLE while the server is still starting. Off by default: a CLI should say
   // "connection refused" immediately.

@@ -34,6 +34,13 @@ struct ServerConfig {
   // Largest LoadWeights payload accepted (bytes): the biggest DeepSeek weight part is far smaller
   // (mhc.fn at n=4, C=7168 is 2.6 MB), so this only guards the host against a hostile header.
   uint64_t max_weight_payload_bytes = uint64_t{16} << 30;
+  // Transport security (server/auth/transport_security.h, docs/security.md). PEM file paths; all
+  // empty: plaintext. tls_cert + tls_key: TLS; plus tls_client_ca: mutual TLS.
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+  // Bearer tokens with their rights (server/auth/token_file.h); empty: no token check.
+  std::string auth_tokens_file;
 
   bool fused_disabled(Op op) const { return op == Op::kMhc ? disable_fused_mhc : disable_fused_swa; }
   // InvalidArgument when a limit is out of range (checked once at startup).

@@ -38,8 +38,14 @@ absl::StatusOr<DispatchOutcome> RunWithFallback(Op op, const PathDecision& decis
                                                 absl::FunctionRef<absl::StatusOr<RunStats>(Path)> run) {
   absl::StatusOr<RunStats> first = run(decision.path);
   if (first.ok()) return DispatchOutcome{decision, *first};
-  // Bad arguments are the caller's fault on either path: no re-run, no alarm.
-  if (decision.path == Path::kUnfused || absl::IsInvalidArgument(first.status())) return first.status();
+  // Bad arguments are the caller's fault on either path: no re-run, no alarm. Out of device memory
+  // (staging buffers, workspace) is load, not a broken kernel: the unfused chain needs at least as
+  // much memory, so it goes back to the client as RESOURCE_EXHAUSTED (retryable) instead of paging
+  // as fused_kernel_error.
+  if (decision.path == Path::kUnfused || absl::IsInvalidArgument(first.status()) ||
+      absl::IsResourceExhausted(first.status())) {
+    return first.status();
+  }
 
   if (require_fused) {
     LogError("fused ", OpName(op), " kernel failed for ", what, " (REQUIRE_FUSED, not re-run): ",

@@ -6,7 +6,8 @@
 //   3. backend.XFusedSupport says no -> unfused, the backend's reason and detail
 //   4. otherwise                     -> fused
 // REQUIRE_FUSED turns any reason from 2-3 into FAILED_PRECONDITION naming the reason (nothing runs).
-// A fused run that fails with anything but InvalidArgument is re-run unfused with reason
+// A fused run that fails with anything but InvalidArgument or ResourceExhausted (out of memory: load,
+// not a kernel bug; returned as is) is re-run unfused with reason
 // fused_kernel_error and an ERROR log line (under REQUIRE_FUSED it is FAILED_PRECONDITION instead).
 #pragma once
 
@@ -37,7 +38,7 @@ struct DispatchOutcome {
   RunStats stats;
 };
 
-// Runs `run(decision.path)`; on a fused failure (not InvalidArgument) re-runs unfused as described
+// Runs `run(decision.path)`; on a fused failure (not InvalidArgument / ResourceExhausted) re-runs unfused as described
 // above. `what` names the request in log lines (op, weight set, request id). When the unfused
 // re-run fails too the result is INTERNAL carrying both errors (a bug on both paths).
 absl::StatusOr<DispatchOutcome> RunWithFallback(Op op, const PathDecision& decision, bool require_fused,

@@ -1,4 +1,4 @@
-// grpc.health.v1 statuses of the server. Service names (docs/HELPER_BRIEF.md):
+// grpc.health.v1 statuses of the server. Service names (docs/conventions.md):
 //   ""                          overall: SERVING once started, NOT_SERVING while draining
 //   "fusedlayer.v1.FusedLayer"  the API: same as overall
 //   "fusedlayer.mhc"            SERVING while a warmed-up weight set with an mHC part is loaded

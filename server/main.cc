@@ -21,6 +21,9 @@
 #include "server.h"
 #include "weights/demo_weights.h"
 #include "weights/manifest.h"
+#if FUSEDLAYER_FAULT_INJECTION
+#include "fault_injection.h"  // test-only builds (docs/operations.md)
+#endif
 
 namespace fs = fusedlayer::server;
 
@@ -55,6 +58,11 @@ int main(int argc, char** argv) {
   if (!backend.ok()) {
     return Fail(absl::StrCat("--backend=", config->backend, ": ", backend.status().message()));
   }
+#if FUSEDLAYER_FAULT_INJECTION
+  fs::FaultInjectingBackend* faults = nullptr;
+  backend = fs::WrapWithFaultInjectionFromFlag(*std::move(backend), &faults);
+  if (!backend.ok()) return Fail(std::string(backend.status().message()));
+#endif
 
   std::vector<std::pair<fs::PackedWeightSet, std::string>> initial;
   if (config->demo_weights) {
@@ -80,6 +88,13 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<fs::FusedLayerServer>> server =
       fs::FusedLayerServer::Start(*std::move(config), *std::move(backend), std::move(initial));
   if (!server.ok()) return Fail(server.status().ToString());
+#if FUSEDLAYER_FAULT_INJECTION
+  // Armed only now: startup uploads and warm-ups ran clean. Tests wait for this line.
+  if (faults != nullptr) {
+    faults->Arm();
+    fs::LogWarning("fault injection armed");
+  }
+#endif
 
   int sig = 0;
   sigwait(&signals, &sig);

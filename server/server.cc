@@ -1,6 +1,7 @@
 #include "server.h"
 
 #include "absl/strings/str_cat.h"
+#include "auth/transport_security.h"
 #include "grpc/grpc.h"  // GRPC_ARG_* channel argument names
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -21,6 +22,9 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     ServerConfig config, std::unique_ptr<Backend> backend,
     std::vector<std::pair<PackedWeightSet, std::string>> initial_sets) {
   if (absl::Status s = config.Validate(); !s.ok()) return s;
+  // Certificates and tokens are checked before any weight is loaded: a typo fails in milliseconds.
+  absl::StatusOr<auth::ServerSecurity> security = auth::MakeServerSecurity(config);
+  if (!security.ok()) return security.status();
   std::unique_ptr<FusedLayerServer> srv(new FusedLayerServer(std::move(config)));
   const ServerConfig& cfg = srv->config_;
   srv->backend_ = std::move(backend);
@@ -62,7 +66,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(cfg.address, grpc::InsecureServerCredentials(), &srv->port_);
+  builder.AddListeningPort(cfg.address, security->credentials, &srv->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(cfg.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(cfg.max_message_bytes));
   if (cfg.max_connection_age_seconds > 0) {
@@ -79,6 +83,12 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   srv->health_.Attach(srv->server_->GetHealthCheckService());
   LogInfo("serving fusedlayer.v1.FusedLayer on ", cfg.address, " (port ", srv->port_, "), queue capacity ",
           cfg.queue_capacity, ", max message ", cfg.max_message_bytes, " bytes");
+  if (security->plaintext_open) {
+    LogWarning("transport security: none (plaintext, no tokens): anyone who reaches ", cfg.address,
+               " may call every RPC, LoadWeights and UnloadWeightSet included; see docs/security.md");
+  } else {
+    LogInfo("transport security: ", security->description);
+  }
   return srv;
 }
 
@@ -86,6 +96,8 @@ void FusedLayerServer::Shutdown(std::chrono::system_clock::time_point deadline) 
   if (shut_down_) return;
   shut_down_ = true;
   health_.Shutdown();
+  if (service_) service_->StartDraining();  // calls that race gRPC's GOAWAY: UNAVAILABLE, no new work
+  LogInfo("draining: health NOT_SERVING, new calls refused with UNAVAILABLE");
   // Waits for in-flight RPCs (their executor tasks finish them) until the deadline, then cancels
   // what is left; queued tasks of cancelled calls are dropped at their launch check.
   if (server_) server_->Shutdown(deadline);

@@ -145,11 +145,18 @@ absl::Status ExecuteOnWorker(Op op, v1::PathPreference preference, const ServerC
 
 }  // namespace
 
+absl::Status FusedLayerService::AdmitDuringDrain() const {
+  if (!draining_.load(std::memory_order_acquire)) return absl::OkStatus();
+  return absl::UnavailableError("the server is draining (shutting down); retry on another replica");
+}
+
 grpc::ServerUnaryReactor* FusedLayerService::MhcSeam(grpc::CallbackServerContext* ctx,
                                                      const v1::MhcSeamRequest* request,
                                                      v1::MhcSeamResponse* response) {
   auto* call = new UnaryCall(metrics_, Method::kMhcSeam, config_.max_message_bytes, ctx, request, response);
-  if (absl::Status s = StartMhc(call, request, response); !s.ok()) call->Complete(std::move(s));
+  absl::Status s = AdmitDuringDrain();
+  if (s.ok()) s = StartMhc(call, request, response);
+  if (!s.ok()) call->Complete(std::move(s));
   return call;
 }
 
@@ -188,7 +195,9 @@ grpc::ServerUnaryReactor* FusedLayerService::SwaNormQuant(grpc::CallbackServerCo
                                                           const v1::SwaNormQuantRequest* request,
                                                           v1::SwaNormQuantResponse* response) {
   auto* call = new UnaryCall(metrics_, Method::kSwaNormQuant, config_.max_message_bytes, ctx, request, response);
-  if (absl::Status s = StartSwa(call, request, response); !s.ok()) call->Complete(std::move(s));
+  absl::Status s = AdmitDuringDrain();
+  if (s.ok()) s = StartSwa(call, request, response);
+  if (!s.ok()) call->Complete(std::move(s));
   return call;
 }
 
@@ -334,6 +343,10 @@ grpc::ServerUnaryReactor* FusedLayerService::UnloadWeightSet(grpc::CallbackServe
                                                              const v1::UnloadWeightSetRequest* request,
                                                              v1::UnloadWeightSetResponse* response) {
   auto* call = new UnaryCall(metrics_, Method::kUnloadWeightSet, config_.max_message_bytes, ctx, request, response);
+  if (absl::Status s = AdmitDuringDrain(); !s.ok()) {
+    call->Complete(std::move(s));
+    return call;
+  }
   // On the executor: the last reference to the prepared weights may be dropped there, and the
   // capability refresh asks the backend.
   absl::Status submitted = executor_.SubmitControl([this, call, request, response](double queue_seconds) {

@@ -45,8 +45,15 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx, const v1::GetServerInfoRequest* request,
                                           v1::GetServerInfoResponse* response) override;
 
+  // Graceful drain (FusedLayerServer::Shutdown): from now on compute and UnloadWeightSet calls that
+  // reach the service are refused with UNAVAILABLE instead of being queued. gRPC's own Shutdown
+  // still dispatches calls that raced with its GOAWAY, and those must not start new device work.
+  void StartDraining() { draining_.store(true, std::memory_order_release); }
+
  private:
   class UnaryCall;
+  // UNAVAILABLE while draining, OK otherwise.
+  absl::Status AdmitDuringDrain() const;
   class LoadWeightsReactor;
 
   absl::Status StartMhc(UnaryCall* call, const v1::MhcSeamRequest* request, v1::MhcSeamResponse* response);
@@ -61,6 +68,7 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   WeightManager& weights_;
   Metrics& metrics_;
   std::atomic<uint64_t> next_request_id_{1};
+  std::atomic<bool> draining_{false};
   const uint64_t request_id_salt_;
 };
 

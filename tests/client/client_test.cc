@@ -326,7 +326,7 @@ TEST(CliOptions, ParseChoices) {
 }
 
 TEST(CliOptions, NamesMatchTheMetricLabels) {
-  // The metric label values of docs/HELPER_BRIEF.md, spelled out independently.
+  // The metric label values of docs/conventions.md, spelled out independently.
   const std::vector<std::pair<v1::FallbackReason, std::string>> reasons = {
       {v1::FALLBACK_REASON_NONE, "none"},
       {v1::FALLBACK_REASON_DISABLED_BY_CONFIG, "disabled_by_config"},

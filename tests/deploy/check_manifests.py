@@ -31,7 +31,7 @@ COMPOSE = DEPLOY / "docker-compose.yml"
 DASHBOARD = DEPLOY / "grafana/dashboards/fusedlayer.json"
 RULES = DEPLOY / "prometheus/fusedlayer-rules.yml"
 
-# Ports and names fixed by the service-level decisions (docs/HELPER_BRIEF.md).
+# Ports and names fixed by the service-level decisions (docs/conventions.md).
 GRPC_PORT = 50051
 METRICS_PORT = 9464
 API_HEALTH = "fusedlayer.v1.FusedLayer"

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "server_process.h"
 #include "server_test_env.h"
 
 #ifndef FUSEDLAYER_SERVER_BINARY
@@ -20,70 +21,8 @@
 namespace fusedlayer::testing {
 namespace {
 
-// A child process running the server with stderr captured through a pipe.
-class ServerProcess {
- public:
-  explicit ServerProcess(std::vector<std::string> args) : args_(std::move(args)) {
-    // Everything the child needs is built before fork: the test process has threads (gRPC's), so
-    // the child may only make async-signal-safe calls (no allocation) before execv.
-    args_.insert(args_.begin(), FUSEDLAYER_SERVER_BINARY);
-    std::vector<char*> argv;
-    for (auto& a : args_) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    int fds[2];
-    EXPECT_EQ(pipe(fds), 0);
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(fds[1], STDERR_FILENO);
-      dup2(fds[1], STDOUT_FILENO);
-      close(fds[0]);
-      close(fds[1]);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
-    out_ = fdopen(fds[0], "r");
-  }
-  ~ServerProcess() {
-    if (pid_ > 0 && !waited_) {
-      kill(pid_, SIGKILL);
-      Wait();
-    }
-    if (out_) fclose(out_);
-  }
-  // Reads log lines until one matches `re` (returns it) or the process closes its output ("").
-  std::string ReadUntil(const std::regex& re) {
-    char line[4096];
-    while (fgets(line, sizeof(line), out_) != nullptr) {
-      log_ += line;
-      if (std::regex_search(line, re)) return line;
-    }
-    return "";
-  }
-  std::string ReadAll() {
-    char line[4096];
-    while (fgets(line, sizeof(line), out_) != nullptr) log_ += line;
-    return log_;
-  }
-  int Wait() {
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    waited_ = true;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-  pid_t pid() const { return pid_; }
-  const std::string& log() const { return log_; }
-
- private:
-  std::vector<std::string> args_;
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  bool waited_ = false;
-  std::string log_;
-};
-
 TEST(ServerBinary, BadManifestFailsFast) {
-  ServerProcess p({"--backend=cpu", "--address=127.0.0.1:0", "--metrics_address=",
+  ServerProcess p(FUSEDLAYER_SERVER_BINARY, {"--backend=cpu", "--address=127.0.0.1:0", "--metrics_address=",
                    "--weights_manifest=/nonexistent/manifest.json"});
   const std::string log = p.ReadAll();
   EXPECT_EQ(p.Wait(), 1) << log;
@@ -92,19 +31,19 @@ TEST(ServerBinary, BadManifestFailsFast) {
 
 TEST(ServerBinary, BadFlagsFailFast) {
   {
-    ServerProcess p({"--backend=cpu", "--disable_fused=mhc,attention"});
+    ServerProcess p(FUSEDLAYER_SERVER_BINARY, {"--backend=cpu", "--disable_fused=mhc,attention"});
     const std::string log = p.ReadAll();
     EXPECT_EQ(p.Wait(), 1) << log;
     EXPECT_NE(log.find("attention"), std::string::npos) << log;
   }
   {
-    ServerProcess p({"--backend=tpu"});
+    ServerProcess p(FUSEDLAYER_SERVER_BINARY, {"--backend=tpu"});
     const std::string log = p.ReadAll();
     EXPECT_EQ(p.Wait(), 1) << log;
     EXPECT_NE(log.find("tpu"), std::string::npos) << log;
   }
   {
-    ServerProcess p({"--backend=cpu", "--queue_capacity=0"});
+    ServerProcess p(FUSEDLAYER_SERVER_BINARY, {"--backend=cpu", "--queue_capacity=0"});
     const std::string log = p.ReadAll();
     EXPECT_EQ(p.Wait(), 1) << log;
     EXPECT_NE(log.find("queue_capacity"), std::string::npos) << log;
@@ -112,7 +51,7 @@ TEST(ServerBinary, BadFlagsFailFast) {
 }
 
 TEST(ServerBinary, ServesDemoWeightsAndDrainsOnSigterm) {
-  ServerProcess p({"--backend=cpu", "--cpu_threads=2", "--demo_weights", "--address=127.0.0.1:0",
+  ServerProcess p(FUSEDLAYER_SERVER_BINARY, {"--backend=cpu", "--cpu_threads=2", "--demo_weights", "--address=127.0.0.1:0",
                    "--metrics_address=127.0.0.1:0", "--drain_seconds=10"});
   const std::string serving = p.ReadUntil(std::regex("serving fusedlayer\\.v1\\.FusedLayer .*\\(port ([0-9]+)\\)"));
   ASSERT_FALSE(serving.empty()) << p.log();

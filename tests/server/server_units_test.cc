@@ -92,6 +92,14 @@ TEST(Dispatcher, InvalidArgumentIsNotRetriedAndDoubleFailureIsInternal) {
   };
   EXPECT_TRUE(absl::IsInvalidArgument(RunWithFallback(Op::kMhc, fused, false, "t", invalid).status()));
   EXPECT_EQ(calls, 1);
+  // Out of device memory is back-pressure: returned as is, never re-run as fused_kernel_error.
+  calls = 0;
+  auto oom = [&](Path) -> absl::StatusOr<RunStats> {
+    ++calls;
+    return absl::ResourceExhaustedError("device allocation failed");
+  };
+  EXPECT_TRUE(absl::IsResourceExhausted(RunWithFallback(Op::kMhc, fused, false, "t", oom).status()));
+  EXPECT_EQ(calls, 1);
   auto both = [&](Path p) -> absl::StatusOr<RunStats> {
     return absl::UnavailableError(p == Path::kFused ? "fused broke" : "unfused broke");
   };

@@ -1,0 +1,337 @@
+// Reliability end to end: injected faults against the real binary (fusedlayer_server_faults, the
+// test-only build with --fault_inject), graceful drain on SIGTERM with a call in flight, the drain
+// deadline, and LoadWeights faults (a cancelled stream, a corrupt replacement) that must never make
+// a partial or corrupt weight set visible. Calls are held in flight with the slow_kernel fault, and
+// every wait is on an observable event (a log line, the inflight gauge), never on a sleep.
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server_process.h"
+#include "server_test_env.h"
+#include "weights/demo_weights.h"
+
+#ifndef FUSEDLAYER_SERVER_BINARY
+#error "FUSEDLAYER_SERVER_BINARY must point at the fusedlayer_server executable"
+#endif
+#ifndef FUSEDLAYER_FAULT_SERVER_BINARY
+#error "FUSEDLAYER_FAULT_SERVER_BINARY must point at the fusedlayer_server_faults executable"
+#endif
+
+namespace fusedlayer::testing {
+namespace {
+
+constexpr char kDemo[] = "v41-flash/demo";  // mHC C = 5120, n = 4
+constexpr int64_t kDemoHidden = 5120;
+
+// The demo set as the binary builds it (same seed), for reference outputs.
+server::PackedWeightSet DemoSet(const std::string& name) {
+  auto sets = server::MakeDemoWeightSets(server::kDefaultDemoSeed);
+  EXPECT_TRUE(sets.ok()) << sets.status();
+  for (auto& s : *sets) {
+    if (s.first.name() == name) return s;
+  }
+  ADD_FAILURE() << "no demo set " << name;
+  return {};
+}
+
+int PortFromLine(const std::string& line) {
+  std::smatch m;
+  if (!std::regex_search(line, m, std::regex("\\(port ([0-9]+)\\)"))) return 0;
+  return std::stoi(m[1]);
+}
+
+// A running binary with the demo weights; waits for metrics, serving and (with faults) armed.
+struct RunningServer {
+  explicit RunningServer(const std::string& binary, std::vector<std::string> extra, bool armed)
+      : process(binary, [&] {
+          std::vector<std::string> a = {"--backend=cpu", "--cpu_threads=2", "--demo_weights",
+                                        "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0"};
+          a.insert(a.end(), extra.begin(), extra.end());
+          return a;
+        }()) {
+    metrics_port = PortFromLine(process.ReadUntil(std::regex("metrics on .*\\(port [0-9]+\\)")));
+    port = PortFromLine(process.ReadUntil(std::regex("serving fusedlayer\\.v1\\.FusedLayer .*\\(port [0-9]+\\)")));
+    if (armed && port != 0 && process.ReadUntil(std::regex("fault injection armed")).empty()) port = 0;
+    if (port != 0) {
+      channel = MakeChannel(port);
+      stub = v1::FusedLayer::NewStub(channel);
+    }
+  }
+  std::string Metrics() { return HttpGet(metrics_port, "/metrics"); }
+  // A scrape taken once no call is in flight (OnDone, which counts the call, may trail the client).
+  std::string IdleMetrics() {
+    for (int i = 0; i < 1000; ++i) {
+      std::string m = Metrics();
+      if (MetricValue(m, "fusedlayer_inflight_requests") == 0) return m;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ADD_FAILURE() << "calls still in flight";
+    return Metrics();
+  }
+  // Waits until `n` calls are inside the server (the inflight gauge).
+  void WaitInflight(int n) {
+    for (int i = 0; i < 6000; ++i) {
+      if (MetricValue(Metrics(), "fusedlayer_inflight_requests") >= n) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ADD_FAILURE() << "fewer than " << n << " calls in flight";
+  }
+
+  ServerProcess process;
+  int port = 0;
+  int metrics_port = 0;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::FusedLayer::Stub> stub;
+};
+
+grpc::Status Seam(v1::FusedLayer::Stub& stub, const v1::MhcSeamRequest& req, v1::MhcSeamResponse* resp) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  return stub.MhcSeam(&ctx, req, resp);
+}
+
+void ExpectSameOutputs(const v1::MhcSeamResponse& actual, const v1::MhcSeamResponse& expected) {
+  EXPECT_TRUE(TensorsBitwiseEqual(actual.y(), expected.y()));
+  EXPECT_TRUE(TensorsBitwiseEqual(actual.new_residual(), expected.new_residual()));
+  EXPECT_TRUE(TensorsBitwiseEqual(actual.new_post_mix(), expected.new_post_mix()));
+  EXPECT_TRUE(TensorsBitwiseEqual(actual.new_comb_mix(), expected.new_comb_mix()));
+  EXPECT_TRUE(TensorsBitwiseEqual(actual.new_pre_mix(), expected.new_pre_mix()));
+}
+
+class Reliability : public ::testing::Test {
+ protected:
+  std::mt19937_64 rng_{std::random_device{}()};
+};
+
+// ---- the flag exists only in fault-injection builds -------------------------------------------
+
+// (A build configured with -DFUSEDLAYER_FAULT_INJECTION=ON gives the production binary the flag.)
+#if !FUSEDLAYER_FAULT_INJECTION
+TEST_F(Reliability, ProductionBinaryRefusesFaultInjection) {
+  ServerProcess p(FUSEDLAYER_SERVER_BINARY, {"--backend=cpu", "--address=127.0.0.1:0", "--metrics_address=",
+                                             "--fault_inject=fused_launch_error"});
+  const std::string log = p.ReadAll();
+  EXPECT_EQ(p.Wait(), 1) << log;
+  EXPECT_NE(log.find("fault_inject"), std::string::npos) << log;
+}
+#endif
+
+TEST_F(Reliability, UnknownFaultFailsFast) {
+  ServerProcess p(FUSEDLAYER_FAULT_SERVER_BINARY, {"--backend=cpu", "--address=127.0.0.1:0", "--metrics_address=",
+                                                   "--fault_inject=disk_on_fire"});
+  const std::string log = p.ReadAll();
+  EXPECT_EQ(p.Wait(), 1) << log;
+  EXPECT_NE(log.find("disk_on_fire"), std::string::npos) << log;
+}
+
+// ---- injected faults --------------------------------------------------------------------------
+
+TEST_F(Reliability, FusedLaunchErrorIsServedUnfusedAndCounted) {
+  RunningServer s(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=fused_launch_error=1"}, /*armed=*/true);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  Reference ref(DemoSet(kDemo));
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 3});
+
+  v1::MhcSeamResponse resp;
+  ASSERT_TRUE(Seam(*s.stub, req, &resp).ok());
+  EXPECT_EQ(resp.report().path(), v1::EXECUTION_PATH_UNFUSED);
+  EXPECT_EQ(resp.report().fallback_reason(), v1::FALLBACK_REASON_FUSED_KERNEL_ERROR);
+  ExpectSameOutputs(resp, ref.RunMhc(req, Path::kUnfused));
+
+  // The injection budget (1) is spent: the next call takes the fused path again.
+  v1::MhcSeamResponse again;
+  ASSERT_TRUE(Seam(*s.stub, req, &again).ok());
+  EXPECT_EQ(again.report().path(), v1::EXECUTION_PATH_FUSED);
+  ExpectSameOutputs(again, ref.RunMhc(req, Path::kFused));
+
+  const std::string m = s.IdleMetrics();
+  EXPECT_EQ(MetricValue(m, "fusedlayer_op_fallbacks_total", {{"op", "mhc"}, {"reason", "fused_kernel_error"}}), 1);
+  EXPECT_EQ(MetricValue(m, "fusedlayer_requests_total", {{"method", "MhcSeam"}, {"code", "OK"}}), 2);
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  EXPECT_EQ(s.process.Wait(), 0);
+}
+
+TEST_F(Reliability, DeviceAllocationFailureIsResourceExhaustedAndServingContinues) {
+  RunningServer s(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=alloc_failure=1"}, /*armed=*/true);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  Reference ref(DemoSet(kDemo));
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 2});
+
+  v1::MhcSeamResponse resp;
+  const grpc::Status failed = Seam(*s.stub, req, &resp);
+  EXPECT_EQ(failed.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << failed.error_message();
+  EXPECT_NE(failed.error_message().find("allocation"), std::string::npos) << failed.error_message();
+
+  // Still serving: health, and the same request succeeds with the library's bits.
+  int health = 0;
+  ASSERT_TRUE(HealthCheck(s.channel, "fusedlayer.mhc", &health).ok());
+  EXPECT_EQ(health, 1);
+  v1::MhcSeamResponse ok;
+  ASSERT_TRUE(Seam(*s.stub, req, &ok).ok());
+  EXPECT_EQ(ok.report().path(), v1::EXECUTION_PATH_FUSED);
+  ExpectSameOutputs(ok, ref.RunMhc(req, Path::kFused));
+
+  const std::string m = s.IdleMetrics();
+  EXPECT_EQ(MetricValue(m, "fusedlayer_requests_total", {{"method", "MhcSeam"}, {"code", "RESOURCE_EXHAUSTED"}}), 1);
+  // Out of memory is load, not a broken kernel: no fused_kernel_error page.
+  EXPECT_EQ(MetricValue(m, "fusedlayer_op_fallbacks_total", {{"op", "mhc"}, {"reason", "fused_kernel_error"}}), 0);
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  EXPECT_EQ(s.process.Wait(), 0);
+}
+
+// ---- graceful drain ---------------------------------------------------------------------------
+
+TEST_F(Reliability, SigtermDrainsInFlightCallsAndRefusesNewOnes) {
+  // The kernel of every call sleeps 10 s: the call is certainly in flight when SIGTERM arrives.
+  constexpr double kDrainSeconds = 60;
+  RunningServer s(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=slow_kernel=10000", "--drain_seconds=60"},
+                  /*armed=*/true);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  Reference ref(DemoSet(kDemo));
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 4});
+
+  grpc::Status in_flight_status;
+  v1::MhcSeamResponse in_flight;
+  std::atomic<bool> done{false};
+  std::thread caller([&] {
+    in_flight_status = Seam(*s.stub, req, &in_flight);
+    done = true;
+  });
+  s.WaitInflight(1);
+  const auto signalled = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  // This line is logged once new calls are refused (a call admitted before it is a normal call).
+  ASSERT_FALSE(s.process.ReadUntil(std::regex("draining: health NOT_SERVING")).empty()) << s.process.log();
+  EXPECT_FALSE(done.load()) << "the in-flight call finished before the drain started";
+
+  // New calls during the drain are never served: UNAVAILABLE, from gRPC (listener closed, GOAWAY)
+  // or, for a call that raced the GOAWAY and still reached the handler, from the service itself.
+  // gRPC 1.51 may instead hold such a racing stream and cancel it when the drain ends (CANCELLED).
+  // A health Check behaves the same way, or reports NOT_SERVING (docs/operations.md).
+  v1::MhcSeamResponse refused;
+  const grpc::Status rs = Seam(*s.stub, req, &refused);
+  EXPECT_TRUE(rs.error_code() == grpc::StatusCode::UNAVAILABLE || rs.error_code() == grpc::StatusCode::CANCELLED)
+      << rs.error_code() << " " << rs.error_message();
+  int health = 0;
+  const grpc::Status hs = HealthCheck(s.channel, "", &health);
+  EXPECT_TRUE(hs.ok() ? health == 2
+                      : hs.error_code() == grpc::StatusCode::UNAVAILABLE || hs.error_code() == grpc::StatusCode::CANCELLED)
+      << hs.error_code() << " " << health;
+
+  caller.join();
+  ASSERT_TRUE(in_flight_status.ok()) << in_flight_status.error_message();
+  ExpectSameOutputs(in_flight, ref.RunMhc(req, Path::kFused));
+
+  const std::string log = s.process.ReadAll();
+  EXPECT_EQ(s.process.Wait(), 0) << log;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - signalled).count(), kDrainSeconds);
+  EXPECT_NE(log.find("shut down cleanly"), std::string::npos) << log;
+}
+
+TEST_F(Reliability, DrainDeadlineCancelsInFlightCallsAndExitsZero) {
+  // --drain_seconds=1 against a 6 s kernel: the deadline passes with the call still running.
+  RunningServer s(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=slow_kernel=6000", "--drain_seconds=1"},
+                  /*armed=*/true);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 2});
+  grpc::Status status;
+  v1::MhcSeamResponse resp;
+  std::thread caller([&] { status = Seam(*s.stub, req, &resp); });
+  s.WaitInflight(1);
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  caller.join();
+  // gRPC's Shutdown(deadline) cancels what is left with UNAVAILABLE ("Cancelling all calls"): a
+  // retryable code, so a client retries on another replica.
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  const std::string log = s.process.ReadAll();
+  EXPECT_EQ(s.process.Wait(), 0) << log;
+  EXPECT_NE(log.find("shut down cleanly"), std::string::npos) << log;
+}
+
+// ---- LoadWeights faults (in-process server) ---------------------------------------------------
+
+class LoadWeightsFaults : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    live_ = MakeWeightSet(rng_, "live", MhcSetSpec{}, std::nullopt);  // mHC only: swa health NOT_SERVING
+    ts_ = TestServer::Start(TestConfig(), nullptr, {live_});
+    ASSERT_NE(ts_, nullptr);
+  }
+  std::vector<std::string> Names() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::ListWeightSetsResponse list;
+    EXPECT_TRUE(ts_->stub().ListWeightSets(&ctx, {}, &list).ok());
+    std::vector<std::string> names;
+    for (const auto& s : list.weight_sets()) names.push_back(s.name());
+    return names;
+  }
+  int Health(const std::string& service) {
+    int status = 0;
+    EXPECT_TRUE(HealthCheck(ts_->channel(), service, &status).ok());
+    return status;
+  }
+
+  std::mt19937_64 rng_{std::random_device{}()};
+  server::PackedWeightSet live_;
+  std::unique_ptr<TestServer> ts_;
+};
+
+TEST_F(LoadWeightsFaults, CancelledStreamPublishesNothing) {
+  const auto before = Names();
+  ASSERT_EQ(Health("fusedlayer.swa"), 2);
+  // A set with an SWA part: were any of it published, the swa health would flip to SERVING.
+  server::PackedWeightSet next = MakeWeightSet(rng_, "next", MhcSetSpec{}, SwaSetSpec{});
+  for (const bool replace_live : {false, true}) {
+    server::PackedWeightSet set = next;
+    if (replace_live) set.first.set_name("live");
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::WeightSetInfo info;
+    auto writer = ts_->stub().LoadWeights(&ctx, &info);
+    v1::WeightChunk chunk;
+    *chunk.mutable_header() = set.first;
+    chunk.mutable_header()->set_replace(replace_live);
+    chunk.set_data(set.second.substr(0, set.second.size() / 2));  // half the payload, then the client gives up
+    ASSERT_TRUE(writer->Write(chunk));
+    ctx.TryCancel();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  EXPECT_EQ(Names(), before);
+  EXPECT_EQ(Health("fusedlayer.swa"), 2);
+  EXPECT_EQ(Health("fusedlayer.mhc"), 1);
+  // The live set still computes what the library computes.
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng_, "live", {});
+  v1::MhcSeamResponse resp;
+  ASSERT_TRUE(Seam(ts_->stub(), req, &resp).ok());
+  ExpectSameOutputs(resp, Reference(live_).RunMhc(req, Path::kFused));
+}
+
+TEST_F(LoadWeightsFaults, CorruptReplacementIsDataLossAndTheOldSetKeepsServing) {
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng_, "live", {});
+  v1::MhcSeamResponse before;
+  ASSERT_TRUE(Seam(ts_->stub(), req, &before).ok());
+
+  server::PackedWeightSet replacement = MakeWeightSet(rng_, "live", MhcSetSpec{}, std::nullopt);
+  replacement.second[replacement.second.size() / 3] ^= 0x40;  // the header's sha256 no longer matches
+  v1::WeightSetInfo info;
+  const grpc::Status s = LoadWeights(ts_->stub(), replacement, &info, 4096, /*replace=*/true);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DATA_LOSS) << s.error_message();
+
+  v1::MhcSeamResponse after;
+  ASSERT_TRUE(Seam(ts_->stub(), req, &after).ok());
+  ExpectSameOutputs(after, before);
+  ExpectSameOutputs(after, Reference(live_).RunMhc(req, Path::kFused));
+  EXPECT_EQ(Names(), std::vector<std::string>{"live"});
+  EXPECT_EQ(Health("fusedlayer.mhc"), 1);
+}
+
+}  // namespace
+}  // namespace fusedlayer::testing
