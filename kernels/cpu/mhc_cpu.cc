@@ -30,7 +30,7 @@
 namespace fusedlayer::cpu {
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(FUSEDLAYER_NO_MULTIVERSION)
 #define FL_MHC_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define FL_MHC_MULTIVERSION

@@ -43,12 +43,12 @@ double Bf16BitsToDouble(uint16_t b) {
 
 std::vector<uint16_t> Bf16Of(const v1::Tensor& t) {
   std::vector<uint16_t> v(t.data().size() / 2);
-  std::memcpy(v.data(), t.data().data(), t.data().size());
+  if (!v.empty()) std::memcpy(v.data(), t.data().data(), t.data().size());  // memcpy(nullptr, .., 0) is UB
   return v;
 }
 std::vector<float> Fp32Of(const v1::Tensor& t) {
   std::vector<float> v(t.data().size() / 4);
-  std::memcpy(v.data(), t.data().data(), t.data().size());
+  if (!v.empty()) std::memcpy(v.data(), t.data().data(), t.data().size());
   return v;
 }
 std::vector<int64_t> Shape(const v1::Tensor& t) { return {t.shape().begin(), t.shape().end()}; }

@@ -1,0 +1,106 @@
+// libFuzzer target: the server's request decoding and validation (op_calls.h / tensor_codec.h) on
+// arbitrary MhcSeamRequest / SwaNormQuantRequest messages, against a small CPU weight set; when a
+// request passes validation the op runs on every path the backend offers for it, as the service
+// would (tiny shapes: --max_tokens is 16 here).
+//
+// Input: byte 0 selects the op (bit 0: 0 = mHC, 1 = SWA) and the weight set (bit 1: 0 = e4m3fn,
+// fp32 row-major scales, with wq_b and norm weight; 1 = e4m3fnuz, ue8m0 column-major TMA scales,
+// neither); the rest is the serialized request (inputs that do not parse are skipped).
+//
+// Never allowed: a crash, an out-of-bounds access or UB (ASan/UBSan), a leak, an error without a
+// message, a run that fails after validation passed (the decoder and the backend disagree on what
+// is valid), or a fused path that FusedSupport promised and the backend then refused.
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "fusedlayer/backend.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
+#include "google/protobuf/stubs/logging.h"
+#include "fuzz_weights_fixture.h"
+#include "op_calls.h"
+#include "weights/weight_set.h"
+
+namespace {
+
+using fusedlayer::Path;
+
+constexpr int64_t kMaxTokens = 16;
+
+struct Fixture {
+  std::unique_ptr<fusedlayer::Backend> cpu;
+  std::shared_ptr<const fusedlayer::server::WeightSet> sets[2];
+};
+
+Fixture* MakeFixture() {
+  // Invalid UTF-8 in string fields makes ParseFromArray fail (the input is skipped) and log an
+  // ERROR line per input; the log would drown libFuzzer's own output.
+  google::protobuf::SetLogHandler(nullptr);
+  auto* f = new Fixture;
+  f->cpu = fusedlayer::CreateCpuBackend({.num_threads = 1});
+  for (int v = 0; v < 2; ++v) {
+    fusedlayer::server::PackedWeightSet p = fusedlayer::fuzz::SmallPackedSet(v);
+    auto set = fusedlayer::server::BuildWeightSet(*f->cpu, p.first, p.second, "fuzz");
+    if (!set.ok() || !(*set)->mhc || !(*set)->swa) {
+      std::fprintf(stderr, "fuzz_request_validation: building the weight set failed: %s\n",
+                   set.status().ToString().c_str());
+      std::abort();
+    }
+    f->sets[v] = *set;
+  }
+  return f;
+}
+
+[[noreturn]] void Fail(const char* op, Path path, const absl::Status& s) {
+  std::fprintf(stderr, "fuzz_request_validation: %s request passed validation but the %s run failed: %s\n", op,
+               fusedlayer::PathName(path), s.ToString().c_str());
+  std::abort();
+}
+
+void CheckError(const absl::Status& s) {
+  if (s.message().empty()) {
+    std::fprintf(stderr, "fuzz_request_validation: error without a message: %s\n", s.ToString().c_str());
+    std::abort();
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static Fixture* const fx = MakeFixture();
+  if (size < 1) return -1;
+  const bool swa = data[0] & 1;
+  const fusedlayer::server::WeightSet& set = *fx->sets[(data[0] >> 1) & 1];
+  const void* msg = data + 1;
+  const int len = static_cast<int>(size - 1);
+
+  if (!swa) {
+    fusedlayer::v1::MhcSeamRequest req;
+    if (!req.ParseFromArray(msg, len)) return -1;
+    fusedlayer::v1::MhcSeamResponse resp;
+    absl::StatusOr<fusedlayer::server::MhcCall> call =
+        fusedlayer::server::DecodeMhcRequest(req, *set.mhc, kMaxTokens, &resp);
+    if (!call.ok()) return CheckError(call.status()), 0;
+    for (Path path : {Path::kUnfused, Path::kFused}) {
+      if (path == Path::kFused && !fx->cpu->MhcFusedSupport(*set.mhc, call->query).supported) continue;
+      absl::StatusOr<fusedlayer::RunStats> r = fusedlayer::server::RunMhcCall(*fx->cpu, *set.mhc, call->args, path);
+      if (!r.ok()) Fail("mhc", path, r.status());
+    }
+  } else {
+    fusedlayer::v1::SwaNormQuantRequest req;
+    if (!req.ParseFromArray(msg, len)) return -1;
+    fusedlayer::v1::SwaNormQuantResponse resp;
+    absl::StatusOr<fusedlayer::server::SwaCall> call =
+        fusedlayer::server::DecodeSwaRequest(req, *set.swa, kMaxTokens, &resp);
+    if (!call.ok()) return CheckError(call.status()), 0;
+    for (Path path : {Path::kUnfused, Path::kFused}) {
+      if (path == Path::kFused && !fx->cpu->SwaFusedSupport(*set.swa, call->query).supported) continue;
+      absl::StatusOr<fusedlayer::RunStats> r = fusedlayer::server::RunSwaCall(*fx->cpu, *set.swa, call->args, path);
+      if (!r.ok()) Fail("swa", path, r.status());
+    }
+  }
+  return 0;
+}

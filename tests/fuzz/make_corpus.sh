@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Regenerates the fuzz seed corpus in tests/fuzz/corpus/<target>/ (committed; deterministic, so
+# rerunning it changes nothing unless the generator or the fixture changed).
+#
+#   tests/fuzz/make_corpus.sh            (builds fuzz_make_corpus in build-fuzz/ first)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+BUILD="${FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
+"$ROOT/scripts/fuzz.sh" --configure-only
+cmake --build "$BUILD" -j"${JOBS:-$(nproc)}" --target fuzz_make_corpus
+OUT="$ROOT/tests/fuzz/corpus"
+for t in fuzz_safetensors fuzz_manifest fuzz_request_validation; do
+  rm -rf "${OUT:?}/$t"
+  mkdir -p "$OUT/$t"
+done
+ASAN_OPTIONS=detect_leaks=1 "$BUILD/tests/fuzz/fuzz_make_corpus" "$OUT"
+du -sh "$OUT"/*
