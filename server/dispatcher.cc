@@ -1,5 +1,7 @@
 #include "dispatcher.h"
 
+#include "weights/weight_set.h"
+
 #include "absl/strings/str_cat.h"
 #include "log.h"
 
@@ -69,22 +71,7 @@ absl::StatusOr<DispatchOutcome> RunWithFallback(Op op, const PathDecision& decis
   return out;
 }
 
-v1::FallbackReason ToProto(FallbackReason reason) {
-  // The proto enum is the library enum shifted by one (0 = NONE); names match one to one.
-  switch (reason) {
-    case FallbackReason::kDisabledByConfig: return v1::FALLBACK_REASON_DISABLED_BY_CONFIG;
-    case FallbackReason::kClientForcedUnfused: return v1::FALLBACK_REASON_CLIENT_FORCED_UNFUSED;
-    case FallbackReason::kBackendHasNoFusedKernel: return v1::FALLBACK_REASON_BACKEND_HAS_NO_FUSED_KERNEL;
-    case FallbackReason::kDeviceArchUnsupported: return v1::FALLBACK_REASON_DEVICE_ARCH_UNSUPPORTED;
-    case FallbackReason::kHcMultUnsupported: return v1::FALLBACK_REASON_HC_MULT_UNSUPPORTED;
-    case FallbackReason::kHiddenSizeUnsupported: return v1::FALLBACK_REASON_HIDDEN_SIZE_UNSUPPORTED;
-    case FallbackReason::kTooManyTokens: return v1::FALLBACK_REASON_TOO_MANY_TOKENS;
-    case FallbackReason::kAuxCaptureRequested: return v1::FALLBACK_REASON_AUX_CAPTURE_REQUESTED;
-    case FallbackReason::kWorkspaceUnavailable: return v1::FALLBACK_REASON_WORKSPACE_UNAVAILABLE;
-    case FallbackReason::kFusedKernelError: return v1::FALLBACK_REASON_FUSED_KERNEL_ERROR;
-  }
-  return v1::FALLBACK_REASON_NONE;
-}
+v1::FallbackReason ToProto(FallbackReason reason) { return ProtoFallbackReason(reason); }
 
 v1::ExecutionPath ToProto(Path path) {
   return path == Path::kFused ? v1::EXECUTION_PATH_FUSED : v1::EXECUTION_PATH_UNFUSED;

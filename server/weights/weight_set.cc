@@ -21,22 +21,6 @@ namespace v1 = ::fusedlayer::v1;
 // Far above any DeepSeek width (7168), far below where n(n+2) * n * C could overflow.
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
 
-v1::FallbackReason ProtoFallbackReason(FallbackReason r) {
-  switch (r) {
-    case FallbackReason::kDisabledByConfig: return v1::FALLBACK_REASON_DISABLED_BY_CONFIG;
-    case FallbackReason::kClientForcedUnfused: return v1::FALLBACK_REASON_CLIENT_FORCED_UNFUSED;
-    case FallbackReason::kBackendHasNoFusedKernel: return v1::FALLBACK_REASON_BACKEND_HAS_NO_FUSED_KERNEL;
-    case FallbackReason::kDeviceArchUnsupported: return v1::FALLBACK_REASON_DEVICE_ARCH_UNSUPPORTED;
-    case FallbackReason::kHcMultUnsupported: return v1::FALLBACK_REASON_HC_MULT_UNSUPPORTED;
-    case FallbackReason::kHiddenSizeUnsupported: return v1::FALLBACK_REASON_HIDDEN_SIZE_UNSUPPORTED;
-    case FallbackReason::kTooManyTokens: return v1::FALLBACK_REASON_TOO_MANY_TOKENS;
-    case FallbackReason::kAuxCaptureRequested: return v1::FALLBACK_REASON_AUX_CAPTURE_REQUESTED;
-    case FallbackReason::kWorkspaceUnavailable: return v1::FALLBACK_REASON_WORKSPACE_UNAVAILABLE;
-    case FallbackReason::kFusedKernelError: return v1::FALLBACK_REASON_FUSED_KERNEL_ERROR;
-  }
-  return v1::FALLBACK_REASON_NONE;
-}
-
 std::string ShapeString(DType dtype, const std::vector<int64_t>& shape) {
   return absl::StrCat(DTypeName(dtype), "[", absl::StrJoin(shape, ", "), "]");
 }
@@ -180,6 +164,22 @@ void FillMhcConfig(const MhcHyperParams& p, v1::MhcConfig* c) {
 }
 
 }  // namespace
+
+v1::FallbackReason ProtoFallbackReason(FallbackReason r) {
+  switch (r) {
+    case FallbackReason::kDisabledByConfig: return v1::FALLBACK_REASON_DISABLED_BY_CONFIG;
+    case FallbackReason::kClientForcedUnfused: return v1::FALLBACK_REASON_CLIENT_FORCED_UNFUSED;
+    case FallbackReason::kBackendHasNoFusedKernel: return v1::FALLBACK_REASON_BACKEND_HAS_NO_FUSED_KERNEL;
+    case FallbackReason::kDeviceArchUnsupported: return v1::FALLBACK_REASON_DEVICE_ARCH_UNSUPPORTED;
+    case FallbackReason::kHcMultUnsupported: return v1::FALLBACK_REASON_HC_MULT_UNSUPPORTED;
+    case FallbackReason::kHiddenSizeUnsupported: return v1::FALLBACK_REASON_HIDDEN_SIZE_UNSUPPORTED;
+    case FallbackReason::kTooManyTokens: return v1::FALLBACK_REASON_TOO_MANY_TOKENS;
+    case FallbackReason::kAuxCaptureRequested: return v1::FALLBACK_REASON_AUX_CAPTURE_REQUESTED;
+    case FallbackReason::kWorkspaceUnavailable: return v1::FALLBACK_REASON_WORKSPACE_UNAVAILABLE;
+    case FallbackReason::kFusedKernelError: return v1::FALLBACK_REASON_FUSED_KERNEL_ERROR;
+  }
+  return v1::FALLBACK_REASON_NONE;
+}
 
 bool IsValidWeightSetName(std::string_view name) {
   if (name.empty() || name.size() > kMaxWeightSetNameLength) return false;

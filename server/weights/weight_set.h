@@ -70,4 +70,8 @@ SwaHyperParams SwaParamsFromProto(const fusedlayer::v1::SwaConfig& config, int64
 // independent part of the answer).
 fusedlayer::v1::WeightSetInfo ToInfo(const WeightSet& set, const Backend& backend);
 
+// The proto enum value of a library fallback reason (names match one to one; shared with the
+// dispatcher's ExecutionReport).
+fusedlayer::v1::FallbackReason ProtoFallbackReason(FallbackReason reason);
+
 }  // namespace fusedlayer::server
