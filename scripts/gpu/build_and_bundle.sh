@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds the CUDA tree and bundles everything the GPU host runs into .gpu/ (git-ignored): the
 # contract and GPU suites, the GPU benchmarks and torch peers, and the server + fusedctl for the
-# end-to-end smoke run. Then, on the device machine (carry [".gpu"]):   bash .gpu/run_device.sh
+# end-to-end smoke run. The bundle (~90 MB: every executable carries the kernels' fatbins) is then
+# packed into .gpu-pack/gpu_bundle.tar.xz (~30 MB), under the device tool's 64 MiB carry limit.
+# On the device machine (carry [".gpu-pack"]):
+#   mkdir -p /tmp/b && tar xJf .gpu-pack/gpu_bundle.tar.xz -C /tmp/b && bash /tmp/b/run_device.sh
 #
 # usage: scripts/gpu/build_and_bundle.sh [BUILD_DIR]     (default build-cuda)
 # The bundle script is the design repository's tools/bundle-runtime.sh (BUNDLE_RUNTIME overrides).
@@ -20,7 +23,10 @@ rm -rf "$root/.gpu"
 exes=()
 for t in "${targets[@]}"; do exes+=("$(find "$build" -type f -name "$t" -perm -u+x | head -1)"); done
 "$bundle" "$root/.gpu" "${exes[@]}"
-# Debug info is most of the size; the device run needs symbols only.
-for e in "${exes[@]}"; do strip --strip-debug "$root/.gpu/$(basename "$e")"; done
+# Symbols are most of the size and the device run needs none (sanitizer reports still name the
+# kernels: device code keeps -lineinfo).
+for e in "${exes[@]}"; do strip -s "$root/.gpu/$(basename "$e")"; done
 cp "$root/bench/gpu/torch_peers.py" "$root/bench/gpu/torch_mhc_peer.py" "$root/scripts/gpu/run_device.sh" "$root/.gpu/"
-du -sh "$root/.gpu"
+mkdir -p "$root/.gpu-pack"
+tar cJf "$root/.gpu-pack/gpu_bundle.tar.xz" -C "$root/.gpu" .
+du -sh "$root/.gpu" "$root/.gpu-pack/gpu_bundle.tar.xz"
