@@ -7,6 +7,9 @@
 #   mkdir -p /tmp/b && tar xJf .gpu-pack/gpu_bundle.tar.xz -C /tmp/b && bash /tmp/b/run_device.sh
 #
 # usage: scripts/gpu/build_and_bundle.sh [BUILD_DIR]     (default build-cuda)
+#   GPU_STAGE=.gpu-x GPU_PACK=.gpu-pack-x   stage/pack folders (so several people can bundle at once;
+#                                           both must match /.gpu*/ in .gitignore)
+#   GPU_TARGETS="gpu_mhc_tests bench_mhc_gpu" a subset of the targets below (faster builds)
 # The bundle script is the design repository's tools/bundle-runtime.sh (BUNDLE_RUNTIME overrides).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -18,15 +21,18 @@ if [ ! -f "$build/build.ninja" ]; then
 fi
 targets=(mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests bench_mhc_gpu bench_swa_gpu
          fusedlayer_server fusedctl)
+[ -n "${GPU_TARGETS:-}" ] && read -r -a targets <<< "$GPU_TARGETS"
+stage=$root/${GPU_STAGE:-.gpu}
+pack=$root/${GPU_PACK:-.gpu-pack}
 cmake --build "$build" -j2 --target "${targets[@]}"
-rm -rf "$root/.gpu"
+rm -rf "$stage"
 exes=()
 for t in "${targets[@]}"; do exes+=("$(find "$build" -type f -name "$t" -perm -u+x | head -1)"); done
-"$bundle" "$root/.gpu" "${exes[@]}"
+"$bundle" "$stage" "${exes[@]}"
 # Symbols are most of the size and the device run needs none (sanitizer reports still name the
 # kernels: device code keeps -lineinfo).
-for e in "${exes[@]}"; do strip -s "$root/.gpu/$(basename "$e")"; done
-cp "$root/bench/gpu/torch_peers.py" "$root/bench/gpu/torch_mhc_peer.py" "$root/scripts/gpu/run_device.sh" "$root/.gpu/"
-mkdir -p "$root/.gpu-pack"
-tar cJf "$root/.gpu-pack/gpu_bundle.tar.xz" -C "$root/.gpu" .
-du -sh "$root/.gpu" "$root/.gpu-pack/gpu_bundle.tar.xz"
+for e in "${exes[@]}"; do strip -s "$stage/$(basename "$e")"; done
+cp "$root/bench/gpu/torch_peers.py" "$root/bench/gpu/torch_mhc_peer.py" "$root/scripts/gpu/run_device.sh" "$stage/"
+mkdir -p "$pack"
+tar cJf "$pack/gpu_bundle.tar.xz" -C "$stage" .
+du -sh "$stage" "$pack/gpu_bundle.tar.xz"

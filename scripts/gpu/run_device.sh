@@ -12,6 +12,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 
 if want tests; then
   for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests; do
+    [ -x ./$t ] || { echo "$t not in this bundle"; continue; }
     echo "== $t" >> "$OUT/tests.log"; timeout 240 ./$t --gtest_brief=1 > /tmp/$t.log 2>&1; rc=$?
     cat /tmp/$t.log >> "$OUT/tests.log"; echo "$t rc=$rc"; tail -3 /tmp/$t.log
   done
@@ -27,8 +28,8 @@ if want sanitize; then
   } > "$OUT/sanitizers.log" 2>&1; grep -E "==|ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitizers.log"
 fi
 if want bench; then
-  { echo "== bench_mhc_gpu"; timeout 200 ./bench_mhc_gpu
-    echo "== bench_swa_gpu"; timeout 150 ./bench_swa_gpu; } > "$OUT/bench.log" 2>&1; cat "$OUT/bench.log"
+  { [ -x ./bench_mhc_gpu ] && { echo "== bench_mhc_gpu"; timeout 200 ./bench_mhc_gpu ${BENCH_MHC_ARGS:-}; }
+    [ -x ./bench_swa_gpu ] && { echo "== bench_swa_gpu"; timeout 150 ./bench_swa_gpu ${BENCH_SWA_ARGS:-}; }; } > "$OUT/bench.log" 2>&1; cat "$OUT/bench.log"
 fi
 if want torch; then
   { PYTHONUNBUFFERED=1 timeout 150 python3 torch_mhc_peer.py --quick; PYTHONUNBUFFERED=1 timeout 120 python3 torch_peers.py --quick; } > "$OUT/torch.log" 2>&1; tail -30 "$OUT/torch.log"
