@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "weights/dtype_conversion.h"
 #include "weights/packing.h"
 #include "weights/safetensors.h"
 #include "weights/sha256.h"
@@ -212,10 +213,16 @@ absl::StatusOr<PackedWeightSet> LoadSet(const json& j, const std::string& manife
     if (!f.ok()) return Prefixed(f.status(), twhere);
     absl::StatusOr<const SafetensorsTensorInfo*> info = (*f)->index().Find(*src_name);
     if (!info.ok()) return Prefixed(info.status(), twhere);
-    const std::optional<DType> dtype = SafetensorsDTypeToDType((*info)->dtype);
+    // A tensor whose weight-set dtype is fixed is converted to it when every value converts
+    // exactly (dtype_conversion.h); others keep the file's dtype and BuildWeightSet checks it.
+    const std::optional<DType> fixed = FixedWeightDType(tname);
+    std::optional<DType> dtype = SafetensorsDTypeToDType((*info)->dtype);
+    const bool convert = fixed && dtype != fixed;
+    if (convert) dtype = fixed;
     if (!dtype) {
       return Bad(twhere, absl::StrCat((*f)->path(), ": tensor ", Quote(*src_name), " has dtype ", (*info)->dtype,
-                                      "; weight sets use BF16, F32, F8_E4M3 or F8_E4M3FNUZ"));
+                                      "; weight sets use BF16, F32, F8_E4M3 or F8_E4M3FNUZ (F16 and F8_E8M0 "
+                                      "convert exactly where the set keeps F32 or BF16)"));
     }
     payload.append((kPayloadAlignment - payload.size() % kPayloadAlignment) % kPayloadAlignment, '\0');
     v1::TensorEntry* e = header.add_tensors();
@@ -223,7 +230,16 @@ absl::StatusOr<PackedWeightSet> LoadSet(const json& j, const std::string& manife
     e->set_dtype(DTypeToWire(*dtype));
     for (int64_t d : (*info)->shape) e->add_shape(d);
     e->set_offset(payload.size());
-    if (absl::Status s = (*f)->AppendTensorBytes(**info, &payload); !s.ok()) return Prefixed(s, twhere);
+    if (!convert) {
+      if (absl::Status s = (*f)->AppendTensorBytes(**info, &payload); !s.ok()) return Prefixed(s, twhere);
+    } else {
+      std::string raw;
+      if (absl::Status s = (*f)->AppendTensorBytes(**info, &raw); !s.ok()) return Prefixed(s, twhere);
+      absl::StatusOr<std::string> converted = ConvertTensorExactly(
+          (*info)->dtype, *dtype, raw, absl::StrCat(twhere, ": ", (*f)->path(), ": tensor ", Quote(*src_name)));
+      if (!converted.ok()) return converted.status();
+      payload.append(*converted);
+    }
   }
   header.set_payload_bytes(payload.size());
   absl::StatusOr<std::string> sha = Sha256Hex(payload);

@@ -22,9 +22,11 @@
 //   A relative "file" resolves against the manifest's directory.
 // - Unknown keys anywhere, duplicate keys, duplicate set names, and values of the wrong JSON type
 //   are INVALID_ARGUMENT (a typo must not silently select a default).
-// - Tensor dtypes come from the files (BF16, F32, F8_E4M3 = e4m3fn, F8_E4M3FNUZ); other dtypes
-//   are INVALID_ARGUMENT naming the file and tensor. No conversion is done: dtype and shape must
-//   be what weight_set.h lists, which BuildWeightSet checks.
+// - Tensor dtypes come from the files (BF16, F32, F8_E4M3 = e4m3fn, F8_E4M3FNUZ). A tensor whose
+//   weight-set dtype is fixed (weight_set.h) is converted to it from F16 / BF16 / F8_E8M0 / F32 when
+//   every value converts exactly (dtype_conversion.h), else INVALID_ARGUMENT naming the element;
+//   other dtypes are INVALID_ARGUMENT naming the file and tensor. Shapes (and fp8 dtypes) must be
+//   what weight_set.h lists, which BuildWeightSet checks.
 // Files are read with SafetensorsFile (each file opened once per manifest), so their errors
 // (NOT_FOUND, DATA_LOSS, INVALID_ARGUMENT) come through, prefixed with the manifest and set names.
 #pragma once

@@ -520,7 +520,7 @@ void WriteFixture(std::mt19937_64& rng, ManifestFixture& fx) {
                                 {"layers.3.hc_ffn_fn", "F32", {kM, kK}, fx.bytes["mhc.fn"]},
                                 {"layers.3.hc_ffn_scale", "F32", {3}, fx.bytes["mhc.scale"]},
                                 {"layers.3.ffn_norm.weight", "BF16", {kC}, fx.bytes["mhc.norm_weight"]},
-                                {"layers.3.unrelated", "F16", {4}, "abcdefgh"}})
+                                {"layers.3.unrelated", "I16", {4}, "abcdefgh"}})
                   .ok());
   stdfs::create_directory(fx.dir.Path("attn"));
   ASSERT_TRUE(WriteSafetensors(fx.dir.Path("attn/layer3_attn.safetensors"),
@@ -649,7 +649,7 @@ TEST(ManifestTest, ErrorsGiveDocumentedStatus) {
       {"duplicate set", set(absl::StrCat(R"({"name": "s", "mhc": )", mhc, R"(, "tensors": {}}, {"name": "s", "mhc": )", mhc, R"(, "tensors": {}})")), E, "twice"},
       {"missing file", one(mhc, R"("mhc.fn": {"file": "nope.safetensors", "tensor": "x"})"), absl::StatusCode::kNotFound, "nope.safetensors"},
       {"missing tensor", one(mhc, R"("mhc.fn": {"file": "layer3.safetensors", "tensor": "layers.9.x"})"), absl::StatusCode::kNotFound, "layers.9.x"},
-      {"unsupported dtype", one(mhc, R"("mhc.fn": {"file": "layer3.safetensors", "tensor": "layers.3.unrelated"})"), E, "F16"},
+      {"unsupported dtype", one(mhc, R"("mhc.fn": {"file": "layer3.safetensors", "tensor": "layers.3.unrelated"})"), E, "I16"},
   };
   for (const ManifestErrorCase& c : cases) {
     absl::StatusOr<std::vector<PackedWeightSet>> r = LoadManifestFromString(c.manifest, fx.dir.path(), "m.json");
@@ -664,6 +664,119 @@ TEST(ManifestTest, ErrorsGiveDocumentedStatus) {
   absl::StatusOr<std::vector<PackedWeightSet>> r = LoadManifest(fx.manifest_path);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
   EXPECT_THAT(r.status().message(), HasSubstr("layer3.safetensors"));
+}
+
+// Checkpoint dtypes that convert exactly (dtype_conversion.h): F16 / BF16 / F8_E8M0 to the F32
+// tensors, F32 / F16 holding bf16 values to the BF16 tensors. Expected values come from the
+// compiler's _Float16 and from ldexp, not from the converter.
+TEST(ManifestTest, ConvertsCheckpointDTypesExactly) {
+  auto rng = MakeRng(61);
+  TempDir dir;
+  std::vector<_Float16> fn16(kM * kK);
+  std::vector<float> fn32(fn16.size());
+  for (size_t i = 0; i < fn16.size(); ++i) {
+    float v = RandomValue(rng, 0.05f);
+    if (i % 97 == 0) v = (i % 2 ? 60000.0f : -3.0e-6f);  // outliers: near F16 max, and F16 subnormals
+    fn16[i] = static_cast<_Float16>(v);
+    fn32[i] = static_cast<float>(fn16[i]);
+  }
+  std::vector<uint16_t> scale_bf16(3);
+  std::vector<float> scale32(3);
+  for (int i = 0; i < 3; ++i) {
+    scale_bf16[i] = FloatToBf16(fusedlayer::testing::RandomFloat(rng, 1, 0.5f, 2.0f)[0]);
+    uint32_t bits = uint32_t(scale_bf16[i]) << 16;
+    std::memcpy(&scale32[i], &bits, 4);
+  }
+  // UE8M0 block scales, the whole exponent range but NaN (0xFF), both ends included.
+  std::vector<uint8_t> e8(kRows / 128 * kQ / 128);
+  std::vector<float> e8_32(e8.size());
+  std::uniform_int_distribution<int> ue(0, 254);
+  for (size_t i = 0; i < e8.size(); ++i) {
+    e8[i] = static_cast<uint8_t>(i == 0 ? 0 : i == 1 ? 254 : ue(rng));
+    e8_32[i] = static_cast<float>(std::ldexp(1.0, int(e8[i]) - 127));
+  }
+  // Norm weights: F32 and F16 tensors whose values are bf16 values.
+  std::vector<float> qn32(kQ);
+  std::vector<uint16_t> qn_bf16(kQ);
+  for (int64_t i = 0; i < kQ; ++i) {
+    qn_bf16[i] = FloatToBf16(fusedlayer::testing::RandomFloat(rng, 1, 0.5f, 1.5f)[0]);
+    uint32_t bits = uint32_t(qn_bf16[i]) << 16;
+    std::memcpy(&qn32[i], &bits, 4);
+  }
+  std::vector<_Float16> kn16(kD);
+  std::vector<uint16_t> kn_bf16(kD);
+  std::uniform_int_distribution<int> small(-255, 255);
+  for (int64_t i = 0; i < kD; ++i) {
+    int k;
+    do k = small(rng); while (k == 0);
+    const float v = std::ldexp(static_cast<float>(k), -int(i % 20));  // 8 significant bits at most
+    kn16[i] = static_cast<_Float16>(v);
+    kn_bf16[i] = FloatToBf16(v);
+  }
+  const std::string base = RandomF32Bytes(rng, kM, 0.1f);
+  const std::string wq_b = RandomFp8Bytes(rng, kRows * kQ, Fp8Format::kE4M3FN);
+  ASSERT_TRUE(WriteSafetensors(dir.Path("ckpt.safetensors"),
+                               {{"fn", "F16", {kM, kK}, AsBytes(fn16)},
+                                {"scale", "BF16", {3}, AsBytes(scale_bf16)},
+                                {"base", "F32", {kM}, base},
+                                {"q_norm", "F32", {kQ}, AsBytes(qn32)},
+                                {"kv_norm", "F16", {kD}, AsBytes(kn16)},
+                                {"wq_b", "F8_E4M3", {kRows, kQ}, wq_b},
+                                {"wq_b_scale", "F8_E8M0", {kRows / 128, kQ / 128}, AsBytes(e8)},
+                                {"bad_norm", "F32", {kQ}, AsBytes(std::vector<float>(kQ, 1.0f + 0x1p-10f))},
+                                {"nan_scale", "F8_E8M0", {kRows / 128, kQ / 128}, std::string(e8.size(), '\xff')}})
+                  .ok());
+  auto manifest = [&](const std::string& q_norm, const std::string& wq_b_scale) {
+    return absl::StrCat(R"({"weight_sets": [{"name": "ckpt",
+      "mhc": {"hc_mult": 4, "hidden": 256},
+      "swa": {"q_rank": 256, "head_dim": 128, "scale_format": "ue8m0"},
+      "tensors": {
+        "mhc.fn": {"file": "ckpt.safetensors", "tensor": "fn"},
+        "mhc.scale": {"file": "ckpt.safetensors", "tensor": "scale"},
+        "mhc.base": {"file": "ckpt.safetensors", "tensor": "base"},
+        "swa.q_norm": {"file": "ckpt.safetensors", "tensor": ")", q_norm, R"("},
+        "swa.kv_norm": {"file": "ckpt.safetensors", "tensor": "kv_norm"},
+        "swa.wq_b": {"file": "ckpt.safetensors", "tensor": "wq_b"},
+        "swa.wq_b_scale": {"file": "ckpt.safetensors", "tensor": ")", wq_b_scale, R"("}}}]})");
+  };
+  absl::StatusOr<std::vector<PackedWeightSet>> sets =
+      LoadManifestFromString(manifest("q_norm", "wq_b_scale"), dir.path(), "m.json");
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  const PackedWeightSet& set = (*sets)[0];
+  const std::map<std::string, std::string> expect = {
+      {"mhc.fn", AsBytes(fn32)},       {"mhc.scale", AsBytes(scale32)}, {"mhc.base", base},
+      {"swa.q_norm", AsBytes(qn_bf16)}, {"swa.kv_norm", AsBytes(kn_bf16)}, {"swa.wq_b", wq_b},
+      {"swa.wq_b_scale", AsBytes(e8_32)}};
+  for (const auto& [name, bytes] : expect) {
+    absl::StatusOr<std::string_view> b = PackedTensorBytes(set, name);
+    ASSERT_TRUE(b.ok()) << name << ": " << b.status();
+    EXPECT_EQ(*b, bytes) << name;
+  }
+  const v1::WeightSetHeader& h = set.first;
+  EXPECT_EQ(FindEntry(const_cast<v1::WeightSetHeader&>(h), "mhc.fn")->dtype(), v1::DATA_TYPE_FP32);
+  EXPECT_EQ(FindEntry(const_cast<v1::WeightSetHeader&>(h), "swa.wq_b_scale")->dtype(), v1::DATA_TYPE_FP32);
+  EXPECT_EQ(FindEntry(const_cast<v1::WeightSetHeader&>(h), "swa.kv_norm")->dtype(), v1::DATA_TYPE_BF16);
+  EXPECT_EQ(h.sha256(), *Sha256Hex(set.second));
+  RecordingBackend backend;
+  EXPECT_TRUE(BuildWeightSet(backend, set.first, set.second, "manifest:m.json").ok());
+
+  // What does not convert exactly is INVALID_ARGUMENT naming the tensor and the element.
+  struct Case {
+    const char* what;
+    std::string q_norm, wq_b_scale, message;
+  } cases[] = {
+      {"F32 value that bf16 cannot hold", "bad_norm", "wq_b_scale", "element 0"},
+      {"UE8M0 NaN", "q_norm", "nan_scale", "NaN"},
+      {"UE8M0 into a bf16 tensor", "wq_b_scale", "wq_b_scale", "cannot be converted to bf16"},
+      {"fp8 into a bf16 tensor", "wq_b", "wq_b_scale", "cannot be converted to bf16"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<std::vector<PackedWeightSet>> r =
+        LoadManifestFromString(manifest(c.q_norm, c.wq_b_scale), dir.path(), "m.json");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.what << ": " << r.status();
+    EXPECT_THAT(r.status().message(), HasSubstr(c.message)) << c.what;
+    EXPECT_THAT(r.status().message(), HasSubstr("m.json")) << c.what;
+  }
 }
 
 // A manifest with wrong shapes for its hyper-parameters loads (it only packs) and is rejected by
