@@ -14,18 +14,20 @@
 # Abseil 20220623, prometheus-cpp 1.0); both images build against the distribution packages.
 
 ARG CUDA_VERSION=13.0.0
+# Build dependencies, the same Debian/Ubuntu package names in both build stages (each stage
+# re-declares the ARG to see this default). grpc-proto is added by the CPU stage only (see below).
+ARG BUILD_PACKAGES="cmake ninja-build g++ pkg-config \
+ libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
+ libabsl-dev prometheus-cpp-dev nlohmann-json3-dev libssl-dev"
 
 # ---------------------------------------------------------------------------------------------
 # CPU-only image: Debian 12, -DFUSEDLAYER_CUDA=OFF.
 # ---------------------------------------------------------------------------------------------
 FROM debian:12 AS cpu-build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG BUILD_PACKAGES
 RUN apt-get update \
- && apt-get install -y --no-install-recommends \
-      cmake ninja-build g++ pkg-config \
-      libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto \
-      libabsl-dev prometheus-cpp-dev nlohmann-json3-dev libssl-dev \
-      libgtest-dev libgmock-dev libbenchmark-dev \
+ && apt-get install -y --no-install-recommends ${BUILD_PACKAGES} grpc-proto \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -83,12 +85,9 @@ FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS cuda-build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # CMAKE_CUDA_ARCHITECTURES syntax: "90a" (H100/H200, wgmma/TMA kernels), "90a;100a", ...
 ARG CUDA_ARCHS="90a"
+ARG BUILD_PACKAGES
 RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      cmake ninja-build g++ pkg-config \
-      libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
-      libabsl-dev prometheus-cpp-dev nlohmann-json3-dev libssl-dev \
-      libgtest-dev libgmock-dev libbenchmark-dev \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ${BUILD_PACKAGES} \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=grpc-proto /usr/share/grpc-proto /usr/share/grpc-proto
 WORKDIR /src
