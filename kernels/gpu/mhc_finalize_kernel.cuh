@@ -43,18 +43,35 @@ struct FinalizeParams {
   int64_t C;
 };
 
+__device__ __forceinline__ void WarpSync() {
+#if !FL_HIP
+  __syncwarp();
+#endif
+}
+
 // Sum over splits in split order, from 0. Loads go out 64 at a time (one L2 round trip per 64
 // splits instead of one per split); the adds stay sequential. 64 covers every DeepSeek C on the
 // fused path (C / 128 = 32, 40, 56 splits) in one round trip: the mix warp's reduction sits on the
 // decode-size critical path, and the second round trip of 32-wide batches cost C = 5120 and 7168
 // ~1-1.3 µs per call (bench_mhc_gpu, 2026-11-29).
+// kCg: load through L2 only (ld.global.cg), for partials written by other CTAs of the same grid
+// (the one-launch fused pass, after its per-tile barrier). Same values, same order, same bits.
+template <bool kCg = false>
 __device__ __forceinline__ float ReduceSplits(const float* __restrict__ p, int nsplit, int stride) {
   constexpr int kBatch = 64;
   float s = 0.0f;
   for (int i = 0; i < nsplit; i += kBatch) {
     float v[kBatch];
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k) v[k] = i + k < nsplit ? p[(i + k) * stride] : 0.0f;
+    for (int k = 0; k < kBatch; ++k) {
+#if !FL_HIP
+      if constexpr (kCg) {
+        v[k] = i + k < nsplit ? __ldcg(p + (i + k) * stride) : 0.0f;
+        continue;
+      }
+#endif
+      v[k] = i + k < nsplit ? p[(i + k) * stride] : 0.0f;
+    }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k)
       if (i + k < nsplit) s = __fadd_rn(s, v[k]);
@@ -62,10 +79,31 @@ __device__ __forceinline__ float ReduceSplits(const float* __restrict__ p, int n
   return s;
 }
 
-__device__ __forceinline__ void WarpSync() {
-#if !FL_HIP
-  __syncwarp();
-#endif
+// The mixes of one token (n = 4) on one warp, from its split partials `part` ([nsplit][stride]: 24
+// dots, sum R'^2): fixed-order split reduction (one lane per output), Sinkhorn on the lanes
+// (CombSinkhornLanes4), gates on lane 0. `dsum` is 25 floats of shared memory owned by the warp.
+// Shared by the finalize kernel's mix warps and the one-launch fused pass, so both write the same
+// bits. Must be called by all lanes of the warp.
+template <bool kCg = false>
+__device__ __forceinline__ void MixWarp4(const float* part, int nsplit, int stride, float k_count, const float* scale,
+                                         const float* base, const MixHyper& hyper, float* dsum, int64_t t,
+                                         float* new_pre, float* new_post, float* new_comb, int lane) {
+  constexpr int N = 4, M = N * (N + 2);
+  for (int o = lane; o <= M; o += kWarpSize) dsum[o] = ReduceSplits<kCg>(part + o, nsplit, stride);
+  WarpSync();
+  const float P = CombSinkhornLanes4(dsum, dsum[M], k_count, scale, base, hyper, lane);
+  if (lane < N * N) new_comb[t * N * N + lane] = P;
+  if (lane == 0) {
+    float pre[N], post[N];
+    ComputePre<N>(dsum, dsum[M], k_count, scale, base, hyper, pre);
+    ComputePost<N>(dsum, dsum[M], k_count, scale, base, hyper, post);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      new_pre[t * N + j] = pre[j];
+      new_post[t * N + j] = post[j];
+    }
+  }
+  WarpSync();  // dsum may be reused by the warp's next token
 }
 
 template <int N, bool kVec>
@@ -88,35 +126,25 @@ __global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizePa
     const int64_t t = (int64_t(blockIdx.x) - T) * kFinalizeWarps + warp;
     if (t >= T) return;
     const float* part = p.partials + t * p.nsplit * p.stride;
-    for (int o = lane; o <= M; o += kWarpSize) dsum[warp][o] = ReduceSplits(part + o, p.nsplit, p.stride);
-    WarpSync();
     if constexpr (N == 4 && kWarpSize >= 16) {
       // The whole warp runs the Sinkhorn (CombSinkhornLanes4); lane 0 writes the gates.
-      const float P = CombSinkhornLanes4(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, lane);
-      if (lane < N * N) p.new_comb[t * N * N + lane] = P;
+      MixWarp4(part, p.nsplit, p.stride, p.k_count, p.scale, p.base, p.hyper, dsum[warp], t, p.new_pre, p.new_post,
+               p.new_comb, lane);
+    } else {
+      for (int o = lane; o <= M; o += kWarpSize) dsum[warp][o] = ReduceSplits(part + o, p.nsplit, p.stride);
+      WarpSync();
       if (lane == 0) {
-        float pre[N], post[N];
+        float pre[N], post[N], comb[N * N];
         ComputePre<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, pre);
-        ComputePost<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, post);
+        ComputePostComb<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, post, comb);
 #pragma unroll
         for (int j = 0; j < N; ++j) {
           p.new_pre[t * N + j] = pre[j];
           p.new_post[t * N + j] = post[j];
         }
-      }
-      return;
-    }
-    if (lane == 0) {
-      float pre[N], post[N], comb[N * N];
-      ComputePre<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, pre);
-      ComputePostComb<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, post, comb);
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        p.new_pre[t * N + j] = pre[j];
-        p.new_post[t * N + j] = post[j];
+        for (int i = 0; i < N * N; ++i) p.new_comb[t * N * N + i] = comb[i];
       }
-#pragma unroll
-      for (int i = 0; i < N * N; ++i) p.new_comb[t * N * N + i] = comb[i];
     }
     return;
   }
