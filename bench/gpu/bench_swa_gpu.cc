@@ -13,7 +13,7 @@
 // Floor: fused bytes (2(Q+D) read + Q + 4Q/128 + 2D written per row) at 4.2 TB/s. The device-to-device
 // copy bandwidth measured here is printed too (bytes read + written).
 //
-// usage: bench_swa_gpu [--csv FILE] [--quick]
+// usage: bench_swa_gpu [--csv FILE] [--quick] [--tune] [--prefetch] [--profile Q M]
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -108,11 +108,17 @@ double CopyBandwidth(gpuStream_t stream, gpuEvent_t e0, gpuEvent_t e1) {
 int main(int argc, char** argv) {
   std::string csv_path;
   bool quick = false;
+  bool tune = false;
+  bool prefetch = false;
   int profile_q = 0;
   int64_t profile_m = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    // --tune: after the table, PDL on/off at small M and the one-row-per-block kernel on/off at mid M.
+    else if (!std::strcmp(argv[i], "--tune")) tune = true;
+    // --prefetch: the large-M kernel with its optional L2 prefetch of the next wave's rows.
+    else if (!std::strcmp(argv[i], "--prefetch")) prefetch = true;
     // --profile Q M: three eager fused launches at one shape, nothing else (for ncu).
     else if (!std::strcmp(argv[i], "--profile") && i + 2 < argc) {
       profile_q = std::atoi(argv[++i]);
@@ -216,6 +222,7 @@ int main(int argc, char** argv) {
         p.q_scale = reinterpret_cast<float*>(s + sb * i);
         p.scale_layout = gpu::SwaScaleLayout{G, 1, M};
         p.q_bf16 = static_cast<uint16_t*>(ws);
+        p.prefetch = prefetch;
         return p;
       };
       gpuGraphExec_t fused = Capture(ctx.stream, L, [&](int i) {
@@ -255,6 +262,94 @@ int main(int argc, char** argv) {
     CHECK_GPU(gpuFree(d_wk));
   }
   if (csv) std::fclose(csv);
+  if (tune) {
+    // Variants of the fused (and unfused) launch at one shape, cold L2, same method as the table.
+    std::printf("\n| Q | M | variant | fused us | unfused us | fused warm us |\n|---|---|---|---|---|---|\n");
+    struct Variant {
+      const char* name;
+      bool pdl;
+      int64_t wide_max;  // -1 default
+    };
+    struct Shape {
+      int Q;
+      int64_t M;
+      std::vector<Variant> v;
+    };
+    const std::vector<Shape> shapes = {
+        {1536, 1, {{"pdl", true, -1}, {"no-pdl", false, -1}}},
+        {1536, 64, {{"pdl", true, -1}, {"no-pdl", false, -1}}},
+        {1024, 64, {{"pdl", true, -1}, {"no-pdl", false, -1}}},
+        {1536, 1024, {{"row-per-block", true, 1 << 30}, {"multi-row", true, 0}}},
+        {1536, 2048, {{"row-per-block", true, 1 << 30}, {"multi-row", true, 0}}},
+    };
+    std::mt19937_64 trng(777);
+    std::normal_distribution<float> tnd(0.0f, 1.0f);
+    for (const Shape& sh : shapes) {
+      const int Q = sh.Q, G = Q / 128;
+      const int64_t M = sh.M;
+      const double fused_bytes = double(M) * (Q + D) * 2 + double(M) * (Q + 4.0 * G + 2.0 * D);
+      const int L = int(std::clamp<double>(std::floor(double(size_t{1} << 30) / fused_bytes), 2, 200));
+      const size_t xb = size_t(M) * (Q + D) * 2, qb = size_t(M) * Q, sb = size_t(M) * G * 4, kb = size_t(M) * D * 2;
+      char* x = static_cast<char*>(Alloc(xb * L));
+      char* q = static_cast<char*>(Alloc(qb * L));
+      char* s = static_cast<char*>(Alloc(sb * L));
+      char* kv = static_cast<char*>(Alloc(kb * L));
+      void* ws = Alloc(size_t(M) * Q * 2);
+      void* w = Alloc(size_t(Q + D) * 2);
+      {
+        std::vector<uint16_t> hw(size_t(Q + D));
+        for (auto& v : hw) v = fl::FloatToBf16(1.0f + 0.1f * tnd(trng));
+        CHECK_GPU(gpuMemcpy(w, hw.data(), hw.size() * 2, gpuMemcpyHostToDevice));
+        std::vector<uint16_t> hx(size_t(M) * (Q + D));
+        for (auto& v : hx) v = fl::FloatToBf16(tnd(trng) + 1e-3f);
+        for (int i = 0; i < L; ++i) CHECK_GPU(gpuMemcpy(x + xb * i, hx.data(), xb, gpuMemcpyHostToDevice));
+      }
+      for (const Variant& var : sh.v) {
+        auto params = [&](int i) {
+          gpu::SwaRowParams p;
+          p.qr_kv = reinterpret_cast<const uint16_t*>(x + xb * i);
+          p.row_stride = Q + D;
+          p.tokens = M;
+          p.q_rank = Q;
+          p.head_dim = D;
+          p.q_norm = static_cast<const uint16_t*>(w);
+          p.kv_norm = static_cast<const uint16_t*>(w) + Q;
+          p.kv = reinterpret_cast<uint16_t*>(kv + kb * i);
+          p.q_fp8 = reinterpret_cast<uint8_t*>(q + qb * i);
+          p.q_scale = reinterpret_cast<float*>(s + sb * i);
+          p.scale_layout = gpu::SwaScaleLayout{G, 1, M};
+          p.q_bf16 = static_cast<uint16_t*>(ws);
+          p.pdl = var.pdl;
+          p.wide_rows_max = var.wide_max;
+          return p;
+        };
+        gpuGraphExec_t fused = Capture(ctx.stream, L, [&](int i) {
+          return gpu::LaunchSwaFusedRows(params(i), ctx.sm_count, ctx.stream);
+        });
+        gpuGraphExec_t unfused = Capture(ctx.stream, L, [&](int i) {
+          gpu::SwaRowParams p = params(i);
+          gpuError_t e = gpu::LaunchSwaNormRows(p, ctx.sm_count, ctx.stream);
+          if (e != gpuSuccess) return e;
+          return gpu::LaunchSwaGroupQuant(p.q_bf16, M, Q, p.q_fp8, p.q_scale, p.scale_layout,
+                                          fl::Fp8Format::kE4M3FN, false, ctx.stream, var.pdl);
+        });
+        gpuGraphExec_t warm = Capture(ctx.stream, L, [&](int) {
+          return gpu::LaunchSwaFusedRows(params(0), ctx.sm_count, ctx.stream);
+        });
+        const double w_us = MedianReplayMs(warm, ctx.stream, nullptr, e0, e1) * 1e3 / L;
+        const double f_us = MedianReplayMs(fused, ctx.stream, flush, e0, e1) * 1e3 / L;
+        const double u_us = MedianReplayMs(unfused, ctx.stream, flush, e0, e1) * 1e3 / L;
+        std::printf("| %d | %lld | %s | %.2f | %.2f | %.2f |\n", Q, (long long)M, var.name, f_us, u_us, w_us);
+        std::fflush(stdout);
+        CHECK_GPU(gpuGraphExecDestroy(fused));
+        CHECK_GPU(gpuGraphExecDestroy(unfused));
+        CHECK_GPU(gpuGraphExecDestroy(warm));
+      }
+      for (void* p : {static_cast<void*>(x), static_cast<void*>(q), static_cast<void*>(s), static_cast<void*>(kv), ws, w}) {
+        CHECK_GPU(gpuFree(p));
+      }
+    }
+  }
   CHECK_GPU(gpuFree(flush));
   return 0;
 }

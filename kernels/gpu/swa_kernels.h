@@ -36,6 +36,16 @@ struct SwaRowParams {
   bool ue8m0 = false;
   // Unfused norm step: the bf16-rounded q half (dense [M, Q]); q_fp8/q_scale unused.
   uint16_t* q_bf16 = nullptr;
+  // Launch with programmatic dependent launch (CUDA sm_90+; ignored elsewhere). The kernels wait
+  // for the previous grid before touching memory either way; false only for measurements.
+  bool pdl = true;
+  // Largest M launched one row per block (the small-M kernel); -1: 8 x multiprocessors. Tuning only.
+  int64_t wide_rows_max = -1;
+  // Large M: each row team prefetches into L2 the row about one wave of resident rows ahead
+  // (prefetch_rows is set by the launcher). A hint: results do not depend on it. Off: measured
+  // 12-16% slower at M >= 8192 on the H200 (SWA_GPU_RESULTS.md, round 7); kept for re-measuring.
+  bool prefetch = false;
+  int64_t prefetch_rows = 0;
 };
 
 // Whether this binary holds code the current device can run (gpuErrorInvalidDeviceFunction or
@@ -49,7 +59,15 @@ gpuError_t LaunchSwaFusedRows(const SwaRowParams& p, int sm_count, gpuStream_t s
 // so kv is bitwise equal between the two paths.
 gpuError_t LaunchSwaNormRows(const SwaRowParams& p, int sm_count, gpuStream_t stream);
 gpuError_t LaunchSwaGroupQuant(const uint16_t* q_bf16, int64_t tokens, int q_rank, uint8_t* q_fp8, float* q_scale,
-                               const SwaScaleLayout& layout, Fp8Format fmt, bool ue8m0, gpuStream_t stream);
+                               const SwaScaleLayout& layout, Fp8Format fmt, bool ue8m0, gpuStream_t stream,
+                               bool pdl = true);
+
+// Test support: checks n random and edge-case (amax, v) pairs of the kernels' quantization
+// arithmetic (scale, reciprocal, Markstein quotient, clamp, fp8 conversion) bitwise against the
+// contract's formulas with IEEE division and the software fp8 encoder; adds the number of
+// mismatching codes and scales to *bad (a device counter).
+gpuError_t SwaCheckQuantEncoding(uint64_t seed, int64_t n, Fp8Format fmt, bool ue8m0, unsigned long long* bad,
+                                 gpuStream_t stream);
 
 // q_proj[m, n] = bf16( sum_kb As[m,kb] * Bs[n/128,kb] * sum_{k in kb} fp8(A[m,k]) fp8(B[n,k]) ),
 // fp32 accumulation. A = q codes [M, K] (K = Q), B = wq_b codes [N, K], Bs [N/128, K/128].

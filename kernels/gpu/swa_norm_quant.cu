@@ -10,8 +10,9 @@
 //
 // For rows up to Q <= 2048 and D <= 1024 (all DeepSeek shapes) the row stays in registers between
 // the sum of squares and the output pass, so HBM is read once; wider rows are re-read (streamed)
-// in the second pass. At small M (<= 2 rows per SM) a "wide" variant gives each row a 128-thread
-// block instead, shortening the per-row instruction chain that dominates there.
+// in the second pass. At small M (<= 8 rows per SM) a "wide" variant gives each row a block with
+// one 8-element chunk per thread instead, shortening the per-row dependent chain that dominates
+// there. Every launch uses programmatic dependent launch (PDL) on CUDA.
 // All variants add the squares in one fixed tree (ChunkSq), which depends on the row width only:
 // results are batch invariant and bitwise identical across the variants, and kv is bitwise equal
 // between the fused and unfused paths. Measurements: bench/gpu/SWA_GPU_RESULTS.md.
@@ -19,6 +20,7 @@
 #include "gpu_runtime.h"
 #include "swa_kernels.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #include "fusedlayer/numeric.h"
@@ -75,18 +77,58 @@ __device__ __forceinline__ uint16_t ToBf16(float f) {
   return FloatToBf16(f);
 }
 
-__device__ __forceinline__ void StoreBf16Chunk(uint16_t* p, const float (&y)[kChunk], int valid, bool vec) {
+// True when any of the 8 values is NaN. On NVIDIA four setp.nan (two operands each) chained by
+// their predicate operand; elsewhere plain compares.
+__device__ __forceinline__ bool AnyNan8(const float (&y)[kChunk]) {
+#if !FL_HIP
+  uint32_t r;
+  asm("{\n\t.reg .pred p;\n\t"
+      "setp.nan.f32 p, %1, %2;\n\t"
+      "setp.nan.or.f32 p, %3, %4, p;\n\t"
+      "setp.nan.or.f32 p, %5, %6, p;\n\t"
+      "setp.nan.or.f32 p, %7, %8, p;\n\t"
+      "selp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(r)
+      : "f"(y[0]), "f"(y[1]), "f"(y[2]), "f"(y[3]), "f"(y[4]), "f"(y[5]), "f"(y[6]), "f"(y[7]));
+  return r != 0;
+#else
+  bool any = false;
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) any |= y[j] != y[j];
+  return any;
+#endif
+}
+
+// 8 values -> 8 bf16 (RNE) packed little-endian. On NVIDIA one cvt.rn.bf16x2.f32 per pair, which
+// rounds like FloatToBf16 for every non-NaN input; a chunk holding a NaN takes FloatToBf16 for
+// every element (the hardware would return the canonical 0x7fff).
+__device__ __forceinline__ uint4 PackBf16x8(const float (&y)[kChunk]) {
+#if !FL_HIP
+  if (!AnyNan8(y)) {
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(y[2 * j], y[2 * j + 1]);  // .x = low half
+      w[j] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+#endif
   uint16_t b[kChunk];
 #pragma unroll
-  for (int j = 0; j < kChunk; ++j) b[j] = ToBf16(y[j]);
+  for (int j = 0; j < kChunk; ++j) b[j] = FloatToBf16(y[j]);
+  return make_uint4(b[0] | uint32_t(b[1]) << 16, b[2] | uint32_t(b[3]) << 16, b[4] | uint32_t(b[5]) << 16,
+                    b[6] | uint32_t(b[7]) << 16);
+}
+
+__device__ __forceinline__ void StoreBf16Chunk(uint16_t* p, const float (&y)[kChunk], int valid, bool vec) {
   if (vec && valid >= kChunk) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(b[0] | uint32_t(b[1]) << 16, b[2] | uint32_t(b[3]) << 16,
-                                              b[4] | uint32_t(b[5]) << 16, b[6] | uint32_t(b[7]) << 16);
+    *reinterpret_cast<uint4*>(p) = PackBf16x8(y);
     return;
   }
 #pragma unroll
   for (int j = 0; j < kChunk; ++j) {
-    if (j < valid) p[j] = b[j];
+    if (j < valid) p[j] = ToBf16(y[j]);
   }
 }
 
@@ -116,6 +158,16 @@ __device__ __forceinline__ float Rrms(float ss, int n, float eps) {
 }
 
 // y = (x * rrms) * w: two fp32 multiplies in this order (no FMA can form: there is no add).
+// Weights already in fp32 (staged unpacked in shared memory by the resident row kernel).
+__device__ __forceinline__ void NormalizeW(const uint4& xu, const float4& wlo, const float4& whi, float rrms,
+                                           float (&y)[kChunk]) {
+  float x[kChunk];
+  Unpack8(xu, x);
+  const float w[kChunk] = {wlo.x, wlo.y, wlo.z, wlo.w, whi.x, whi.y, whi.z, whi.w};
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) y[j] = (x[j] * rrms) * w[j];
+}
+
 __device__ __forceinline__ void Normalize(const uint4& xu, const uint4& wu, float rrms, float (&y)[kChunk]) {
   float x[kChunk], w[kChunk];
   Unpack8(xu, x);
@@ -141,48 +193,99 @@ __device__ __forceinline__ uint32_t EncodeFp8x4(float a, float b, float c, float
          uint32_t(FloatToFp8(d, kFmt)) << 24;
 }
 
-// Quantizes this lane's 8 values of a 128-group spread over 16 consecutive lanes. All 16 lanes
-// must call it (it shuffles). Returns the 8 codes and the group's multiplicative scale.
+// The group scale and its reciprocal from the group amax (spec: scale = amax / MAX, IEEE division;
+// UE8M0: 2^ceil(log2(scale))). scale = RN(amax / MAX) by Markstein's theorem: with y = RN(1/MAX)
+// and s0 = RN(amax * y) (within an ulp of the quotient), the residual sr = amax - s0 * MAX is exact
+// in one FMA and RN(s0 + sr * y) is the correctly rounded quotient. When sr == 0 the FMA returns
+// s0 itself (amax >= 1e-10 > 0: no signed-zero case), so no select is needed.
+// inv: fp32 scales, RN(1 / scale) (rcp.rn), as the per-value Markstein step below requires; UE8M0,
+// the exact reciprocal of the power of two built from the exponent field (no reciprocal
+// instruction sequence; rcp.rn only for a scale outside [2^-126, 2^126], i.e. never for finite
+// data: scale >= 1e-10 / MAX).
 template <Fp8Format kFmt>
-__device__ __forceinline__ uint2 QuantizeGroupChunk(const float (&v)[kChunk], bool ue8m0, float& scale_out) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kChunk; ++j) amax = fmaxf(amax, fabsf(v[j]));
-#pragma unroll
-  for (int o = kGroupLanes / 2; o > 0; o /= 2) amax = fmaxf(amax, ShflXor(amax, o, kGroupLanes));
-  amax = fmaxf(amax, 1e-10f);
+__device__ __forceinline__ void GroupScale(float amax, bool ue8m0, float& scale, float& inv) {
   constexpr float fmax = kFmt == Fp8Format::kE4M3FN ? 448.0f : 240.0f;
   constexpr float inv_fmax = 1.0f / fmax;  // RN(1/MAX), folded by the compiler
-  // scale = amax / MAX and, for fp32 scales, q = v / scale, each correctly rounded (the contract's
-  // IEEE divisions), without a division instruction sequence per value: Markstein's theorem says
-  // that with y = RN(1/b) and q0 = RN(a * y) (within an ulp of a/b), the residual r = a - q0 * b is
-  // exact in one FMA and RN(q0 + r * y) = RN(a / b). Operands stay far from overflow and
-  // underflow (amax >= 1e-10, scale >= 1e-10/MAX, |v/scale| <= MAX; a quotient that underflows
-  // encodes as fp8 zero either way). r == 0 means q0 is already exact: keep it, which also keeps
-  // the sign of a zero v (q0 + 0 would turn -0 into +0; e4m3fn encodes -0 as 0x80). Checked
-  // against IEEE division on 2e8 random pairs: all bitwise equal. (This removed 3 division
-  // sequences per group, a third of the kernel's instructions.)
+  amax = fmaxf(amax, 1e-10f);
   const float s0 = amax * inv_fmax;
   const float sr = fmaf(-s0, fmax, amax);
-  float scale = sr == 0.0f ? s0 : fmaf(sr, inv_fmax, s0);
-  float q[kChunk];
+  scale = fmaf(sr, inv_fmax, s0);
   if (ue8m0) {
     scale = CeilToUe8m0(scale);
-    // A power of two: multiplying by its (exact) reciprocal rounds exactly like dividing.
-    const float inv = RcpRn(scale);
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) q[j] = fminf(fmaxf(v[j] * inv, -fmax), fmax);
+    const uint32_t e = __float_as_uint(scale) >> 23;  // biased exponent (a sign bit makes it >= 256)
+    inv = e - 1u < 253u ? __uint_as_float((254u - e) << 23) : RcpRn(scale);
   } else {
-    const float inv = RcpRn(scale);
+    inv = RcpRn(scale);
+  }
+}
+
+// Codes of 8 values v of a group with the given scale: q = fp8_rne(clamp(v / scale, -MAX, MAX)),
+// the quotient correctly rounded (the contract's IEEE division) without a division sequence:
+//  - fp32 scales, Markstein: q0 = RN(v * inv) is within an ulp of v / scale, the residual
+//    r = v - q0 * scale is exact in one FMA, and RN(q0 + r * inv) = RN(v / scale). The operands
+//    stay far from overflow and underflow (scale >= 1e-10/MAX, |v / scale| <= MAX; a quotient that
+//    underflows encodes as fp8 zero either way). The last FMA is evaluated negated,
+//    t = RN(-r * inv - q0) = -RN(q0 + r * inv) (round to nearest is symmetric), and negated back
+//    for free as an operand of the clamp: this keeps the sign of a zero v, which the plain FMA
+//    loses (v = -0: q0 = -0, r = +0, q0 + r * inv = +0, but v / scale = -0 and e4m3fn encodes -0
+//    as 0x80; negated: -0 * inv - (-0) = -0 + +0 = +0, negated back -0). For v = +0: r = +0,
+//    -0 * inv - (+0) = -0, negated back +0. No instruction is spent on the sign. This relies on
+//    the compiler honouring signed zeros (no fast-math / nsz folding of the negations; nvcc's
+//    default does, and host GCC with -march=native was seen not to); the contract test
+//    ZeroGroupsAndOutliers checks the exact 0x00 / 0x80 bytes on every backend.
+//  - UE8M0 (power-of-two) scales: v * inv with the exact reciprocal is the correctly rounded
+//    quotient (both round the same exact value once).
+// Clamp: on NVIDIA e4m3fn the conversion saturates (satfinite) exactly like min(q, MAX) followed
+// by RNE, so only the lower bound is applied; it also maps a NaN quotient to -MAX, as the full clamp
+// (fminf(fmaxf(NaN, -MAX), MAX)) always did. The software encoders get both bounds.
+// Checked bitwise against IEEE division + clamp + the software encoder by SwaCheckQuantEncoding
+// (GPU test QuantEncodingMatchesIeeeDivision).
+template <Fp8Format kFmt>
+__device__ __forceinline__ uint2 EncodeChunk(const float (&v)[kChunk], float scale, float inv, bool ue8m0) {
+  constexpr float fmax = kFmt == Fp8Format::kE4M3FN ? 448.0f : 240.0f;
+#if !FL_HIP
+  constexpr bool kHwSat = kFmt == Fp8Format::kE4M3FN;
+#else
+  constexpr bool kHwSat = false;
+#endif
+  float nq[kChunk];  // -(v / scale), correctly rounded
+  if (ue8m0) {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) nq[j] = v[j] * -inv;
+  } else {
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
       const float q0 = v[j] * inv;
       const float r = fmaf(-q0, scale, v[j]);
-      q[j] = fminf(fmaxf(r == 0.0f ? q0 : fmaf(r, inv, q0), -fmax), fmax);
+      nq[j] = fmaf(-r, inv, -q0);
     }
   }
-  scale_out = scale;
+  float q[kChunk];
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) q[j] = kHwSat ? fmaxf(-nq[j], -fmax) : fminf(fmaxf(-nq[j], -fmax), fmax);
   return make_uint2(EncodeFp8x4<kFmt>(q[0], q[1], q[2], q[3]), EncodeFp8x4<kFmt>(q[4], q[5], q[6], q[7]));
+}
+
+// max |v| over this lane's 8 values: 7 max in a depth-3 tree instead of a chain of 8.
+// fmaxf ignores NaN operands, as the former chain from 0 did (the final 1e-10 floor makes an
+// all-NaN group identical either way).
+__device__ __forceinline__ float LocalAmax(const float (&v)[kChunk]) {
+  const float a = fmaxf(fabsf(v[0]), fabsf(v[1])), b = fmaxf(fabsf(v[2]), fabsf(v[3]));
+  const float c = fmaxf(fabsf(v[4]), fabsf(v[5])), d = fmaxf(fabsf(v[6]), fabsf(v[7]));
+  return fmaxf(fmaxf(a, b), fmaxf(c, d));
+}
+
+// Quantizes this lane's 8 values of a 128-group spread over 16 consecutive lanes. All 16 lanes
+// must call it (it shuffles). Returns the 8 codes and the group's multiplicative scale.
+template <Fp8Format kFmt>
+__device__ __forceinline__ uint2 QuantizeGroupChunk(const float (&v)[kChunk], bool ue8m0, float& scale_out) {
+  float amax = LocalAmax(v);
+#pragma unroll
+  for (int o = kGroupLanes / 2; o > 0; o /= 2) amax = fmaxf(amax, ShflXor(amax, o, kGroupLanes));
+  float scale, inv;
+  GroupScale<kFmt>(amax, ue8m0, scale, inv);
+  scale_out = scale;
+  return EncodeChunk<kFmt>(v, scale, inv, ue8m0);
 }
 
 __device__ __forceinline__ void StoreCodes(uint8_t* p, const uint2& c, bool vec) {
@@ -195,6 +298,30 @@ __device__ __forceinline__ void StoreCodes(uint8_t* p, const uint2& c, bool vec)
     p[j] = uint8_t(c.x >> (8 * j));
     p[4 + j] = uint8_t(c.y >> (8 * j));
   }
+}
+
+// Programmatic dependent launch (sm_90+): the launchers set the programmatic-serialization
+// attribute, so a kernel may be scheduled while the previous kernel in the stream is still
+// finishing. Every kernel waits (griddepcontrol.wait: the previous grid has completed and its
+// memory is visible) before its first global access, then lets its own dependents be scheduled;
+// what overlaps is launch and block scheduling, never data. No-ops on HIP and older targets.
+__device__ __forceinline__ void GridDependencyWait() {
+#if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void LaunchDependents() {
+#if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+#if !FL_HIP
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
 }
 
 struct RowFlags {
@@ -245,9 +372,14 @@ __global__ void __launch_bounds__(256) SwaRowKernel(SwaRowParams p, RowFlags f) 
   // Resident instances stage both norm weights in shared memory once per block (all rows of the
   // block share them): registers stay free for the row itself (more resident warps, more bytes in
   // flight), and shared-memory reads, unlike global ones, can be scheduled across the byte stores
-  // to q_fp8 (which the compiler must otherwise assume may alias the weights).
-  __shared__ uint4 s_w[kResident ? (KQ + KD) * kRowTeam : 1];
+  // to q_fp8 (which the compiler must otherwise assume may alias the weights). They are staged as
+  // fp32 (unpacked once per block, not once per row): slot i holds elements 0-3 of its chunk at
+  // s_wf[i] and 4-7 at s_wf[kSlots + i], so each read is a conflict-free 16-byte access.
+  constexpr int kSlots = kResident ? (KQ + KD) * kRowTeam : 1;
+  __shared__ float4 s_wf[2 * kSlots];
   float ssq = 0.0f, ssk = 0.0f;
+  GridDependencyWait();  // PDL: nothing global is touched before the previous kernel completes
+  LaunchDependents();
   if constexpr (kResident) {
     // Issue every load of the row before the first use: KQ + KD independent 16-byte loads per lane.
 #pragma unroll
@@ -260,11 +392,26 @@ __global__ void __launch_bounds__(256) SwaRowKernel(SwaRowParams p, RowFlags f) 
       const int c = lane + k * kRowTeam;
       xk[k] = Load<true>(kv_in + c * kChunk, D - c * kChunk, true);
     }
-    // s_w[0, Q/8) = q_norm chunks, s_w[KQ*32, KQ*32 + D/8) = kv_norm chunks (D % 8 == 0 here).
+    // Optional (p.prefetch, off by default) L2 prefetch of the row this team's successor will
+    // process, p.prefetch_rows rows ahead (about one wave of resident rows), meant to keep HBM
+    // streaming while the wave computes. A hint only: no register, no effect on any result.
+    // Measured slower (Q = 1536, M = 8192: 20.2 against 17.7 us; L2 hit rate 45%), so not used.
+    if (p.prefetch_rows > 0 && row_raw + p.prefetch_rows < p.tokens) {
+      const char* next = reinterpret_cast<const char*>(q_in + p.prefetch_rows * p.row_stride);
+      for (int i = lane; i * 128 < (Q + D) * 2; i += kRowTeam) PrefetchL2(next + i * 128);
+    }
+    // Slots [0, KQ*32): q_norm chunks, [KQ*32, (KQ+KD)*32): kv_norm chunks (D % 8 == 0 here);
+    // slots past a half's end hold zeros (a masked q chunk then normalises to zeros, as before).
     const int qw = Q / kChunk, kw = D / kChunk;
-    for (int i = int(threadIdx.x); i < qw + kw; i += int(blockDim.x)) {
-      s_w[i < qw ? i : KQ * kRowTeam + (i - qw)] =
-          i < qw ? LoadReadOnly16(p.q_norm + i * kChunk) : LoadReadOnly16(p.kv_norm + (i - qw) * kChunk);
+    for (int i = int(threadIdx.x); i < kSlots; i += int(blockDim.x)) {
+      const int kc = i - KQ * kRowTeam;
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (i < qw) u = LoadReadOnly16(p.q_norm + i * kChunk);
+      else if (kc >= 0 && kc < kw) u = LoadReadOnly16(p.kv_norm + kc * kChunk);
+      float w[kChunk];
+      Unpack8(u, w);
+      s_wf[i] = make_float4(w[0], w[1], w[2], w[3]);
+      s_wf[kSlots + i] = make_float4(w[4], w[5], w[6], w[7]);
     }
     __syncthreads();
 #pragma unroll
@@ -292,14 +439,12 @@ __global__ void __launch_bounds__(256) SwaRowKernel(SwaRowParams p, RowFlags f) 
       const int c = lane + ks * kRowTeam;
       const bool in_range = c < q_chunks;  // uniform over each 16-lane group (Q % 128 == 0)
       const uint4 x = kResident ? xq[k] : LoadChunk(q_in + c * kChunk, Q - c * kChunk, f.vec_in);
-      uint4 w;
-      if constexpr (kResident) {
-        w = in_range ? s_w[c] : make_uint4(0u, 0u, 0u, 0u);
-      } else {
-        w = LoadChunk(p.q_norm + c * kChunk, Q - c * kChunk, true);
-      }
       float y[kChunk];
-      Normalize(x, w, rq, y);
+      if constexpr (kResident) {
+        NormalizeW(x, s_wf[c], s_wf[kSlots + c], rq, y);
+      } else {
+        Normalize(x, LoadChunk(p.q_norm + c * kChunk, Q - c * kChunk, true), rq, y);
+      }
       if constexpr (kMode == RowMode::kNormOnly) {
         if (active && in_range) StoreBf16<true>(p.q_bf16 + row * Q + c * kChunk, y, kChunk, true);
       } else {
@@ -337,74 +482,57 @@ __global__ void __launch_bounds__(256) SwaRowKernel(SwaRowParams p, RowFlags f) 
       const int valid = D - c * kChunk;
       if (!active || valid <= 0) continue;  // no shuffles below this point
       const uint4 x = kResident ? xk[k] : LoadChunk(kv_in + c * kChunk, valid, f.vec_in);
-      uint4 w;
-      if constexpr (kResident) {
-        w = s_w[KQ * kRowTeam + c];
-      } else {
-        w = LoadChunk(p.kv_norm + c * kChunk, valid, true);
-      }
       float y[kChunk];
-      Normalize(x, w, rk, y);
+      if constexpr (kResident) {
+        NormalizeW(x, s_wf[KQ * kRowTeam + c], s_wf[kSlots + KQ * kRowTeam + c], rk, y);
+      } else {
+        Normalize(x, LoadChunk(p.kv_norm + c * kChunk, valid, true), rk, y);
+      }
       StoreBf16<kResident>(p.kv + row * D + c * kChunk, y, valid, f.vec_kv);
     }
   }
 }
 
-// Small-M variant: one row per block of kWideTeam = 128 threads (4 chunks in flight per thread
-// instead of up to 12), so the row's instruction stream, not the memory latency, stops being the
-// critical path when there are too few rows to fill the GPU. The sum of squares follows the same
-// fixed tree as SwaRowKernel (chunk partials through shared memory, each 32-thread group then
-// replays the 32 virtual lanes' serial sums and the butterfly), so results are bitwise identical
-// to the 32-thread variant: batch invariance holds across the switch between the two.
-constexpr int kWideTeam = 128;
-static_assert(kWideTeam % kGroupLanes == 0 && kWideTeam % kRowTeam == 0, "wide team layout");
+// Small-M variant: one row per block, one 8-element chunk per thread. Teams [0, nqt) of the block
+// hold the q chunks (chunk c on thread c), teams [nqt, nqt + nkt) the kv chunks; a team is 32
+// threads and lies in one half only (kRowTeam divides the warp). The per-row dependent chain, which
+// is the whole cost at decode sizes, is then one load, one chunk of arithmetic, one reduction and
+// one quantization (no thread holds two chunks whose chains would run back to back). The sum of
+// squares follows the same fixed tree as SwaRowKernel (chunk partials through shared memory; each
+// team replays its half's 32 virtual lanes in order, all loads unrolled, then the butterfly), so
+// results are bitwise identical to the 32-thread variant: batch invariance holds across the switch.
+constexpr int kWideMaxTeams = 12;  // q: Q <= 2048 (8 teams), kv: D <= 1024 (4 teams)
 
-template <int KQW, int KDW, RowMode kMode, Fp8Format kFmt>
-__global__ void __launch_bounds__(kWideTeam) SwaRowWideKernel(SwaRowParams p) {
-  __shared__ float s_part[(KQW + KDW) * kWideTeam];  // chunk partials: q chunks, then kv chunks
+template <RowMode kMode, Fp8Format kFmt>
+__global__ void __launch_bounds__(kWideMaxTeams * kRowTeam) SwaRowWideKernel(SwaRowParams p, int nqt) {
+  __shared__ float s_part[kWideMaxTeams * kRowTeam];  // chunk partials: q teams, then kv teams
   const int t = int(threadIdx.x);
   const int64_t row = blockIdx.x;  // grid = tokens: every block has a row
-  const int Q = p.q_rank, D = p.head_dim;
-  const int qc = Q / kChunk, dc = D / kChunk;  // D % 8 == 0 for this variant
-  const uint16_t* q_in = p.qr_kv + row * p.row_stride;
-  const uint16_t* kv_in = q_in + Q;
-  uint4 xq[KQW], xk[KDW], wq[KQW], wk[KDW];
-#pragma unroll
-  for (int j = 0; j < KQW; ++j) {
-    const int c = t + j * kWideTeam;
-    xq[j] = Load<true>(q_in + c * kChunk, Q - c * kChunk, true);
-    wq[j] = Load<true>(p.q_norm + c * kChunk, Q - c * kChunk, true);
-  }
-#pragma unroll
-  for (int j = 0; j < KDW; ++j) {
-    const int c = t + j * kWideTeam;
-    xk[j] = Load<true>(kv_in + c * kChunk, D - c * kChunk, true);
-    wk[j] = Load<true>(p.kv_norm + c * kChunk, D - c * kChunk, true);
-  }
-#pragma unroll
-  for (int j = 0; j < KQW; ++j) {
-    const int c = t + j * kWideTeam;
-    if (c < qc) s_part[c] = ChunkSq(xq[j]);
-  }
-#pragma unroll
-  for (int j = 0; j < KDW; ++j) {
-    const int c = t + j * kWideTeam;
-    if (c < dc) s_part[qc + c] = ChunkSq(xk[j]);
-  }
+  const int Q = p.q_rank, D = p.head_dim;  // D % 8 == 0 for this variant
+  const bool is_q = t < nqt * kRowTeam;   // uniform over each team
+  const int c = is_q ? t : t - nqt * kRowTeam;  // chunk index within its half
+  const int n = is_q ? Q / kChunk : D / kChunk;  // chunks in this half
+  const bool in_range = c < n;  // uniform over each 16-thread group in the q half (Q % 128 == 0)
+  const uint16_t* src = p.qr_kv + row * p.row_stride + (is_q ? 0 : Q) + c * kChunk;
+  const uint16_t* wsrc = (is_q ? p.q_norm : p.kv_norm) + c * kChunk;
+  GridDependencyWait();
+  LaunchDependents();
+  const uint4 x = in_range ? LoadReadOnly16(src) : make_uint4(0u, 0u, 0u, 0u);
+  const uint4 w = in_range ? LoadReadOnly16(wsrc) : make_uint4(0u, 0u, 0u, 0u);
+  s_part[t] = ChunkSq(x);  // +0 for a masked chunk: adding it leaves any sum unchanged
   __syncthreads();
   const int l = t % kRowTeam;
-  float ssq = 0.0f, ssk = 0.0f;
-  for (int c = l; c < qc; c += kRowTeam) ssq += s_part[c];
-  for (int c = l; c < dc; c += kRowTeam) ssk += s_part[qc + c];
-  const float rq = Rrms(TeamSum(ssq), Q, p.eps);
-  const float rk = Rrms(TeamSum(ssk), D, p.eps);
-
+  const float* part = s_part + (is_q ? 0 : nqt * kRowTeam);
+  const int teams = is_q ? nqt : int(blockDim.x) / kRowTeam - nqt;
+  float ss = 0.0f;
 #pragma unroll
-  for (int j = 0; j < KQW; ++j) {
-    const int c = t + j * kWideTeam;
-    const bool in_range = c < qc;  // uniform over each 16-thread group
-    float y[kChunk];
-    Normalize(xq[j], wq[j], rq, y);
+  for (int j = 0; j < 8; ++j) {
+    if (j < teams) ss += part[l + j * kRowTeam];
+  }
+  const float rr = Rrms(TeamSum(ss), is_q ? Q : D, p.eps);
+  float y[kChunk];
+  Normalize(x, w, rr, y);
+  if (is_q) {
     if constexpr (kMode == RowMode::kNormOnly) {
       if (in_range) StoreBf16<true>(p.q_bf16 + row * Q + c * kChunk, y, kChunk, true);
     } else {
@@ -412,29 +540,22 @@ __global__ void __launch_bounds__(kWideTeam) SwaRowWideKernel(SwaRowParams p) {
       const uint2 codes = QuantizeGroupChunk<kFmt>(y, p.ue8m0, scale);
       if (in_range) {
         StoreQ<true>(p.q_fp8 + row * Q + c * kChunk, codes, true);
-        if (t % kGroupLanes == 0) {
+        if (c % kGroupLanes == 0) {
           p.q_scale[row * p.scale_layout.m_stride + int64_t(c / kGroupLanes) * p.scale_layout.g_stride] = scale;
         }
       }
-    }
-  }
-  if constexpr (kMode == RowMode::kFused) {
-    if (row == p.tokens - 1) {
+      if (row == p.tokens - 1) {
+        // The last row's block zero-fills the column-major layout's padding rows (at most 3).
 #pragma unroll 1
-      for (int g = t; g < Q / kGroup; g += kWideTeam) {
+        for (int g = t; g < Q / kGroup; g += nqt * kRowTeam) {
 #pragma unroll 1
-        for (int64_t r = p.tokens; r < p.scale_layout.padded_rows; ++r) {
-          p.q_scale[r * p.scale_layout.m_stride + g * p.scale_layout.g_stride] = 0.0f;
+          for (int64_t r = p.tokens; r < p.scale_layout.padded_rows; ++r) {
+            p.q_scale[r * p.scale_layout.m_stride + g * p.scale_layout.g_stride] = 0.0f;
+          }
         }
       }
     }
-  }
-#pragma unroll
-  for (int j = 0; j < KDW; ++j) {
-    const int c = t + j * kWideTeam;
-    if (c >= dc) continue;
-    float y[kChunk];
-    Normalize(xk[j], wk[j], rk, y);
+  } else if (in_range) {
     StoreBf16<true>(p.kv + row * D + c * kChunk, y, kChunk, true);
   }
 }
@@ -453,6 +574,8 @@ __global__ void __launch_bounds__(256) SwaGroupQuantKernel(const uint16_t* q_bf1
   const int64_t g = gi % groups;
   const int64_t Q = int64_t(groups) * kGroup;
   const int64_t off = m * Q + g * kGroup + lane * kChunk;  // dense workspace: always 16-byte aligned
+  GridDependencyWait();  // the bf16 q comes from the norm kernel just before
+  LaunchDependents();
   float v[kChunk];
   Unpack8(LoadReadOnly16(q_bf16 + off), v);
   float scale;
@@ -491,54 +614,156 @@ RowKernelFn PickRowKernel(int q_rank, int head_dim, const RowFlags& f) {
   return SwaRowKernel<0, 0, kMode, kFmt>;
 }
 
-using WideKernelFn = void (*)(SwaRowParams);
-
-template <RowMode kMode, Fp8Format kFmt>
-WideKernelFn PickWideKernel(int q_rank, int head_dim) {
-  const int kq = (q_rank / kChunk + kWideTeam - 1) / kWideTeam;
-  const int kd = (head_dim / kChunk + kWideTeam - 1) / kWideTeam;
-  if (kd > 1) return nullptr;
-  if (kq == 1) return SwaRowWideKernel<1, 1, kMode, kFmt>;
-  if (kq == 2) return SwaRowWideKernel<2, 1, kMode, kFmt>;
-  return nullptr;
+// Launch with the programmatic-serialization attribute (PDL, see GridDependencyWait); HIP and a
+// refused attribute fall back to a plain launch.
+template <typename... KArgs, typename... Args>
+gpuError_t LaunchPdl(bool pdl, void (*kernel)(KArgs...), int64_t grid, int block, gpuStream_t stream, Args... args) {
+#if !FL_HIP
+  if (pdl) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(grid));
+  cfg.blockDim = dim3(unsigned(block));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, KArgs(args)...) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();
+  }
+#else
+  (void)pdl;
+#endif
+  kernel<<<dim3(unsigned(grid)), dim3(unsigned(block)), 0, stream>>>(KArgs(args)...);
+  return gpuGetLastError();
 }
 
 template <RowMode kMode>
 gpuError_t LaunchRows(const SwaRowParams& p, int sm_count, gpuStream_t stream) {
   if (p.tokens == 0) return gpuSuccess;
-  const bool use_wide_fmt_fn = kMode == RowMode::kNormOnly || p.fp8_format == Fp8Format::kE4M3FN;
+  const bool fmt_fn = kMode == RowMode::kNormOnly || p.fp8_format == Fp8Format::kE4M3FN;
   {
-    // Up to about two rows per multiprocessor, one 128-thread block per row (Q <= 2048, D <= 1024,
-    // aligned): latency-bound regime.
+    // Up to 8 rows per multiprocessor, one block per row with one chunk per thread (Q <= 2048,
+    // D <= 1024, aligned): the latency-bound regime (31 registers: 8 blocks of 256 per SM).
     const bool aligned = (reinterpret_cast<uintptr_t>(p.qr_kv) % 16 == 0) && (p.row_stride % kChunk == 0) &&
                          (reinterpret_cast<uintptr_t>(p.kv) % 16 == 0) && (p.head_dim % kChunk == 0) &&
                          (kMode == RowMode::kNormOnly || reinterpret_cast<uintptr_t>(p.q_fp8) % 8 == 0);
-    if (aligned && p.tokens <= int64_t(2) * (sm_count > 0 ? sm_count : 1)) {
-      WideKernelFn fn = use_wide_fmt_fn ? PickWideKernel<kMode, Fp8Format::kE4M3FN>(p.q_rank, p.head_dim)
-                                        : PickWideKernel<kMode, Fp8Format::kE4M3FNUZ>(p.q_rank, p.head_dim);
-      if (fn != nullptr) {
-        fn<<<dim3(unsigned(p.tokens)), dim3(kWideTeam), 0, stream>>>(p);
-        return gpuGetLastError();
-      }
+    const int nqt = (p.q_rank / kChunk + kRowTeam - 1) / kRowTeam;
+    const int nkt = (p.head_dim / kChunk + kRowTeam - 1) / kRowTeam;
+    // Measured (SWA_GPU_RESULTS.md, round 7): one row per block wins up to M = 8 x SMs (Q = 1536,
+    // M = 1024: 3.96 against 5.18 us cold, 3.35 against 4.06 warm) and loses from about 16 x SMs.
+    const int64_t wide_max = p.wide_rows_max >= 0 ? p.wide_rows_max : int64_t(8) * (sm_count > 0 ? sm_count : 1);
+    if (aligned && nqt <= 8 && nkt <= kWideMaxTeams - 8 && p.tokens <= wide_max) {
+      return fmt_fn ? LaunchPdl(p.pdl, SwaRowWideKernel<kMode, Fp8Format::kE4M3FN>, p.tokens, (nqt + nkt) * kRowTeam, stream,
+                                p, nqt)
+                    : LaunchPdl(p.pdl, SwaRowWideKernel<kMode, Fp8Format::kE4M3FNUZ>, p.tokens, (nqt + nkt) * kRowTeam,
+                                stream, p, nqt);
     }
   }
   // Few rows: 2 rows per block spreads them over more multiprocessors (latency-bound regime);
   // many rows: 8 rows (256 threads) per block.
   const int rows_per_block = p.tokens <= int64_t(4) * (sm_count > 0 ? sm_count : 1) ? 2 : 8;
   const int64_t blocks = (p.tokens + rows_per_block - 1) / rows_per_block;
+  SwaRowParams pp = p;
+  // One wave of resident rows ahead: the DeepSeek-shape instances hold 4 blocks of 8 rows per SM
+  // (62-63 registers); for the others it is an estimate (prefetch is a hint either way).
+  pp.prefetch_rows = p.prefetch && rows_per_block == 8 ? int64_t(4 * 8) * (sm_count > 0 ? sm_count : 1) : 0;
   RowFlags f;
   f.vec_in = (reinterpret_cast<uintptr_t>(p.qr_kv) % 16 == 0) && (p.row_stride % kChunk == 0);
   f.vec_kv = (reinterpret_cast<uintptr_t>(p.kv) % 16 == 0) && (p.head_dim % kChunk == 0);
   // The norm step writes no codes (q_fp8 unused); its bf16 q goes to the aligned workspace.
   f.vec_codes = kMode == RowMode::kNormOnly || reinterpret_cast<uintptr_t>(p.q_fp8) % 8 == 0;
   // The norm step writes no codes: one format's instances serve it.
-  RowKernelFn fn = kMode == RowMode::kNormOnly || p.fp8_format == Fp8Format::kE4M3FN
-                       ? PickRowKernel<kMode, Fp8Format::kE4M3FN>(p.q_rank, p.head_dim, f)
-                       : PickRowKernel<kMode, Fp8Format::kE4M3FNUZ>(p.q_rank, p.head_dim, f);
-  fn<<<dim3(unsigned(blocks)), dim3(rows_per_block * kRowTeam), 0, stream>>>(p, f);
+  RowKernelFn fn = fmt_fn ? PickRowKernel<kMode, Fp8Format::kE4M3FN>(p.q_rank, p.head_dim, f)
+                          : PickRowKernel<kMode, Fp8Format::kE4M3FNUZ>(p.q_rank, p.head_dim, f);
+  return LaunchPdl(p.pdl, fn, blocks, rows_per_block * kRowTeam, stream, pp, f);
+}
+
+// Equivalence check of the quantization arithmetic (GPU test QuantEncodingMatchesIeeeDivision):
+// for n (amax, v) pairs per format x scale format, the kernels' path (GroupScale + EncodeChunk)
+// against the contract's formulas spelled literally: scale = __fdiv_rn(amax, MAX) (then UE8M0),
+// q = FloatToFp8(fminf(fmaxf(__fdiv_rn(v, scale), -MAX), MAX)) with numeric.h's software encoder.
+// Pairs: random amax over many binades, v = amax * u for random u in [-1, 1], v placed on and one
+// to three ulps around fp8 rounding midpoints (times the scale), zeros of both signs, v = +-amax,
+// quotients in the fp8 subnormal range, and amax at the 1e-10 floor. Counts mismatching codes and
+// scales.
+__device__ __forceinline__ uint64_t Mix64(uint64_t x) {
+  x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
+  return x;
+}
+
+template <Fp8Format kFmt>
+__global__ void __launch_bounds__(256) SwaQuantCheckKernel(uint64_t seed, int64_t n, bool ue8m0,
+                                                           unsigned long long* bad) {
+  constexpr float fmax = kFmt == Fp8Format::kE4M3FN ? 448.0f : 240.0f;
+  unsigned long long local = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t h = Mix64(seed ^ Mix64(uint64_t(i) * 8 + 1));
+    const uint64_t h2 = Mix64(h + 0x9e3779b97f4a7c15ull);
+    // amax: mantissa random, exponent in [2^-40, 2^40] (and 1e-10-floor cases).
+    float amax = __uint_as_float(uint32_t((87 + (h >> 58) % 80) << 23) | uint32_t(h & 0x7fffffu));
+    if ((h2 & 63) == 0) amax = 1e-10f * float((h2 >> 6) & 3);  // at or below the floor (0 included)
+    float scale, inv;
+    GroupScale<kFmt>(amax, ue8m0, scale, inv);
+    float ref_scale = DivRn(fmaxf(amax, 1e-10f), fmax);
+    if (ue8m0) ref_scale = CeilToUe8m0(ref_scale);
+    if (__float_as_uint(scale) != __float_as_uint(ref_scale)) ++local;
+    float v[kChunk];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const uint64_t r = Mix64(h2 + uint64_t(j) * 0x632be59bd9b4e019ull);
+      const uint32_t kind = uint32_t(r & 7);
+      const float u = float(int32_t(r >> 32)) * 0x1p-31f;  // [-1, 1)
+      float val;
+      if (kind <= 2) {
+        val = amax * u;
+      } else if (kind <= 5) {
+        // scale * m for an fp8 midpoint (or a code value) m, nudged by -3..3 ulps.
+        constexpr uint32_t kMaxCode = kFmt == Fp8Format::kE4M3FN ? 0x7eu : 0x7fu;
+        const uint32_t code = min(uint32_t(r >> 8) & 0x7fu, kMaxCode);
+        const float lo = Fp8ToFloat(fp8_bits(code), kFmt);
+        const float hi = Fp8ToFloat(fp8_bits(min(code + 1, kMaxCode)), kFmt);
+        const float m = (r >> 20) & 1 ? 0.5f * (lo + hi) : lo;  // a midpoint (exact in fp32) or a code value
+        val = scale * m;
+        const int nudge = int((r >> 16) & 7) - 3;
+        val = __uint_as_float(__float_as_uint(val) + nudge);
+        if ((r >> 24) & 1) val = -val;
+      } else if (kind == 6) {
+        val = (r >> 8) & 1 ? -0.0f : 0.0f;
+        if ((r >> 9) & 3) val = (r >> 11) & 1 ? -amax : amax;
+      } else {
+        val = amax * u * 0x1p-12f;  // quotients near and below the fp8 subnormal range
+      }
+      v[j] = val;
+    }
+    const uint2 got = EncodeChunk<kFmt>(v, scale, inv, ue8m0);
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const float qq = fminf(fmaxf(DivRn(v[j], ref_scale), -fmax), fmax);
+      const uint32_t want = FloatToFp8(qq, kFmt);
+      const uint32_t g = ((j < 4 ? got.x : got.y) >> (8 * (j % 4))) & 0xffu;
+      if (g != want) ++local;
+    }
+  }
+  if (local) atomicAdd(bad, local);
+}
+
+}  // namespace
+
+gpuError_t SwaCheckQuantEncoding(uint64_t seed, int64_t n, Fp8Format fmt, bool ue8m0, unsigned long long* bad,
+                                 gpuStream_t stream) {
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 132 * 16);
+  if (fmt == Fp8Format::kE4M3FN) {
+    SwaQuantCheckKernel<Fp8Format::kE4M3FN><<<dim3(unsigned(blocks)), dim3(256), 0, stream>>>(seed, n, ue8m0, bad);
+  } else {
+    SwaQuantCheckKernel<Fp8Format::kE4M3FNUZ><<<dim3(unsigned(blocks)), dim3(256), 0, stream>>>(seed, n, ue8m0, bad);
+  }
   return gpuGetLastError();
 }
 
+namespace {
 }  // namespace
 
 gpuError_t ProbeSwaKernelImage() {
@@ -555,7 +780,7 @@ gpuError_t LaunchSwaNormRows(const SwaRowParams& p, int sm_count, gpuStream_t st
 }
 
 gpuError_t LaunchSwaGroupQuant(const uint16_t* q_bf16, int64_t tokens, int q_rank, uint8_t* q_fp8, float* q_scale,
-                               const SwaScaleLayout& layout, Fp8Format fmt, bool ue8m0, gpuStream_t stream) {
+                               const SwaScaleLayout& layout, Fp8Format fmt, bool ue8m0, gpuStream_t stream, bool pdl) {
   if (tokens == 0) return gpuSuccess;
   const int groups = q_rank / kGroup;
   const int64_t threads = tokens * groups * kGroupLanes;
@@ -563,8 +788,7 @@ gpuError_t LaunchSwaGroupQuant(const uint16_t* q_bf16, int64_t tokens, int q_ran
   const int64_t blocks = (threads + block - 1) / block;
   auto* kernel = fmt == Fp8Format::kE4M3FN ? SwaGroupQuantKernel<Fp8Format::kE4M3FN>
                                            : SwaGroupQuantKernel<Fp8Format::kE4M3FNUZ>;
-  kernel<<<dim3(unsigned(blocks)), dim3(block), 0, stream>>>(q_bf16, tokens, groups, q_fp8, q_scale, layout, ue8m0);
-  return gpuGetLastError();
+  return LaunchPdl(pdl, kernel, blocks, block, stream, q_bf16, tokens, groups, q_fp8, q_scale, layout, ue8m0);
 }
 
 }  // namespace fusedlayer::gpu

@@ -23,6 +23,7 @@
 #include "gpu_runtime.h"
 #include "gtest/gtest.h"
 #include "swa_gpu.h"
+#include "swa_kernels.h"
 #include "test_util.h"
 
 namespace fusedlayer::testing {
@@ -274,8 +275,13 @@ TEST(GpuSwa, FusedVersusUnfusedOnGpu) {
 
 TEST(GpuSwa, BatchInvariantAndDeterministic) {
   SKIP_WITHOUT_GPU(gpu);
+  // Each shape runs 1025 rows (the multi-row kernel) and 3 rows (the one-row-per-block kernel).
+  const Case cases[] = {Case{1025, 1536, 512, 0, Fp8Format::kE4M3FN, ScaleFormat::kFp32},
+                        Case{1025, 1280, 512, 0, Fp8Format::kE4M3FNUZ, ScaleFormat::kUe8m0},
+                        Case{1025, 1024, 512, 0, Fp8Format::kE4M3FN, ScaleFormat::kUe8m0}};
+  for (const Case& shape : cases)
   for (Path path : {Path::kFused, Path::kUnfused}) {
-    Problem big(Case{1025, 1536, 512, 0, Fp8Format::kE4M3FN, ScaleFormat::kFp32});
+    Problem big(shape);
     Outputs a = RunOn(*gpu, big, path);
     Outputs a2 = RunOn(*gpu, big, path);
     ASSERT_EQ(a.q, a2.q);
@@ -291,6 +297,34 @@ TEST(GpuSwa, BatchInvariantAndDeterministic) {
       ASSERT_TRUE(std::equal(b.q.begin() + r * Q, b.q.begin() + (r + 1) * Q, a.q.begin() + (500 + r) * Q));
       ASSERT_TRUE(std::equal(b.kv.begin() + r * D, b.kv.begin() + (r + 1) * D, a.kv.begin() + (500 + r) * D));
       ASSERT_TRUE(std::equal(b.scale.begin() + r * G, b.scale.begin() + (r + 1) * G, a.scale.begin() + (500 + r) * G));
+    }
+  }
+}
+
+// The kernels' quantization arithmetic (Markstein quotient with a negated last FMA, one-sided clamp
+// before the saturating hardware conversion, UE8M0 reciprocal from the exponent field, Markstein scale)
+// against the contract's formulas spelled literally (IEEE division, two-sided clamp, software fp8
+// encoder), bitwise: 2^25 groups x 8 values per format and scale format, random and edge-case
+// pairs (fp8 rounding midpoints +-3 ulps, zeros of both signs, +-amax, fp8 subnormals, the 1e-10
+// amax floor): about 1.07e9 (v, scale) pairs in all.
+TEST(GpuSwa, QuantEncodingMatchesIeeeDivision) {
+  auto ctx_or = gpu::GpuContext::Create(0);
+  if (!ctx_or.ok() || !GpuOrNull()) GTEST_SKIP() << "no GPU: " << ctx_or.status();
+  gpu::GpuContext& ctx = **ctx_or;
+  auto bad = gpu::GpuAlloc(sizeof(unsigned long long));
+  ASSERT_TRUE(bad.ok());
+  uint64_t seed = 0x5eed;
+  for (Fp8Format fmt : {Fp8Format::kE4M3FN, Fp8Format::kE4M3FNUZ}) {
+    for (bool ue8m0 : {false, true}) {
+      ASSERT_EQ(gpuMemsetAsync(bad->get(), 0, sizeof(unsigned long long), ctx.stream), gpuSuccess);
+      ASSERT_EQ(gpu::SwaCheckQuantEncoding(seed++, int64_t{1} << 25, fmt, ue8m0,
+                                           static_cast<unsigned long long*>(bad->get()), ctx.stream),
+                gpuSuccess);
+      // The context's stream is non-blocking: a plain gpuMemcpy would not wait for the check kernel.
+      ASSERT_EQ(gpuStreamSynchronize(ctx.stream), gpuSuccess);
+      unsigned long long mismatches = ~0ull;
+      ASSERT_EQ(gpuMemcpy(&mismatches, bad->get(), sizeof(mismatches), gpuMemcpyDeviceToHost), gpuSuccess);
+      EXPECT_EQ(mismatches, 0ull) << Fp8FormatName(fmt) << (ue8m0 ? " ue8m0" : " fp32 scales");
     }
   }
 }
