@@ -4,12 +4,14 @@
 //
 // CTA = 4 warps = 128 channels (one 32-channel quad per warp) x 16*kTiles tokens (kTiles m16 tiles
 // per warp). Lane (g, t) = (lane / 4, lane % 4) owns channels quad*32 + t*8 .. +7 of tokens g, g+8
-// of each tile: exactly the rows and k-columns of its mma.sync m16n8k8 A fragments, so R' goes from the
-// post arithmetic to the tensor cores without shared memory. The mixes run as TF32 MMAs with fn
-// split into hi + lo TF32 parts (prepared on the host): R' is bf16, hence exact in TF32, and the two
-// MMAs give fp32-accurate dot products. B fragments are loaded once per warp and used for every
-// tile. The chunk partial is the fixed-order sum of the 4 warps' values, so the reduction order is
-// a function of C only.
+// of each tile: exactly the rows and k-columns of its mma.sync m16n8k16 A fragments, so R' goes from
+// the post arithmetic to the tensor cores without shared memory (packed bf16 pairs as they are
+// stored). The mixes run as bf16 MMAs with fp32 accumulation and fn split into hi + lo bf16 parts
+// (prepared on the host): R' is bf16, hence exact, hi + lo carries 16 significant bits of fn (split
+// error <= 2^-16 |fn| per element, random in sign), and the two MMAs give dot products far inside
+// the mixes tolerance (MHC_GPU_NOTES.md, "bf16 fn round"). B fragments are loaded once per warp and
+// used for every tile. The chunk partial is the fixed-order sum of the 4 warps' values, so the
+// reduction order is a function of C only.
 // Included by mhc_gpu.cu only.
 #pragma once
 
@@ -29,7 +31,7 @@ struct FusedParams {
   const float* post_mix;      // [T, 4]
   const float* comb_mix;      // [T, 4, 4]
   const float* pre_mix;       // [T, 4] or null (shifted mode: stream 0)
-  const float4* frag;         // prepared B fragments (fn_frag or fn_first_frag)
+  const uint4* frag;          // prepared B fragments (fn_frag or fn_first_frag): bf16 hi/lo pairs
   uint16_t* new_residual;     // [T, 4, C]
   uint16_t* y;                // [T, C]: z (shifted mode), rescaled later
   uint16_t* aux;              // [T, C] or null
@@ -63,13 +65,14 @@ __device__ __forceinline__ unsigned LoadRelaxed(const unsigned* p) {
 }
 __device__ __forceinline__ void FenceAcquire() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 
-__device__ __forceinline__ void MmaTf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, float b0,
-                                        float b1) {
+// D += A * B on the tensor cores, bf16 operands, fp32 accumulation (m16n8k16).
+__device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // kFirst: R' = e on every stream (layer 0). kShifted: write z = Collapse(R', pre_mix or stream 0)
@@ -100,9 +103,22 @@ __device__ __forceinline__ void MmaTf32(float (&d)[4], uint32_t a0, uint32_t a1,
 #ifndef FL_MHC_ONE_LAUNCH_MIN_BLOCKS
 #define FL_MHC_ONE_LAUNCH_MIN_BLOCKS 4
 #endif
+// Minimum resident CTAs per SM of the two-launch 16-token-tile instances (measurement knob; 3 =
+// up to 170 registers, no spills; 4 measured -11% at C = 7168, T = 128 (one wave instead of 1.13)
+// but +1-2% at T <= 64 from spills: MHC_GPU_NOTES.md, bf16 fn round, v1).
+#ifndef FL_MHC_TILE16_MIN_BLOCKS
+#define FL_MHC_TILE16_MIN_BLOCKS 3
+#endif
+// 1: 16-token tiles request their first B steps right after the data loads (see kAhead).
+// 0: measurement build, B requested at the MMA loop, two steps ahead, as before the bf16 round.
+#ifndef FL_MHC_EARLY_B
+#define FL_MHC_EARLY_B 1
+#endif
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false, int kTiles = 2,
           bool kOneLaunch = false>
-__global__ void __launch_bounds__(kFusedThreads, kOneLaunch ? FL_MHC_ONE_LAUNCH_MIN_BLOCKS : 3)
+__global__ void __launch_bounds__(kFusedThreads, kOneLaunch        ? FL_MHC_ONE_LAUNCH_MIN_BLOCKS
+                                                  : kTiles == 1 ? FL_MHC_TILE16_MIN_BLOCKS
+                                                                : 3)
     MhcFusedPassKernel(FusedParams p) {
   static_assert(!kGemmOnly || (kMix && !kShifted && !kAux), "the GEMM-only pass writes partials only");
   static_assert(!kOneLaunch || (kShifted && !kGemmOnly && kTiles == 1), "one launch: shifted mode, 16-token tiles");
@@ -113,7 +129,12 @@ __global__ void __launch_bounds__(kFusedThreads, kOneLaunch ? FL_MHC_ONE_LAUNCH_
 #endif
   constexpr int N = 4;
   constexpr int kStreams = kFirst ? 1 : N;   // distinct streams feeding the GEMM
-  constexpr int kSteps = kStreams * 4;       // k8 steps per warp: 8 channels x streams per lane / 2
+  constexpr int kSteps = kStreams * 2;       // k16 steps per warp: 8 channels x streams per lane / 4
+  // B fragments in flight ahead of the step that uses them. 16-token tiles (decode sizes, a CTA's
+  // warps alone on their SM) request the first kAhead steps right after the data loads, so the fn
+  // round trip overlaps the HBM round trip of R and x; 32-token tiles keep the registers.
+  constexpr bool kEarlyB = kTiles == 1 && FL_MHC_EARLY_B;
+  constexpr int kAhead = (kEarlyB ? 4 : 2) < kSteps ? (kEarlyB ? 4 : 2) : kSteps;
   constexpr int kTileTokens = 16 * kTiles;
   __shared__ float red[4][kTileTokens][kFusedPartialStride];
 
@@ -143,6 +164,17 @@ __global__ void __launch_bounds__(kFusedThreads, kOneLaunch ? FL_MHC_ONE_LAUNCH_
       }
     }
 
+  // B fragments: fn as bf16 hi + lo parts, laid out per (32-channel quad, k16 step, n-tile, lane)
+  // by the host (mhc_gpu.cu BuildFragments), read with ld.global.nc (L2-resident weights).
+  const uint4* frag = p.frag + size_t(quad) * kSteps * 3 * 32 + lane;
+  uint4 bq[kSteps][3];  // compile-time indices only: a register lives from its load to its MMA
+  if constexpr (kMix && kEarlyB) {
+#pragma unroll
+    for (int s = 0; s < kAhead; ++s)
+#pragma unroll
+      for (int nt = 0; nt < 3; ++nt) bq[s][nt] = __ldg(frag + (s * 3 + nt) * 32);
+  }
+
   // The tile's mixing coefficients (post[4], comb[16], pre[4] per token) go through shared memory:
   // one cooperative load round, overlapping the data loads above, instead of a dependent round of
   // scalar loads per token inside the arithmetic below.
@@ -162,7 +194,7 @@ __global__ void __launch_bounds__(kFusedThreads, kOneLaunch ? FL_MHC_ONE_LAUNCH_
     __syncthreads();
   }
 
-  uint4 rq[kTiles][2][kStreams];  // R' packed as bf16 pairs: the A operands (bf16 bits << 16 is TF32)
+  uint4 rq[kTiles][2][kStreams];  // R' packed as bf16 pairs: the A operands as they are
   uint4 zq[kTiles][2];            // one-launch mode: z, kept until its row's 1/rms is known
   float sq_r[kTiles][2], sq_z[kTiles][2];
 #pragma unroll
@@ -280,34 +312,31 @@ __global__ void __launch_bounds__(kFusedThreads, kOneLaunch ? FL_MHC_ONE_LAUNCH_
       for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.0f;
   if constexpr (kMix) {
     // B fragments straight from global memory (L2-resident weights). Staging them in shared memory
-    // with cp.async was measured: no gain at decode sizes, and the 96 KB per CTA halved occupancy
-    // at large T.
-    const float4* frag = p.frag + size_t(quad) * kSteps * 3 * 32 + lane;
-    // Two steps of B in flight: step s+2 is requested while step s multiplies.
-    float4 bq[3][3];
+    // with cp.async was measured (TF32 layout): no gain at decode sizes, and the 96 KB per CTA halved
+    // occupancy at large T.
+    if constexpr (!kEarlyB) {
 #pragma unroll
-    for (int s = 0; s < 2 && s < kSteps; ++s)
+      for (int s = 0; s < kAhead; ++s)
 #pragma unroll
-      for (int nt = 0; nt < 3; ++nt) bq[s][nt] = frag[(s * 3 + nt) * 32];
+        for (int nt = 0; nt < 3; ++nt) bq[s][nt] = __ldg(frag + (s * 3 + nt) * 32);
+    }
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
-      const int j = s / 4, w = s % 4;  // stream, bf16 pair within the lane's 8 channels
-      if (s + 2 < kSteps) {
+      const int j = s / 2, u = s % 2;  // stream, 4-channel half of the lane's 8 channels
+      if (s + kAhead < kSteps) {
 #pragma unroll
-        for (int nt = 0; nt < 3; ++nt) bq[(s + 2) % 3][nt] = frag[((s + 2) * 3 + nt) * 32];
+        for (int nt = 0; nt < 3; ++nt) bq[s + kAhead][nt] = __ldg(frag + ((s + kAhead) * 3 + nt) * 32);
       }
-      float4 b[3];
-#pragma unroll
-      for (int nt = 0; nt < 3; ++nt) b[nt] = bq[s % 3][nt];
 #pragma unroll
       for (int mt = 0; mt < kTiles; ++mt) {
-        const uint32_t w0 = (&rq[mt][0][j].x)[w], w1 = (&rq[mt][1][j].x)[w];
-        const uint32_t a0 = w0 << 16, a2 = w0 & 0xffff0000u;  // token g: channels 2w, 2w+1
-        const uint32_t a1 = w1 << 16, a3 = w1 & 0xffff0000u;  // token g+8
+        // A (m16n8k16, bf16 pairs): a0/a2 = token g, MMA k 2t..2t+1 / 2t+8..2t+9 = channels
+        // t*8 + 4u + {0,1} / {2,3}; a1/a3 the same for token g + 8. R' is packed bf16 already.
+        const uint32_t a0 = (&rq[mt][0][j].x)[2 * u], a2 = (&rq[mt][0][j].x)[2 * u + 1];
+        const uint32_t a1 = (&rq[mt][1][j].x)[2 * u], a3 = (&rq[mt][1][j].x)[2 * u + 1];
 #pragma unroll
         for (int nt = 0; nt < 3; ++nt) {
-          MmaTf32(acc[mt][nt], a0, a1, a2, a3, b[nt].x, b[nt].y);  // hi
-          MmaTf32(acc[mt][nt], a0, a1, a2, a3, b[nt].z, b[nt].w);  // lo
+          MmaBf16(acc[mt][nt], a0, a1, a2, a3, bq[s][nt].x, bq[s][nt].y);  // hi
+          MmaBf16(acc[mt][nt], a0, a1, a2, a3, bq[s][nt].z, bq[s][nt].w);  // lo
         }
       }
     }

@@ -1,4 +1,4 @@
-// Host side of the GPU mHC op: weight preparation (transposes, the fused path's TF32 hi/lo B
+// Host side of the GPU mHC op: weight preparation (transposes, the fused path's bf16 hi/lo B
 // fragments), the fused-path capability query and the launchers of both paths.
 // gpu_runtime.h before anything that pulls in fusedlayer/numeric.h: under hipcc its device branch
 // needs the HIP intrinsics (__float_as_uint) declared first.
@@ -35,39 +35,36 @@ constexpr auto kMaxDynamicSmemAttr = cudaFuncAttributeMaxDynamicSharedMemorySize
 constexpr size_t kMaxWorkspaceBytes = size_t(256) << 20;
 constexpr int64_t kMaxSliceTokens = 65535;  // grid.y of the mixes kernel with one token per CTA
 
-// Round to the nearest TF32 value (10 mantissa bits), ties away from zero like cvt.rna.tf32.f32.
-float RoundToTf32(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
-
-// fn as mma.sync m16n8k8 B fragments (see mhc_fused_kernel.cuh): for 32-channel quad G, k-step s
-// (stream j = s / 4, bf16 pair w = s % 4), n-tile nt and lane (g, t): output o = nt*8 + g and
-// k = j*C + G*32 + t*8 + 2w (b0) and k + 1 (b1), each as hi = tf32(f), lo = tf32(f - hi).
+// fn as mma.sync m16n8k16 (bf16) B fragments (see mhc_fused_kernel.cuh): for 32-channel quad G, k16
+// step s (stream j = s / 2, channel half u = s % 2), n-tile nt and lane (g, t): output o = nt*8 + g,
+// b0 = channels G*32 + t*8 + 4u + {0, 1} (MMA k 2t, 2t+1) and b1 = + {2, 3} (MMA k 2t+8, 2t+9) of
+// stream j, each packed as a bf16 pair (lower k in the low half), once for hi = bf16(f) and once for
+// lo = bf16(f - hi) (f - hi is exact in fp32): 4 words per lane = (hi b0, hi b1, lo b0, lo b1).
 // `row(o, k)` reads the source matrix; `streams` is 4 (seam) or 1 (first stage).
 template <typename Row>
-std::vector<float> BuildFragments(int64_t C, int streams, Row row) {
+std::vector<uint32_t> BuildFragments(int64_t C, int streams, Row row) {
   const int64_t quads = C / 32;
-  const int steps = streams * 4;
-  std::vector<float> out(size_t(quads) * steps * 3 * 32 * 4);
+  const int steps = streams * 2;
+  std::vector<uint32_t> out(size_t(quads) * steps * 3 * 32 * 4);
   size_t i = 0;
+  auto split = [](float f, uint32_t* hi, uint32_t* lo) {
+    const uint16_t h = FloatToBf16(f);
+    *hi = h;
+    *lo = FloatToBf16(f - Bf16ToFloat(h));
+  };
   for (int64_t G = 0; G < quads; ++G)
     for (int s = 0; s < steps; ++s)
       for (int nt = 0; nt < 3; ++nt)
         for (int lane = 0; lane < 32; ++lane) {
-          const int g = lane / 4, t = lane % 4, j = s / 4, w = s % 4;
+          const int g = lane / 4, t = lane % 4, j = s / 2, u = s % 2;
           const int o = nt * 8 + g;
-          const int64_t k = int64_t(j) * C + G * 32 + t * 8 + 2 * w;
-          const float f0 = row(o, k), f1 = row(o, k + 1);
-          const float h0 = RoundToTf32(f0), h1 = RoundToTf32(f1);
-          out[i++] = h0;
-          out[i++] = h1;
-          out[i++] = RoundToTf32(f0 - h0);
-          out[i++] = RoundToTf32(f1 - h1);
+          const int64_t k = int64_t(j) * C + G * 32 + t * 8 + 4 * u;
+          uint32_t hi[4], lo[4];
+          for (int e = 0; e < 4; ++e) split(row(o, k + e), &hi[e], &lo[e]);
+          out[i++] = hi[0] | (hi[1] << 16);
+          out[i++] = hi[2] | (hi[3] << 16);
+          out[i++] = lo[0] | (lo[1] << 16);
+          out[i++] = lo[2] | (lo[3] << 16);
         }
   return out;
 }
@@ -147,7 +144,12 @@ absl::Status LaunchFinalizeN(const FinalizeParams& fp, bool vec, const GpuContex
 // ---------------------------------------------------------------------------------------------
 #if !FL_HIP
 // Token tiles of 16 (one m-tile per warp) up to this many tokens, 32 above (see kTiles).
-constexpr int64_t kSingleTileMaxTokens = 1024;
+// (Measured with 64 instead: 32-token tiles above T = 64 were +12 us at C = 7168, T = 1024; see
+// MHC_GPU_NOTES.md, bf16 fn round, v5.)
+#ifndef FL_MHC_SINGLE_TILE_MAX_TOKENS  // measurement knob only
+#define FL_MHC_SINGLE_TILE_MAX_TOKENS 1024
+#endif
+constexpr int64_t kSingleTileMaxTokens = FL_MHC_SINGLE_TILE_MAX_TOKENS;
 
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false>
 void EnqueueFusedPass(const FusedParams& fp, int nchunk, gpuStream_t stream) {
@@ -226,7 +228,7 @@ absl::Status LaunchUnfusedN(const GpuMhcWeights& w, const MhcArgs& a, GpuContext
         FusedParams fp{};
         fp.x = Offset<const uint16_t>(a.x, t0, C);
         fp.residual = nr;
-        fp.frag = static_cast<const float4*>(first ? w.fn_first_frag.get() : w.fn_frag.get());
+        fp.frag = static_cast<const uint4*>(first ? w.fn_first_frag.get() : w.fn_frag.get());
         fp.partials = ws;
         fp.tokens = ts;
         fp.C = C;
@@ -375,7 +377,7 @@ absl::Status LaunchFused(const GpuMhcWeights& w, const MhcArgs& a, GpuContext& c
     fp.post_mix = first ? nullptr : Offset<const float>(a.post_mix, t0, N);
     fp.comb_mix = first ? nullptr : Offset<const float>(a.comb_mix, t0, N * N);
     fp.pre_mix = has_pre ? Offset<const float>(a.pre_mix, t0, N) : nullptr;
-    fp.frag = static_cast<const float4*>(first ? w.fn_first_frag.get() : w.fn_frag.get());
+    fp.frag = static_cast<const uint4*>(first ? w.fn_first_frag.get() : w.fn_frag.get());
     fp.new_residual = Offset<uint16_t>(a.new_residual, t0, N * C);
     fp.y = Offset<uint16_t>(a.y, t0, C);
     fp.aux = aux ? Offset<uint16_t>(a.aux, t0, C) : nullptr;
@@ -495,9 +497,9 @@ absl::StatusOr<std::unique_ptr<GpuMhcWeights>> PrepareMhcGpu(const MhcHyperParam
     if (absl::Status s = upload(w->norm_weight, weights.norm_weight.data, size_t(C) * 2); !s.ok()) return s;
   }
   if (n == 4 && C % mhc::kFusedChunkChannels == 0) {
-    const std::vector<float> frag =
+    const std::vector<uint32_t> frag =
         BuildFragments(C, 4, [&](int o, int64_t k) { return fn[size_t(o) * K + size_t(k)]; });
-    const std::vector<float> frag_first =
+    const std::vector<uint32_t> frag_first =
         BuildFragments(C, 1, [&](int o, int64_t k) { return fn_first[size_t(k) * M + o]; });
     if (absl::Status s = upload(w->fn_frag, frag.data(), frag.size() * 4); !s.ok()) return s;
     if (absl::Status s = upload(w->fn_first_frag, frag_first.data(), frag_first.size() * 4); !s.ok()) return s;
@@ -512,11 +514,11 @@ FusedSupport MhcFusedSupportGpu(const GpuMhcWeights& weights, const MhcShapeQuer
 #if FL_HIP
   (void)ctx;
   return FusedSupport::No(FallbackReason::kDeviceArchUnsupported,
-                          "the fused mHC kernel uses mma.sync TF32 tensor-core instructions (CUDA sm_80+)");
+                          "the fused mHC kernel uses bf16 mma.sync tensor-core instructions (CUDA sm_80+)");
 #else
   if (ctx.cc_major < 8) {
     return FusedSupport::No(FallbackReason::kDeviceArchUnsupported,
-                            absl::StrCat("the fused mHC kernel needs sm_80+ (TF32 mma.sync), device is ", ctx.arch));
+                            absl::StrCat("the fused mHC kernel needs sm_80+ (bf16 mma.sync), device is ", ctx.arch));
   }
 #endif
   if (p.hc_mult != 4) {

@@ -9,7 +9,7 @@
 //     C % 128 == 0, CUDA sm_80+), else an fp32 FMA kernel split over 512-channel slices.
 //   fused (n = 4, C % 128 == 0, CUDA sm_80+): one pass over R and x per 128-channel chunk and 16-
 //     or 32-token tile (post, aux, shifted collapse, mixes on tensor cores with fn split into two
-//     TF32 parts, per-chunk partials), then the same finalize kernel (programmatic dependent launch).
+//     bf16 parts, per-chunk partials), then the same finalize kernel (programmatic dependent launch).
 //     Shifted mode also has a one-launch mode (one cooperative kernel: a per-token-tile barrier,
 //     then y and the mixes in the same kernel), off by default because it measured slower; see
 //     SetMhcOneLaunchEnabled below. Normal mode always takes the two launches.
@@ -41,9 +41,10 @@ class GpuMhcWeights final : public PreparedMhcWeights {
   GpuMemory scale;         // fp32 [3]
   GpuMemory base;          // fp32 [M]
   GpuMemory norm_weight;   // bf16 [C], null when absent
-  // Fused path (n = 4, C % 128 == 0): fn split into hi + lo TF32 parts and laid out as mma.sync
-  // m16n8k8 B fragments, per 32-channel group: [C/32][16 k-steps][3 n-tiles][32 lanes][4 floats]
-  // = (hi b0, hi b1, lo b0, lo b1). Same for the first stage (fn summed over streams, 4 k-steps).
+  // Fused path (n = 4, C % 128 == 0): fn split into hi + lo bf16 parts and laid out as mma.sync
+  // m16n8k16 B fragments, per 32-channel group: [C/32][8 k16-steps][3 n-tiles][32 lanes][4 words]
+  // = (hi b0, hi b1, lo b0, lo b1), each word a bf16 pair. Same for the first stage (fn summed over
+  // streams, 2 k16-steps). 4 bytes per fn element (the TF32 hi/lo layout before it was 8).
   GpuMemory fn_frag;
   GpuMemory fn_first_frag;
   size_t resident_bytes_ = 0;
@@ -55,7 +56,7 @@ absl::StatusOr<std::unique_ptr<GpuMhcWeights>> PrepareMhcGpu(const MhcHyperParam
                                                               const MhcWeightsHost& weights, GpuContext& ctx);
 
 // Fused-path limits: hc_mult != 4 -> hc_mult_unsupported; C % 128 != 0 -> hidden_size_unsupported;
-// T > fused_max_tokens -> too_many_tokens; no mma.sync TF32 (HIP, or CUDA below sm_80) ->
+// T > fused_max_tokens -> too_many_tokens; no bf16 mma.sync (HIP, or CUDA below sm_80) ->
 // device_arch_unsupported. capture_aux, first, head and both modes are supported.
 FusedSupport MhcFusedSupportGpu(const GpuMhcWeights& weights, const MhcShapeQuery& query, const GpuContext& ctx,
                                 int64_t fused_max_tokens);

@@ -10,6 +10,7 @@
 // Skips cleanly without a GPU.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -491,6 +492,43 @@ TEST_F(GpuMhcTest, SeamBothPathsDeepSeekSizes) {
       c.mode = mode;
       CheckCase(c);
     }
+}
+
+// The mixes GEMM runs bf16 MMAs on fn split into hi + lo bf16 parts (16 significant bits): the
+// contract tolerance is asserted by every case; this one also prints how much of it is used at the
+// DeepSeek sizes (both paths share the pass, so one path suffices), in both modes and the first
+// stage, so a change of the split shows up as a number, not only as pass/fail.
+TEST_F(GpuMhcTest, MixesToleranceMarginAtDeepSeekSizes) {
+  for (int64_t C : {int64_t(4096), int64_t(5120), int64_t(7168)})
+    for (MhcStage stage : {MhcStage::kSeam, MhcStage::kFirst})
+      for (MhcMode mode : {MhcMode::kShifted, MhcMode::kNormal}) {
+        Case c;
+        c.C = C;
+        c.T = 96;
+        c.stage = stage;
+        c.mode = mode;
+        SCOPED_TRACE(Name(c));
+        auto rng = MakeRng(uint64_t(c.C * 11 + c.T + (stage == MhcStage::kFirst ? 5 : 0) + int(mode)));
+        const Weights w = MakeWeights(c, rng);
+        const Inputs in = MakeInputs(c, rng);
+        auto gw = Prepare(w);
+        ASSERT_NE(gw, nullptr);
+        ASSERT_TRUE(FusedOk(*gw, c));
+        const Ref ref = Reference(c, w, in);
+        Runner run(c, in, *ctx_);
+        const Outputs o = run.Run(*gw, Path::kFused);
+        ExpectMixes(o.pre, ref.pre, "new_pre_mix");
+        ExpectMixes(o.post, ref.post, "new_post_mix");
+        ExpectMixes(o.comb, ref.comb, "new_comb_mix");
+        auto worst = [](const std::vector<float>& got, const std::vector<double>& r) {
+          double m = 0;
+          for (size_t i = 0; i < got.size(); ++i)
+            m = std::max(m, std::fabs(double(got[i]) - r[i]) / (1e-5 + 1e-4 * std::fabs(r[i])));
+          return m;
+        };
+        std::printf("mixes margin %s: worst |err|/tol pre %.4f post %.4f comb %.4f\n", Name(c).c_str(),
+                    worst(o.pre, ref.pre), worst(o.post, ref.post), worst(o.comb, ref.comb));
+      }
 }
 
 TEST_F(GpuMhcTest, SeamVariants) {
