@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
-#   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke)
+#   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke shadow)
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"tests sanitize bench torch smoke"}
+STEPS=${STEPS:-"tests sanitize bench torch smoke shadow"}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
 
@@ -51,4 +51,29 @@ if want smoke; then
   } > "$OUT/smoke.log" 2>&1
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/smoke.log"
   cat "$OUT/smoke.log"
+fi
+if want shadow; then
+  echo "== shadow verification on the GPU (CUDA backend, demo weights, sample rate 1, verify)"
+  ./fusedlayer_server --demo_weights --backend=cuda --shadow_sample_rate=1 --address=127.0.0.1:50161 \
+    --metrics_address=127.0.0.1:50162 > "$OUT/shadow-server.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:50161 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+  { C="--target=127.0.0.1:50161"
+    for ws in v4-pro/demo v41-flash/demo; do
+      for T in 1 7 64 300; do
+        ./fusedctl seam $C --weight_set=$ws --tokens=$T > /dev/null || echo "seam $ws T=$T failed"
+        ./fusedctl seam $C --weight_set=$ws --tokens=$T --mode=normal > /dev/null || echo "seam normal $ws T=$T failed"
+        ./fusedctl seam $C --weight_set=$ws --tokens=$T --capture_aux > /dev/null || echo "seam aux $ws T=$T failed"
+        ./fusedctl swa $C --weight_set=$ws --tokens=$T > /dev/null || echo "swa $ws T=$T failed"
+        sleep 0.2
+      done
+    done
+    ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64 --verify | grep -i -E "verif|mismatch|compared" | head -12
+    ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=64 --verify | grep -i -E "verif|mismatch|compared" | head -12
+    sleep 2
+    python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50162/metrics').read().decode())" \
+      | grep -E '^fusedlayer_shadow_(comparisons_total|mismatches_total|dropped_total|errors_total)' | grep -v ' 0$'
+  } > "$OUT/shadow.log" 2>&1
+  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/shadow.log"
+  cat "$OUT/shadow.log"
 fi
