@@ -93,13 +93,14 @@ const std::vector<CommandInfo>& Commands() {
       {"unload", "unload NAME", 1, {}},
       {"seam",
        "seam --weight_set=NAME [--tokens=T] [--mode=shifted|normal] [--stage=seam|first|head] [--no_pre_mix] "
-       "[--capture_aux] [--path=auto|require_fused|force_unfused] [--input=FILE] [--output=FILE] [--seed=S]",
+       "[--capture_aux] [--path=auto|require_fused|force_unfused] [--input=FILE] [--output=FILE] [--seed=S] [--verify]",
        0,
-       {"weight_set", "tokens", "mode", "stage", "no_pre_mix", "capture_aux", "path", "input", "output", "seed"}},
+       {"weight_set", "tokens", "mode", "stage", "no_pre_mix", "capture_aux", "path", "input", "output", "seed",
+        "verify"}},
       {"swa",
-       "swa --weight_set=NAME [--tokens=M] [--row_stride=S] [--path=...] [--input=FILE] [--output=FILE] [--seed=S]",
+       "swa --weight_set=NAME [--tokens=M] [--row_stride=S] [--path=...] [--input=FILE] [--output=FILE] [--seed=S] [--verify]",
        0,
-       {"weight_set", "tokens", "row_stride", "path", "input", "output", "seed"}},
+       {"weight_set", "tokens", "row_stride", "path", "input", "output", "seed", "verify"}},
       {"bench",
        "bench --op=mhc|swa --weight_set=NAME --tokens=T --concurrency=N --duration=SECONDS [--path=...] "
        "[--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S]",
@@ -111,6 +112,7 @@ const std::vector<CommandInfo>& Commands() {
        "[--seed=S]",
        0,
        {"concurrency", "duration", "warmup", "server_pid", "max_rss_growth_mb", "seed"}},
+      {"replay", "replay --dump=FILE (a shadow mismatch dump; exit 3 when the mismatch reproduces)", 0, {"dump"}},
   };
   return kCommands;
 }

@@ -38,6 +38,8 @@ struct CommandLine {
   absl::Duration warmup = absl::Seconds(5);  // soak
   int64_t server_pid = 0;                    // soak: 0 = do not watch the server's RSS
   int max_rss_growth_mb = 64;                // soak
+  std::string dump;                          // replay: a shadow mismatch dump (safetensors)
+  bool verify = false;                       // seam, swa: request verify = true (shadow comparison)
 };
 
 absl::Status RunInfo(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
@@ -51,6 +53,14 @@ absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::
 absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 // Mixed valid/invalid load with expected codes, latency and server RSS (fusedctl_soak.cc).
 absl::Status RunSoak(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+
+// Re-sends the inputs of a shadow-verification mismatch dump (--shadow_dump_dir) with
+// REQUIRE_FUSED and verify = true, and reports whether the new fused outputs equal the dumped ones
+// bitwise and whether the mismatch reproduces (*reproduced; main exits 3 then).
+absl::Status RunReplay(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out, bool* reproduced);
+
+// The Verification block of a response (seam/swa --verify, replay).
+std::string FormatVerification(const v1::Verification& verification);
 
 // Shared by the commands: the report block ("path  fused", "fallback ...", times).
 std::string FormatReport(const v1::ExecutionReport& report, double round_trip_seconds);

@@ -151,6 +151,7 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
       << " capture_aux=" << (req.capture_aux() ? "yes" : "no") << " path=" << PathPreferenceName(*path) << " ("
       << origin << ")\n";
 
+  req.set_verify(cl.verify);
   const Clock::time_point t0 = Clock::now();
   absl::StatusOr<v1::MhcSeamResponse> resp = client.MhcSeam(req);
   const double rtt = Since(t0);
@@ -165,6 +166,7 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
   PrintSummary(out, "new_comb_mix", resp->has_new_comb_mix(), resp->new_comb_mix());
   PrintSummary(out, "y", resp->has_y(), resp->y());
   PrintSummary(out, "aux", resp->has_aux(), resp->aux());
+  if (resp->has_verification()) out << FormatVerification(resp->verification());
   if (!cl.output.empty()) {
     std::vector<std::pair<std::string, v1::Tensor>> tensors;
     auto add = [&](const char* n, bool has, const v1::Tensor& t) {
@@ -220,6 +222,7 @@ absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::
   out << "SwaNormQuant weight_set=" << cl.weight_set << " qr_kv=" << DataTypeName(req.qr_kv().dtype())
       << ShapeString(in_shape) << " path=" << PathPreferenceName(*path) << " (" << origin << ")\n";
 
+  req.set_verify(cl.verify);
   const Clock::time_point t0 = Clock::now();
   absl::StatusOr<v1::SwaNormQuantResponse> resp = client.SwaNormQuant(req);
   const double rtt = Since(t0);
@@ -240,6 +243,7 @@ absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::
   PrintSummary(out, "q_scale", resp->has_q_scale(), resp->q_scale());
   PrintSummary(out, "kv", resp->has_kv(), resp->kv());
   PrintSummary(out, "q_proj", resp->has_q_proj(), resp->q_proj());
+  if (resp->has_verification()) out << FormatVerification(resp->verification());
   if (!cl.output.empty()) {
     std::vector<std::pair<std::string, v1::Tensor>> tensors;
     if (resp->has_q_fp8()) tensors.emplace_back("q_fp8", resp->q_fp8());

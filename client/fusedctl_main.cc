@@ -55,6 +55,9 @@ ABSL_FLAG(std::string, duration, "10", "bench: measured duration, seconds (or e.
 ABSL_FLAG(uint64_t, seed, 0, "seam/swa/bench/soak: random input seed (0 = fresh, printed)");
 ABSL_FLAG(std::string, warmup, "5", "soak: warm-up at full concurrency before the RSS baseline, seconds (0 = none)");
 ABSL_FLAG(int64_t, server_pid, 0, "soak: server process id (same host) whose VmRSS is read before and after");
+ABSL_FLAG(bool, verify, false,
+          "seam/swa: also run the unfused path on the server and return the fused-vs-unfused comparison");
+ABSL_FLAG(std::string, dump, "", "replay: a shadow-verification mismatch dump (safetensors, --shadow_dump_dir)");
 ABSL_FLAG(int32_t, max_rss_growth_mb, 64, "soak: fail when the server RSS grows by more than this, MiB");
 
 namespace {
@@ -63,6 +66,7 @@ using namespace fusedlayer::client;  // NOLINT: a main file
 
 constexpr int kExitError = 1;
 constexpr int kExitUsage = 2;
+constexpr int kExitReproduced = 3;  // replay: the fused-vs-unfused mismatch reproduced
 
 std::string Usage() {
   std::string s =
@@ -71,7 +75,7 @@ std::string Usage() {
       "                [--tls_server_name=NAME]] [--token_file=FILE | env FUSEDCTL_TOKEN] COMMAND [flags]\n\n"
       "commands:\n";
   for (const CommandInfo& c : Commands()) absl::StrAppend(&s, "  fusedctl ", c.usage, "\n");
-  absl::StrAppend(&s, "\nexit status: 0 ok (health: SERVING), 1 error, 2 usage error");
+  absl::StrAppend(&s, "\nexit status: 0 ok (health: SERVING), 1 error, 2 usage error, 3 replay: mismatch reproduced");
   return s;
 }
 
@@ -131,6 +135,8 @@ int main(int argc, char** argv) {
   cl.warmup = *warmup;
   cl.server_pid = absl::GetFlag(FLAGS_server_pid);
   cl.max_rss_growth_mb = absl::GetFlag(FLAGS_max_rss_growth_mb);
+  cl.dump = absl::GetFlag(FLAGS_dump);
+  cl.verify = absl::GetFlag(FLAGS_verify);
   if (cl.chunk_bytes <= 0) return UsageError("--chunk_bytes must be positive");
   if (cl.tokens < 0) return UsageError("--tokens must be >= 0");
   if (cl.row_stride < 0) return UsageError("--row_stride must be >= 0");
@@ -169,11 +175,14 @@ int main(int argc, char** argv) {
   else if (n == "swa") status = RunSwa(**client, cl, std::cout);
   else if (n == "bench") status = RunBench(**client, cl, std::cout);
   else if (n == "soak") status = RunSoak(**client, cl, std::cout);
+  bool reproduced = false;
+  if (n == "replay") status = RunReplay(**client, cl, std::cout, &reproduced);
   std::cout.flush();
   if (!status.ok()) {
     std::cerr << ErrorLine(status) << "\n";
     return kExitError;
   }
   if (n == "health" && !serving) return kExitError;
+  if (n == "replay" && reproduced) return kExitReproduced;
   return 0;
 }

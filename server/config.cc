@@ -31,6 +31,25 @@ absl::Status ServerConfig::Validate() const {
   if (!(drain_seconds >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat("--drain_seconds must be >= 0, got ", drain_seconds));
   }
+  if (!(shadow_sample_rate >= 0 && shadow_sample_rate <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shadow_sample_rate must be in [0, 1], got ", shadow_sample_rate));
+  }
+  if (shadow_queue_size < 1 || shadow_queue_size > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("--shadow_queue_size must be in [1, 1024], got ", shadow_queue_size));
+  }
+  if (shadow_queue_max_bytes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shadow_queue_max_bytes must be >= 1, got ", shadow_queue_max_bytes));
+  }
+  if (shadow_dump_max_files < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shadow_dump_max_files must be >= 0, got ", shadow_dump_max_files));
+  }
+  if (shadow_dump_max_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shadow_dump_max_bytes must be >= 0, got ", shadow_dump_max_bytes));
+  }
   return absl::OkStatus();
 }
 

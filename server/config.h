@@ -41,6 +41,14 @@ struct ServerConfig {
   std::string tls_client_ca;
   // Bearer tokens with their rights (server/auth/token_file.h); empty: no token check.
   std::string auth_tokens_file;
+  // Shadow verification (server/shadow/, docs/shadow.md): the fraction of fused requests re-run
+  // unfused off the critical path and compared; its bounded queue; mismatch dumps.
+  double shadow_sample_rate = 0;
+  int64_t shadow_queue_size = 4;
+  int64_t shadow_queue_max_bytes = int64_t{256} << 20;
+  std::string shadow_dump_dir;  // empty: no dumps
+  int64_t shadow_dump_max_files = 32;
+  int64_t shadow_dump_max_bytes = int64_t{1} << 30;
 
   bool fused_disabled(Op op) const { return op == Op::kMhc ? disable_fused_mhc : disable_fused_swa; }
   // InvalidArgument when a limit is out of range (checked once at startup).

@@ -7,6 +7,12 @@
 // so overload turns into fast, explicit back-pressure instead of unbounded latency. Control tasks
 // (weight uploads, warm-ups) are rare and must not be shed by compute load, so they bypass the
 // bound.
+//
+// Background tasks (shadow verification, server/shadow/) form a second, lower-priority lane: the
+// worker takes one only when no compute or control task is waiting, so serving work never queues
+// behind background work (a running background task is not pre-empted: the most a serving task can
+// wait is one background task already started). The lane itself is unbounded here; its producer
+// (ShadowVerifier) bounds it. Stop() drops background tasks that have not started.
 #pragma once
 
 #include <chrono>
@@ -36,8 +42,18 @@ class Executor {
   absl::Status Submit(Task task);
   // Control tasks: not bounded by the capacity (Unavailable after Stop()).
   absl::Status SubmitControl(Task task);
-  // Runs every queued task, then joins the worker. Idempotent.
+  // Background tasks: run only when the main queue is empty (Unavailable after Stop()).
+  absl::Status SubmitBackground(Task task);
+  // Runs every queued compute and control task, drops the background tasks that have not started,
+  // then joins the worker. Idempotent.
   void Stop();
+
+  // Test hook: while paused the worker starts no background task (they stay queued); serving and
+  // control tasks run as usual.
+  void PauseBackgroundForTest(bool paused);
+  // Background tasks started so far, and waiting now (tests).
+  uint64_t background_started() const;
+  size_t background_queued() const;
 
   size_t capacity() const { return capacity_; }
   size_t queued() const;  // tasks waiting (not counting the running one)
@@ -57,6 +73,9 @@ class Executor {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
+  std::deque<Item> background_;
+  bool background_paused_ = false;
+  uint64_t background_started_ = 0;
   size_t bounded_queued_ = 0;  // compute tasks in queue_
   bool stopping_ = false;
   std::thread worker_;

@@ -15,7 +15,8 @@
 
 ABSL_FLAG(std::string, fault_inject, "",
           "TEST-ONLY fault injection (fault-injection builds only): comma-separated fused_launch_error[=N], "
-          "alloc_failure[=N], prepare_failure[=N], slow_kernel=MS; armed once the server is serving");
+          "alloc_failure[=N], prepare_failure[=N], slow_kernel=MS, ulp_flip[=N], wrong_scale[=N]; armed once the "
+          "server is serving");
 
 namespace fusedlayer::server {
 
@@ -29,6 +30,8 @@ std::string FaultPlan::ToString() const {
   count("alloc_failure", alloc_failure);
   count("prepare_failure", prepare_failure);
   if (slow_kernel_ms > 0) parts.push_back(absl::StrCat("slow_kernel=", slow_kernel_ms));
+  count("ulp_flip", ulp_flip);
+  count("wrong_scale", wrong_scale);
   return absl::StrJoin(parts, ",");
 }
 
@@ -51,13 +54,16 @@ absl::StatusOr<FaultPlan> ParseFaultPlan(absl::string_view list) {
     if (name == "fused_launch_error") plan.fused_launch_error = n;
     else if (name == "alloc_failure") plan.alloc_failure = n;
     else if (name == "prepare_failure") plan.prepare_failure = n;
+    else if (name == "ulp_flip") plan.ulp_flip = n;
+    else if (name == "wrong_scale") plan.wrong_scale = n;
     else if (name == "slow_kernel") {
       if (!has_value) return absl::InvalidArgumentError("--fault_inject: slow_kernel needs =MILLISECONDS");
       plan.slow_kernel_ms = n;
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "--fault_inject: unknown fault '", name,
-          "' (known: fused_launch_error[=N], alloc_failure[=N], prepare_failure[=N], slow_kernel=MS)"));
+          "' (known: fused_launch_error[=N], alloc_failure[=N], prepare_failure[=N], slow_kernel=MS, "
+          "ulp_flip[=N], wrong_scale[=N])"));
     }
   }
   return plan;
@@ -69,7 +75,9 @@ FaultInjectingBackend::FaultInjectingBackend(std::unique_ptr<Backend> inner, con
       slow_kernel_ms_(plan.slow_kernel_ms),
       fused_launch_error_(plan.fused_launch_error),
       alloc_failure_(plan.alloc_failure),
-      prepare_failure_(plan.prepare_failure) {}
+      prepare_failure_(plan.prepare_failure),
+      ulp_flip_(plan.ulp_flip),
+      wrong_scale_(plan.wrong_scale) {}
 
 void FaultInjectingBackend::Arm() { armed_.store(true); }
 
@@ -118,16 +126,42 @@ void FaultInjectingBackend::BeforeRun() {
   if (slow_kernel_ms_ > 0 && armed_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(slow_kernel_ms_));
 }
 
+template <typename T, typename Edit>
+absl::Status FaultInjectingBackend::EditElement(const TensorView& t, int64_t index, Edit edit) {
+  T value;
+  void* at = static_cast<char*>(t.data) + index * static_cast<int64_t>(sizeof(T));
+  if (absl::Status s = inner_->CopyToHost(&value, at, sizeof(T)); !s.ok()) return s;
+  value = edit(value);
+  return inner_->CopyToDevice(at, &value, sizeof(T));
+}
+
 absl::StatusOr<RunStats> FaultInjectingBackend::RunMhc(const PreparedMhcWeights& w, const MhcArgs& a, Path path) {
   BeforeRun();
   if (path == Path::kFused && Take(fused_launch_error_)) return absl::InternalError("injected fused launch failure");
-  return inner_->RunMhc(w, a, path);
+  absl::StatusOr<RunStats> stats = inner_->RunMhc(w, a, path);
+  if (stats.ok() && path == Path::kFused && a.tokens > 0 && Take(ulp_flip_)) {
+    absl::Status s = EditElement<uint16_t>(a.new_residual, 0, [](uint16_t b) { return uint16_t(b ^ 1u); });
+    if (!s.ok()) return s;
+  }
+  return stats;
 }
 
 absl::StatusOr<RunStats> FaultInjectingBackend::RunSwa(const PreparedSwaWeights& w, const SwaArgs& a, Path path) {
   BeforeRun();
   if (path == Path::kFused && Take(fused_launch_error_)) return absl::InternalError("injected fused launch failure");
-  return inner_->RunSwa(w, a, path);
+  absl::StatusOr<RunStats> stats = inner_->RunSwa(w, a, path);
+  if (stats.ok() && path == Path::kFused && a.tokens > 0) {
+    if (Take(ulp_flip_)) {
+      absl::Status s = EditElement<uint16_t>(a.kv, 0, [](uint16_t b) { return uint16_t(b ^ 1u); });
+      if (!s.ok()) return s;
+    }
+    if (Take(wrong_scale_)) {
+      // Element 0 is (row 0, group 0) in both scale layouts.
+      absl::Status s = EditElement<float>(a.q_scale, 0, [](float v) { return v * 16.0f; });
+      if (!s.ok()) return s;
+    }
+  }
+  return stats;
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> WrapWithFaultInjectionFromFlag(std::unique_ptr<Backend> backend,

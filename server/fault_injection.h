@@ -14,6 +14,11 @@
 //   prepare_failure[=N]     Prepare* (weight upload) fails with RESOURCE_EXHAUSTED; N as above.
 //   slow_kernel=MS          every Run* sleeps MS milliseconds first (keeps calls in flight for
 //                           drain and overload tests).
+//   ulp_flip[=N]            numeric fault after a successful fused run: the first element of the
+//                           bitwise-contracted output (mHC new_residual, SWA kv) moves by one ulp
+//                           (its lowest bit flips). Shadow verification must catch it (docs/shadow.md).
+//   wrong_scale[=N]         numeric fault after a successful fused SWA run: the first q_scale
+//                           (row 0, group 0) is multiplied by 16.
 //
 // Faults are inert until Arm(): main.cc arms them once the server is serving, so the startup
 // weight uploads and warm-ups run clean and the server can come up at all.
@@ -43,9 +48,12 @@ struct FaultPlan {
   int64_t alloc_failure = 0;
   int64_t prepare_failure = 0;
   int64_t slow_kernel_ms = 0;
+  int64_t ulp_flip = 0;
+  int64_t wrong_scale = 0;
 
   bool empty() const {
-    return fused_launch_error == 0 && alloc_failure == 0 && prepare_failure == 0 && slow_kernel_ms == 0;
+    return fused_launch_error == 0 && alloc_failure == 0 && prepare_failure == 0 && slow_kernel_ms == 0 &&
+           ulp_flip == 0 && wrong_scale == 0;
   }
   std::string ToString() const;
 };
@@ -86,6 +94,9 @@ class FaultInjectingBackend final : public Backend {
   // True when `budget` (one of the plan's counters) says inject now; consumes one when counted.
   bool Take(std::atomic<int64_t>& budget);
   void BeforeRun();
+  // Applies `edit` to the element `index` of `t` (device memory, through the inner backend's copies).
+  template <typename T, typename Edit>
+  absl::Status EditElement(const TensorView& t, int64_t index, Edit edit);
 
   std::unique_ptr<Backend> inner_;
   const bool stage_through_device_;  // alloc_failure listed: make the server use Allocate
@@ -94,6 +105,8 @@ class FaultInjectingBackend final : public Backend {
   std::atomic<int64_t> fused_launch_error_;
   std::atomic<int64_t> alloc_failure_;
   std::atomic<int64_t> prepare_failure_;
+  std::atomic<int64_t> ulp_flip_;
+  std::atomic<int64_t> wrong_scale_;
 };
 
 // Reads --fault_inject. With an empty flag `backend` comes back unchanged and *handle is null;

@@ -36,6 +36,20 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
           "bearer-token file, one `<token> <rights>` per line, rights compute|admin|compute,admin; without "
           "TLS only a loopback --address is allowed");
 
+// Shadow verification (server/shadow/, docs/shadow.md).
+ABSL_FLAG(double, shadow_sample_rate, 0,
+          "fraction (0 to 1) of requests that ran fused to re-run unfused after the response and compare "
+          "(fusedlayer_shadow_* metrics); 0 = off");
+ABSL_FLAG(int64_t, shadow_queue_size, 4,
+          "shadow jobs held at most (waiting or running); a sampled request beyond it is dropped and counted");
+ABSL_FLAG(int64_t, shadow_queue_max_bytes, int64_t{256} << 20,
+          "host bytes the queued shadow jobs (copies of inputs and fused outputs) may hold at most");
+ABSL_FLAG(std::string, shadow_dump_dir, "",
+          "directory for mismatch dumps (safetensors, replayable with fusedctl replay); empty = no dumps");
+ABSL_FLAG(int64_t, shadow_dump_max_files, 32, "most mismatch dumps kept in --shadow_dump_dir (then stop)");
+ABSL_FLAG(int64_t, shadow_dump_max_bytes, int64_t{1} << 30,
+          "most bytes of mismatch dumps in --shadow_dump_dir (then stop)");
+
 namespace fusedlayer::server {
 
 absl::StatusOr<ServerConfig> ConfigFromFlags() {
@@ -57,6 +71,12 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.tls_key = absl::GetFlag(FLAGS_tls_key);
   c.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   c.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  c.shadow_sample_rate = absl::GetFlag(FLAGS_shadow_sample_rate);
+  c.shadow_queue_size = absl::GetFlag(FLAGS_shadow_queue_size);
+  c.shadow_queue_max_bytes = absl::GetFlag(FLAGS_shadow_queue_max_bytes);
+  c.shadow_dump_dir = absl::GetFlag(FLAGS_shadow_dump_dir);
+  c.shadow_dump_max_files = absl::GetFlag(FLAGS_shadow_dump_max_files);
+  c.shadow_dump_max_bytes = absl::GetFlag(FLAGS_shadow_dump_max_bytes);
   // With authentication on, the unauthenticated /metrics endpoint must not default to every
   // interface. An explicit --metrics_address (even 0.0.0.0:9464) is the operator's choice and kept.
   // Abseil 20220623 exposes "was this flag set" only through this member (CommandLineFlag's is

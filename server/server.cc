@@ -49,6 +49,19 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   }
 
   srv->executor_ = std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity));
+  shadow::ShadowOptions shadow_options;
+  shadow_options.sample_rate = cfg.shadow_sample_rate;
+  shadow_options.queue_size = cfg.shadow_queue_size;
+  shadow_options.queue_max_bytes = static_cast<uint64_t>(cfg.shadow_queue_max_bytes);
+  shadow_options.dump_dir = cfg.shadow_dump_dir;
+  shadow_options.dump_max_files = cfg.shadow_dump_max_files;
+  shadow_options.dump_max_bytes = static_cast<uint64_t>(cfg.shadow_dump_max_bytes);
+  shadow_options.backend = identity.backend;
+  shadow_options.device = identity.device;
+  absl::StatusOr<std::unique_ptr<shadow::ShadowVerifier>> verifier =
+      shadow::ShadowVerifier::Create(std::move(shadow_options), be, *srv->executor_, *srv->metrics_->registry());
+  if (!verifier.ok()) return verifier.status();
+  srv->shadow_ = std::move(*verifier);
   srv->weights_ = std::make_unique<WeightManager>(cfg, be, *srv->executor_, *srv->metrics_, srv->health_);
   for (auto& [packed, source] : initial_sets) {
     const std::string name = packed.first.name();
@@ -62,7 +75,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   srv->weights_->FinishStartup();
 
   srv->service_ = std::make_unique<FusedLayerService>(cfg, identity, be, *srv->executor_, *srv->weights_,
-                                                      *srv->metrics_);
+                                                      *srv->metrics_, *srv->shadow_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -15,6 +15,7 @@
 #include "health.h"
 #include "metrics.h"
 #include "service.h"
+#include "shadow/shadow_verifier.h"
 #include "weight_manager.h"
 #include "weights/weight_set.h"
 
@@ -42,6 +43,10 @@ class FusedLayerServer {
   const ServerConfig& config() const { return config_; }
   // Tasks waiting in the device executor's queue (tests use it to sequence back-pressure cases).
   size_t queued_tasks() const { return executor_->queued(); }
+  // The device executor and the shadow verifier (tests: the background lane's pause hook and
+  // counters, the shadow queue).
+  Executor& executor() { return *executor_; }
+  shadow::ShadowVerifier& shadow() { return *shadow_; }
 
   // Health NOT_SERVING, then gRPC shutdown: in-flight calls may finish until `deadline`, after
   // which they are cancelled; then the executor drains and stops. Idempotent.
@@ -53,6 +58,8 @@ class FusedLayerServer {
   ServerConfig config_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Metrics> metrics_;
+  // Declared before the executor so it outlives the background tasks the executor drops at Stop.
+  std::unique_ptr<shadow::ShadowVerifier> shadow_;
   std::unique_ptr<Executor> executor_;
   Health health_;
   std::unique_ptr<WeightManager> weights_;

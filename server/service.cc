@@ -6,7 +6,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "dispatcher.h"
 #include "log.h"
 #include "op_calls.h"
@@ -25,7 +27,8 @@ double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>
 
 // A unary RPC in flight: counts itself in the inflight gauge, and on Complete() records the
 // request metrics, enforces the send limit and finishes. Complete() is called exactly once, from
-// the reactor thread (early errors, cheap RPCs) or from the executor.
+// the reactor thread (early errors, cheap RPCs) or from the executor; it returns whether the
+// response went out with OK (false also when the response was over the send limit and cleared).
 class FusedLayerService::UnaryCall final : public grpc::ServerUnaryReactor {
  public:
   UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, grpc::CallbackServerContext* ctx,
@@ -40,7 +43,7 @@ class FusedLayerService::UnaryCall final : public grpc::ServerUnaryReactor {
     metrics_.InflightAdd(1);
   }
 
-  void Complete(absl::Status status) {
+  bool Complete(absl::Status status) {
     uint64_t response_bytes = 0;
     if (status.ok()) {
       response_bytes = response_->ByteSizeLong();
@@ -55,7 +58,9 @@ class FusedLayerService::UnaryCall final : public grpc::ServerUnaryReactor {
     }
     metrics_.RecordRequest(method_, static_cast<grpc::StatusCode>(status.code()), SecondsSince(start_), request_bytes_,
                            response_bytes);
-    Finish(ToGrpcStatus(status));
+    const bool sent = status.ok();
+    Finish(ToGrpcStatus(status));  // `this` may be gone from here on (OnDone)
+    return sent;
   }
 
   // Work that has not been launched yet is dropped when this says so.
@@ -90,14 +95,19 @@ class FusedLayerService::UnaryCall final : public grpc::ServerUnaryReactor {
 };
 
 FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend,
-                                     Executor& executor, WeightManager& weights, Metrics& metrics)
+                                     Executor& executor, WeightManager& weights, Metrics& metrics,
+                                     shadow::ShadowVerifier& shadow)
     : config_(config),
       identity_(std::move(identity)),
       backend_(backend),
       executor_(executor),
       weights_(weights),
       metrics_(metrics),
-      request_id_salt_(std::random_device{}() & 0xffffff) {}
+      shadow_(shadow),
+      request_id_salt_(std::random_device{}() & 0xffffff) {
+  SetMessageAllocatorFor_MhcSeam(&mhc_messages_);
+  SetMessageAllocatorFor_SwaNormQuant(&swa_messages_);
+}
 
 std::string FusedLayerService::RequestId(const std::string& given) {
   if (!given.empty()) return given;
@@ -143,6 +153,17 @@ absl::Status ExecuteOnWorker(Op op, v1::PathPreference preference, const ServerC
   return absl::OkStatus();
 }
 
+// verify = true on a request that ran unfused: there is no fused output to compare.
+v1::Verification NotComparedUnfused(const v1::ExecutionReport& report) {
+  v1::Verification v;
+  v.set_compared(false);
+  v.set_reason(absl::StrCat("ran unfused (",
+                            absl::AsciiStrToLower(absl::StripPrefix(v1::FallbackReason_Name(report.fallback_reason()),
+                                                                    "FALLBACK_REASON_")),
+                            ")"));
+  return v;
+}
+
 }  // namespace
 
 absl::Status FusedLayerService::AdmitDuringDrain() const {
@@ -155,13 +176,13 @@ grpc::ServerUnaryReactor* FusedLayerService::MhcSeam(grpc::CallbackServerContext
                                                      v1::MhcSeamResponse* response) {
   auto* call = new UnaryCall(metrics_, Method::kMhcSeam, config_.max_message_bytes, ctx, request, response);
   absl::Status s = AdmitDuringDrain();
-  if (s.ok()) s = StartMhc(call, request, response);
+  if (s.ok()) s = StartMhc(call, shadow::MhcMessages::Of(ctx), request, response);
   if (!s.ok()) call->Complete(std::move(s));
   return call;
 }
 
-absl::Status FusedLayerService::StartMhc(UnaryCall* call, const v1::MhcSeamRequest* request,
-                                         v1::MhcSeamResponse* response) {
+absl::Status FusedLayerService::StartMhc(UnaryCall* call, shadow::MhcMessages* held,
+                                         const v1::MhcSeamRequest* request, v1::MhcSeamResponse* response) {
   if (absl::Status s = CheckPreference(request->path_preference()); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<const WeightSet>> set = weights_.Get(request->weight_set());
   if (!set.ok()) return set.status();
@@ -172,10 +193,13 @@ absl::Status FusedLayerService::StartMhc(UnaryCall* call, const v1::MhcSeamReque
   if (!decoded.ok()) return decoded.status();
   response->set_request_id(RequestId(request->request_id()));
 
-  return executor_.Submit([this, call, request, response, set = std::move(*set),
+  return executor_.Submit([this, call, held, request, response, set = std::move(*set),
                            decoded = std::move(*decoded)](double queue_seconds) {
     metrics_.ObserveQueue(queue_seconds);
-    if (absl::Status s = call->LaunchCheck(); !s.ok()) return call->Complete(std::move(s));
+    if (absl::Status s = call->LaunchCheck(); !s.ok()) {
+      call->Complete(std::move(s));
+      return;
+    }
     const std::string what =
         absl::StrCat("request ", response->request_id(), " (weight set '", set->name, "', T = ", decoded.args.tokens, ")");
     v1::ExecutionReport* report = response->mutable_report();
@@ -183,11 +207,26 @@ absl::Status FusedLayerService::StartMhc(UnaryCall* call, const v1::MhcSeamReque
         Op::kMhc, request->path_preference(), config_, metrics_, what, queue_seconds,
         [&] { return backend_.MhcFusedSupport(*set->mhc, decoded.query); },
         [&](Path path) { return RunMhcCall(backend_, *set->mhc, decoded.args, path); }, report);
+    std::unique_ptr<shadow::ShadowVerifier::Job> shadow_job;
     if (s.ok()) {
+      if (request->verify()) {
+        // Synchronous: the unfused run and the comparison happen in this job, before the response.
+        *response->mutable_verification() =
+            report->path() == v1::EXECUTION_PATH_FUSED ? shadow_.VerifyMhc(*set, *request, *response)
+                                                       : NotComparedUnfused(*report);
+      } else if (report->path() == v1::EXECUTION_PATH_FUSED && decoded.args.tokens > 0 && shadow_.Sample()) {
+        // No copy: the job takes a reference to this call's messages (shadow/shared_messages.h).
+        // Only the report is written after this, before the response is sent; the job never
+        // reads it.
+        shadow_job = shadow_.CaptureMhc(set, held);
+      }
       FillReport(report, set->name);
       report->set_server_seconds(call->elapsed());
     }
-    call->Complete(std::move(s));
+    // A response over the send limit is cleared and not sent: nothing to shadow-verify.
+    if (!call->Complete(std::move(s))) shadow_job.reset();
+    // After the response: the shadow run waits in the executor's background lane.
+    shadow_.Submit(std::move(shadow_job));
   });
 }
 
@@ -196,13 +235,13 @@ grpc::ServerUnaryReactor* FusedLayerService::SwaNormQuant(grpc::CallbackServerCo
                                                           v1::SwaNormQuantResponse* response) {
   auto* call = new UnaryCall(metrics_, Method::kSwaNormQuant, config_.max_message_bytes, ctx, request, response);
   absl::Status s = AdmitDuringDrain();
-  if (s.ok()) s = StartSwa(call, request, response);
+  if (s.ok()) s = StartSwa(call, shadow::SwaMessages::Of(ctx), request, response);
   if (!s.ok()) call->Complete(std::move(s));
   return call;
 }
 
-absl::Status FusedLayerService::StartSwa(UnaryCall* call, const v1::SwaNormQuantRequest* request,
-                                         v1::SwaNormQuantResponse* response) {
+absl::Status FusedLayerService::StartSwa(UnaryCall* call, shadow::SwaMessages* held,
+                                         const v1::SwaNormQuantRequest* request, v1::SwaNormQuantResponse* response) {
   if (absl::Status s = CheckPreference(request->path_preference()); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<const WeightSet>> set = weights_.Get(request->weight_set());
   if (!set.ok()) return set.status();
@@ -213,10 +252,13 @@ absl::Status FusedLayerService::StartSwa(UnaryCall* call, const v1::SwaNormQuant
   if (!decoded.ok()) return decoded.status();
   response->set_request_id(RequestId(request->request_id()));
 
-  return executor_.Submit([this, call, request, response, set = std::move(*set),
+  return executor_.Submit([this, call, held, request, response, set = std::move(*set),
                            decoded = std::move(*decoded)](double queue_seconds) {
     metrics_.ObserveQueue(queue_seconds);
-    if (absl::Status s = call->LaunchCheck(); !s.ok()) return call->Complete(std::move(s));
+    if (absl::Status s = call->LaunchCheck(); !s.ok()) {
+      call->Complete(std::move(s));
+      return;
+    }
     const std::string what =
         absl::StrCat("request ", response->request_id(), " (weight set '", set->name, "', M = ", decoded.args.tokens, ")");
     v1::ExecutionReport* report = response->mutable_report();
@@ -224,11 +266,20 @@ absl::Status FusedLayerService::StartSwa(UnaryCall* call, const v1::SwaNormQuant
         Op::kSwa, request->path_preference(), config_, metrics_, what, queue_seconds,
         [&] { return backend_.SwaFusedSupport(*set->swa, decoded.query); },
         [&](Path path) { return RunSwaCall(backend_, *set->swa, decoded.args, path); }, report);
+    std::unique_ptr<shadow::ShadowVerifier::Job> shadow_job;
     if (s.ok()) {
+      if (request->verify()) {
+        *response->mutable_verification() =
+            report->path() == v1::EXECUTION_PATH_FUSED ? shadow_.VerifySwa(*set, *request, *response)
+                                                       : NotComparedUnfused(*report);
+      } else if (report->path() == v1::EXECUTION_PATH_FUSED && decoded.args.tokens > 0 && shadow_.Sample()) {
+        shadow_job = shadow_.CaptureSwa(set, held);  // no copy, as in StartMhc
+      }
       FillReport(report, set->name);
       report->set_server_seconds(call->elapsed());
     }
-    call->Complete(std::move(s));
+    if (!call->Complete(std::move(s))) shadow_job.reset();
+    shadow_.Submit(std::move(shadow_job));
   });
 }
 

@@ -14,6 +14,7 @@
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.grpc.pb.h"
 #include "metrics.h"
+#include "shadow/shadow_verifier.h"
 #include "weight_manager.h"
 
 namespace fusedlayer::server {
@@ -29,7 +30,7 @@ struct ServerIdentity {
 class FusedLayerService final : public v1::FusedLayer::CallbackService {
  public:
   FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend, Executor& executor,
-                    WeightManager& weights, Metrics& metrics);
+                    WeightManager& weights, Metrics& metrics, shadow::ShadowVerifier& shadow);
 
   grpc::ServerUnaryReactor* MhcSeam(grpc::CallbackServerContext* ctx, const v1::MhcSeamRequest* request,
                                     v1::MhcSeamResponse* response) override;
@@ -56,8 +57,11 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   absl::Status AdmitDuringDrain() const;
   class LoadWeightsReactor;
 
-  absl::Status StartMhc(UnaryCall* call, const v1::MhcSeamRequest* request, v1::MhcSeamResponse* response);
-  absl::Status StartSwa(UnaryCall* call, const v1::SwaNormQuantRequest* request, v1::SwaNormQuantResponse* response);
+  // `held`: the call's reference-counted messages (shadow capture without copies), or null.
+  absl::Status StartMhc(UnaryCall* call, shadow::MhcMessages* held, const v1::MhcSeamRequest* request,
+                        v1::MhcSeamResponse* response);
+  absl::Status StartSwa(UnaryCall* call, shadow::SwaMessages* held, const v1::SwaNormQuantRequest* request,
+                        v1::SwaNormQuantResponse* response);
   std::string RequestId(const std::string& given);
   void FillReport(v1::ExecutionReport* report, const std::string& weight_set) const;
 
@@ -67,9 +71,15 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   Executor& executor_;
   WeightManager& weights_;
   Metrics& metrics_;
+  shadow::ShadowVerifier& shadow_;
   std::atomic<uint64_t> next_request_id_{1};
   std::atomic<bool> draining_{false};
   const uint64_t request_id_salt_;
+  // The compute methods' messages are reference counted (shadow/shared_messages.h) so a sampled
+  // request's shadow job can read them after the response without copying them. Registered in the
+  // constructor; gRPC requires them to outlive the server, and the service does.
+  shadow::SharedMessageAllocator<v1::MhcSeamRequest, v1::MhcSeamResponse> mhc_messages_;
+  shadow::SharedMessageAllocator<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse> swa_messages_;
 };
 
 // absl::Status -> grpc::Status (the code spaces are identical).

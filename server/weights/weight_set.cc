@@ -1,6 +1,7 @@
 #include "weights/weight_set.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -310,6 +311,20 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend
         return v.status();
       }
       w.wq_b_scale = *v;
+      // Per output row n: max_k |dequant(wq_b)[n, k]| (host payload; shadow verification bounds the
+      // fused-vs-unfused q_proj difference with it, server/shadow/compare.h).
+      set->swa_wq_b_row_abs_max.assign(static_cast<size_t>(p.wq_b_rows), 0.0f);
+      const auto* codes = static_cast<const uint8_t*>(w.wq_b.data);
+      const auto* scales = static_cast<const float*>(w.wq_b_scale.data);
+      for (int64_t n = 0; n < p.wq_b_rows; ++n) {
+        float m = 0;
+        for (int64_t k = 0; k < p.q_rank; ++k) {
+          const float d = std::fabs(Fp8ToFloat(codes[n * p.q_rank + k], p.fp8_format) *
+                                    scales[(n / kSwaGroup) * p.groups() + k / kSwaGroup]);
+          if (d > m || std::isnan(d)) m = d;
+        }
+        set->swa_wq_b_row_abs_max[static_cast<size_t>(n)] = m;
+      }
     }
     absl::StatusOr<std::unique_ptr<PreparedSwaWeights>> prepared = backend.PrepareSwa(p, w);
     if (!prepared.ok()) {

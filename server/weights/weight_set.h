@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 #include <string_view>
 #include <utility>
 
@@ -44,6 +45,9 @@ struct WeightSet {
   std::shared_ptr<const PreparedMhcWeights> mhc;  // null when the set has no mHC part
   std::shared_ptr<const PreparedSwaWeights> swa;  // null when the set has no SWA part
   uint64_t resident_bytes = 0;                    // backend memory held by mhc + swa
+  // SWA with wq_b: per row n of wq_b, max_k |dequant(wq_b)[n, k]| (from the host payload; the shadow
+  // comparator's q_proj bound, server/shadow/compare.h). Empty without wq_b.
+  std::vector<float> swa_wq_b_row_abs_max;
 };
 
 // Validates `header` + `payload` and prepares the weights on `backend`. Status codes:

@@ -15,7 +15,7 @@ absl::Status WeightStore::NotFound(std::string_view name) const {
 }
 
 absl::StatusOr<std::shared_ptr<const WeightSet>> WeightStore::Get(std::string_view name) const {
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   auto it = sets_.find(name);
   if (it == sets_.end()) return NotFound(name);
   return it->second;
@@ -26,7 +26,7 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> WeightStore::Publish(std::share
   if (set == nullptr) return absl::InvalidArgumentError("cannot publish a null weight set");
   std::shared_ptr<const WeightSet> previous;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = sets_.find(set->name);
     if (it != sets_.end()) {
       if (!replace) {
@@ -48,7 +48,7 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> WeightStore::Publish(std::share
 
 absl::StatusOr<uint64_t> WeightStore::Unload(std::string_view name) {
   std::shared_ptr<const WeightSet> removed;  // destroyed after the lock is released
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = sets_.find(name);
   if (it == sets_.end()) return NotFound(name);
   removed = std::move(it->second);
@@ -58,7 +58,7 @@ absl::StatusOr<uint64_t> WeightStore::Unload(std::string_view name) {
 }
 
 std::vector<std::shared_ptr<const WeightSet>> WeightStore::List() const {
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   std::vector<std::shared_ptr<const WeightSet>> out;
   out.reserve(sets_.size());
   for (const auto& [n, s] : sets_) out.push_back(s);
@@ -66,12 +66,12 @@ std::vector<std::shared_ptr<const WeightSet>> WeightStore::List() const {
 }
 
 uint64_t WeightStore::resident_bytes() const {
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   return resident_bytes_;
 }
 
 size_t WeightStore::size() const {
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   return sets_.size();
 }
 

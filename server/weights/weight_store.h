@@ -15,7 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "annotated_mutex.h"  // absl::Mutex visible to TSan (server/annotated_mutex.h)
 #include "weights/weight_set.h"
 
 namespace fusedlayer::server {
@@ -44,7 +44,7 @@ class WeightStore {
  private:
   absl::Status NotFound(std::string_view name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::map<std::string, std::shared_ptr<const WeightSet>, std::less<>> sets_ ABSL_GUARDED_BY(mu_);
   uint64_t resident_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };

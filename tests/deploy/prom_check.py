@@ -24,6 +24,10 @@ Used by tests/deploy/prometheus_integration.sh; each subcommand prints what it c
   prom_check.py URL capability-lost OP REASON N TIMEOUT_S
       after a restart with the fused path of OP off and N AUTO calls of OP: the capability gauge,
       FusedCapabilityLost pending for OP only, N fallbacks with REASON, ServiceDown resolved.
+  prom_check.py URL shadow N TIMEOUT_S
+      with --shadow_sample_rate=1 and N AUTO (fused) calls per op: every one was shadow-verified or
+      dropped (compared + dropped == N), at least one compared, zero mismatches for every op x output
+      series, ShadowMismatch quiet.
   prom_check.py URL wait-alert ALERTNAME STATE TIMEOUT_S
       ALERTS{alertname=ALERTNAME, alertstate=STATE, job="fusedlayer"} appears.
 """
@@ -195,6 +199,14 @@ def cmd_traffic(base, baseline_path, n):
            f"FusedKernelErrors' expression finds the fused_kernel_error series of both ops at 0 ({ke})")
     expect(not query(base, 'ALERTS{alertname="FusedKernelErrors"}'), "FusedKernelErrors is not active")
 
+    # ShadowMismatch: the selector matches every pre-created op x output series (0 increase), quiet.
+    sexpr = (f'sum by (job, instance, op, output) (increase(fusedlayer_shadow_mismatches_total'
+             f'{{job="{JOB}"}}[10m]))')
+    se = by(query(base, sexpr), "op", "output")
+    expect(len(se) == 10 and sorted({op for op, _ in se}) == sorted(OPS) and all(v == 0 for v in se.values()),
+           f"ShadowMismatch's expression finds the 10 op x output series at 0 ({se})")
+    expect(not query(base, 'ALERTS{alertname="ShadowMismatch"}'), "ShadowMismatch is not active")
+
     # FusedCapabilityLost: the selector matches, value 1, quiet.
     cexpr = f'min by (job, instance, op) (fusedlayer_fused_kernel_available{{job="{JOB}"}})'
     ce = by(query(base, cexpr), "op")
@@ -271,6 +283,23 @@ def cmd_capability_lost(base, op, reason, n, timeout_s):
     print("  ok: ServiceDown resolved after the restart")
 
 
+def cmd_shadow(base, n, timeout_s):
+    n = int(n)
+
+    def settled():
+        comp = by(query(base, f'fusedlayer_shadow_comparisons_total{{job="{JOB}"}}'), "op")
+        drop = by(query(base, f'fusedlayer_shadow_dropped_total{{job="{JOB}"}}'), "op")
+        return all(comp.get((op,), 0) + drop.get((op,), 0) == n for op in OPS)
+
+    poll(float(timeout_s), settled, f"shadow comparisons + drops == {n} per op")
+    comp = by(query(base, f'fusedlayer_shadow_comparisons_total{{job="{JOB}"}}'), "op")
+    expect(all(comp.get((op,), 0) >= 1 for op in OPS), f"shadow comparisons per op ({comp})")
+    mism = by(query(base, f'fusedlayer_shadow_mismatches_total{{job="{JOB}"}}'), "op", "output")
+    expect(len(mism) == 10 and all(v == 0 for v in mism.values()),
+           f"no shadow mismatch in any of the 10 op x output series ({mism})")
+    expect(not query(base, 'ALERTS{alertname="ShadowMismatch"}'), "ShadowMismatch is not active")
+
+
 def cmd_wait_alert(base, name, state, timeout_s):
     expr = f'ALERTS{{alertname="{name}",alertstate="{state}",job="{JOB}"}}'
     poll(float(timeout_s), lambda: len(query(base, expr)) > 0, expr)
@@ -286,7 +315,7 @@ def main(argv):
              "snapshot": (cmd_snapshot, 1),
              "wait-counters": (cmd_wait_counters, 3), "traffic": (cmd_traffic, 2),
              "rule-selectors": (cmd_rule_selectors, 1), "dashboard": (cmd_dashboard, 2), "wait-alert": (cmd_wait_alert, 3),
-             "capability-lost": (cmd_capability_lost, 4)}
+             "capability-lost": (cmd_capability_lost, 4), "shadow": (cmd_shadow, 2)}
     if cmd not in table or len(args) != table[cmd][1]:
         print(__doc__, file=sys.stderr)
         return 2

@@ -14,8 +14,9 @@
 # 5. Assertions through the Prometheus HTTP API (tests/deploy/prom_check.py): exact counter deltas,
 #    the hit-rate recording rule = 0.5, FusedHitRateLow pending for both ops, the selectors of
 #    FusedKernelErrors / FusedCapabilityLost match the server's series and stay quiet, every
-#    series selector of every rule matches the server's series, and every Grafana panel
-#    expression returns data ($__rate_interval -> 1m).
+#    series selector of every rule matches the server's series, the server (started with
+#    --shadow_sample_rate=1) shadow-verified every AUTO call with zero mismatches and
+#    ShadowMismatch quiet, and every Grafana panel expression returns data ($__rate_interval -> 1m).
 # 6. SIGTERM: the server drains and exits 0; ServiceDown goes pending (up == 0).
 # 7. Restart with --disable_fused=mhc (the operator kill switch): fused_kernel_available{op="mhc"}
 #    = 0, FusedCapabilityLost pending for mhc only, AUTO seam calls counted under
@@ -153,8 +154,8 @@ stop_server() {  # SIGTERM; the drain must end with exit 0 within 10 s (--drain_
   echo "  ok: server drained and exited 0"
 }
 
-step "start fusedlayer_server --demo_weights --backend=$BACKEND on $TARGET (metrics :$METRICS_PORT)"
-start_server
+step "start fusedlayer_server --demo_weights --backend=$BACKEND --shadow_sample_rate=1 on $TARGET (metrics :$METRICS_PORT)"
+start_server --shadow_sample_rate=1
 
 step "the Kubernetes readinessProbe and the image HEALTHCHECK commands pass on the warm server"
 # Run as written in deploy/k8s/deployment.yaml and the Dockerfile, with fusedctl from PATH and the
@@ -193,7 +194,7 @@ for i in $(seq 1 60); do
 done
 rules_loaded="$(curl -fsS "http://127.0.0.1:$PROM_PORT/api/v1/rules" | "$PYTHON" -c \
   'import json,sys; print(sum(len(g["rules"]) for g in json.load(sys.stdin)["data"]["groups"]))')"
-[[ "$rules_loaded" -eq 5 ]] || { echo "FAIL: Prometheus loaded $rules_loaded rules, expected 5" >&2; exit 1; }
+[[ "$rules_loaded" -eq 6 ]] || { echo "FAIL: Prometheus loaded $rules_loaded rules, expected 6" >&2; exit 1; }
 echo "  ok: ready, $rules_loaded rules loaded"
 check wait-scraped 30
 
@@ -232,6 +233,7 @@ check wait-counters "$TMP/baseline.json" "$N" 30
 sleep 2   # at least one rule evaluation (1s) after the scrape that saw the last call
 check traffic "$TMP/baseline.json" "$N"
 check rule-selectors "$ROOT/deploy/prometheus/fusedlayer-rules.yml"
+check shadow "$N" 30
 
 step "Grafana dashboard: every panel expression returns data (\$__rate_interval -> 1m)"
 check dashboard "$ROOT/deploy/grafana/dashboards/fusedlayer.json" 1m

@@ -1,0 +1,61 @@
+// Prometheus series of shadow verification (README "Shadow verification", docs/shadow.md), on the
+// service's registry. Every op x output series (and every op series) is pre-created at 0, as the
+// service's other metrics are, so rate() and increase() see the first mismatch and dashboards show
+// 0 instead of "no data" while sampling is off.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string_view>
+
+#include "config.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "shadow/compare.h"
+
+namespace fusedlayer::server::shadow {
+
+// The outputs of each op, as the "output" label.
+inline constexpr std::string_view kMhcOutputs[] = {"new_residual", "new_pre_mix", "new_post_mix",
+                                                    "new_comb_mix", "y",           "aux"};
+inline constexpr std::string_view kSwaOutputs[] = {"q_fp8", "q_scale", "kv", "q_proj"};
+inline constexpr int kMaxOutputs = 6;
+
+// Where a dump attempt ended, as the "result" label of fusedlayer_shadow_dumps_total.
+enum class DumpResult : uint8_t { kWritten = 0, kLimitReached = 1, kError = 2 };
+inline constexpr int kNumDumpResults = 3;
+const char* DumpResultName(DumpResult r);  // "written", "limit_reached", "error"
+
+class ShadowMetrics {
+ public:
+  explicit ShadowMetrics(prometheus::Registry& registry);
+
+  // One comparison (sampled or verify): comparisons_total, and per output the two histograms and,
+  // on a mismatch, mismatches_total.
+  void RecordComparison(Op op, const Comparison& comparison);
+  void RecordDropped(Op op) { dropped_[static_cast<int>(op)]->Increment(); }
+  void RecordError(Op op) { errors_[static_cast<int>(op)]->Increment(); }
+  void RecordDump(Op op, DumpResult r) { dumps_[static_cast<int>(op)][static_cast<int>(r)]->Increment(); }
+  void SetQueued(size_t jobs, uint64_t bytes) {
+    queued_jobs_->Set(static_cast<double>(jobs));
+    queued_bytes_->Set(static_cast<double>(bytes));
+  }
+
+ private:
+  // Index of `output` in the op's list, -1 when unknown.
+  static int OutputIndex(Op op, std::string_view output);
+
+  std::array<prometheus::Counter*, 2> comparisons_{};
+  std::array<prometheus::Counter*, 2> dropped_{};
+  std::array<prometheus::Counter*, 2> errors_{};
+  std::array<std::array<prometheus::Counter*, kNumDumpResults>, 2> dumps_{};
+  std::array<std::array<prometheus::Counter*, kMaxOutputs>, 2> mismatches_{};
+  std::array<std::array<prometheus::Histogram*, kMaxOutputs>, 2> max_abs_diff_{};
+  std::array<std::array<prometheus::Histogram*, kMaxOutputs>, 2> ulp_distance_{};
+  prometheus::Gauge* queued_jobs_;
+  prometheus::Gauge* queued_bytes_;
+};
+
+}  // namespace fusedlayer::server::shadow

@@ -1,0 +1,144 @@
+// Shadow verification (README "Shadow verification", docs/shadow.md): for a sampled request that
+// ran fused, the unfused path runs again on the same inputs after the response has been sent, and
+// every output is compared against the contract's fused-vs-unfused tolerance (shadow/compare.h).
+//
+//   sampling   --shadow_sample_rate in [0, 1] (0: off), per request that ran fused with T > 0.
+//   capture    on the executor, before the response is sent: when the shadow queue has room
+//              (--shadow_queue_size jobs AND --shadow_queue_max_bytes host bytes, the bytes being
+//              those of the request and the fused outputs the job keeps alive), the job takes a
+//              reference on the RPC's own request and response messages (shadow/shared_messages.h:
+//              FusedLayerService registers a reference-counted gRPC MessageAllocator), so nothing
+//              is copied and the sampled response is not delayed; when it has no room, no reference
+//              is taken and fusedlayer_shadow_dropped_total{op} counts the request. The messages
+//              are freed when both the RPC (gRPC's Release) and the job are done with them; the
+//              job only reads them.
+//   run        the job goes to the executor's background lane (Executor::SubmitBackground), which
+//              the worker serves only when no compute or control task is waiting.
+//   record     fusedlayer_shadow_* metrics (shadow/shadow_metrics.h); on a mismatch one WARNING
+//              line (request id, op, weight set, outputs and their diffs) and, with
+//              --shadow_dump_dir, a dump (shadow/shadow_dump.h).
+//
+// Verify (request field `verify`): the same comparison, synchronously in the request's own
+// executor job, returned in the response's Verification; it is recorded in the same metrics, logs
+// and dumps as sampled comparisons.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "executor.h"
+#include "fusedlayer/backend.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
+#include "prometheus/registry.h"
+#include "shadow/compare.h"
+#include "shadow/shadow_dump.h"
+#include "shadow/shadow_metrics.h"
+#include "shadow/shared_messages.h"
+#include "weights/weight_set.h"
+
+namespace fusedlayer::server::shadow {
+
+struct ShadowOptions {
+  double sample_rate = 0;                          // --shadow_sample_rate
+  int64_t queue_size = 4;                          // --shadow_queue_size (jobs)
+  uint64_t queue_max_bytes = uint64_t{256} << 20;  // --shadow_queue_max_bytes
+  std::string dump_dir;                            // --shadow_dump_dir (empty: no dumps)
+  int64_t dump_max_files = 32;                     // --shadow_dump_max_files
+  uint64_t dump_max_bytes = uint64_t{1} << 30;     // --shadow_dump_max_bytes
+  std::string backend, device;                     // written into dumps
+};
+
+class ShadowVerifier {
+ public:
+  class Job;  // a captured request; releases its queue reservation when destroyed
+
+  // InvalidArgument when the dump directory cannot be used.
+  static absl::StatusOr<std::unique_ptr<ShadowVerifier>> Create(ShadowOptions options, Backend& backend,
+                                                                Executor& executor, prometheus::Registry& registry);
+  ~ShadowVerifier();
+
+  // Bernoulli(sample_rate); thread-safe.
+  bool Sample();
+
+  // On the worker, after a fused run and before the response is sent (so while the RPC's own
+  // reference is alive): a job holding a reference to the call's messages `held` (no copy), or
+  // null (and the drop counted) when the queue is full or `held` is null (the method has no
+  // SharedMessageAllocator). The job only reads them; the caller must not write them after this.
+  std::unique_ptr<Job> CaptureMhc(std::shared_ptr<const WeightSet> set, MhcMessages* held);
+  std::unique_ptr<Job> CaptureSwa(std::shared_ptr<const WeightSet> set, SwaMessages* held);
+  // After the response was sent: queue the job on the background lane.
+  void Submit(std::unique_ptr<Job> job);
+
+  // Synchronous comparison of a fused response (on the worker; verify = true).
+  v1::Verification VerifyMhc(const WeightSet& set, const v1::MhcSeamRequest& request,
+                             const v1::MhcSeamResponse& fused);
+  v1::Verification VerifySwa(const WeightSet& set, const v1::SwaNormQuantRequest& request,
+                             const v1::SwaNormQuantResponse& fused);
+
+  const ShadowOptions& options() const { return options_; }
+  size_t queued_jobs() const;
+
+ private:
+  ShadowVerifier(ShadowOptions options, Backend& backend, Executor& executor, prometheus::Registry& registry);
+  bool Reserve(Op op, uint64_t bytes);
+  void Release(uint64_t bytes);
+  void Run(Job& job);
+  // Runs unfused on the request's inputs into *unfused and compares; an error when the unfused run
+  // failed (counted, logged; no comparison).
+  absl::StatusOr<Comparison> CompareMhcOnWorker(const WeightSet& set, const v1::MhcSeamRequest& request,
+                                                const v1::MhcSeamResponse& fused, v1::MhcSeamResponse* unfused);
+  absl::StatusOr<Comparison> CompareSwaOnWorker(const WeightSet& set, const v1::SwaNormQuantRequest& request,
+                                                const v1::SwaNormQuantResponse& fused,
+                                                v1::SwaNormQuantResponse* unfused);
+  // Metrics, and on a mismatch the log line and the dump.
+  void Record(Op op, const WeightSet& set, const std::string& request_id, const Comparison& comparison,
+              const google::protobuf::Message& request, const google::protobuf::Message& fused,
+              const google::protobuf::Message& unfused, std::map<std::string, std::string> metadata);
+
+  const ShadowOptions options_;
+  Backend& backend_;
+  Executor& executor_;
+  ShadowMetrics metrics_;
+  std::unique_ptr<ShadowDumpWriter> dumps_;
+  mutable std::mutex mu_;
+  std::mt19937_64 rng_;
+  size_t jobs_ = 0;       // reserved: captured and not yet destroyed
+  uint64_t bytes_ = 0;
+};
+
+// A captured request: a reference to the RPC's request and fused response (read only), holding a
+// queue reservation that it releases when destroyed (after it ran, or when the executor dropped it
+// at shutdown); destroying it also drops its reference to the messages.
+class ShadowVerifier::Job {
+ public:
+  Job(ShadowVerifier& owner, Op op, uint64_t bytes, std::shared_ptr<const WeightSet> set, MhcMessagesRef mhc,
+      SwaMessagesRef swa)
+      : owner_(owner), op_(op), bytes_(bytes), set_(std::move(set)), mhc_(std::move(mhc)), swa_(std::move(swa)) {}
+  ~Job() { owner_.Release(bytes_); }
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+
+  Op op() const { return op_; }
+  uint64_t bytes() const { return bytes_; }
+  const WeightSet& set() const { return *set_; }
+  // The RPC's own messages (op kMhc / kSwa respectively).
+  const v1::MhcSeamRequest& mhc_request() const { return mhc_.request(); }
+  const v1::MhcSeamResponse& mhc_fused() const { return mhc_.response(); }
+  const v1::SwaNormQuantRequest& swa_request() const { return swa_.request(); }
+  const v1::SwaNormQuantResponse& swa_fused() const { return swa_.response(); }
+
+ private:
+  ShadowVerifier& owner_;
+  const Op op_;
+  const uint64_t bytes_;
+  const std::shared_ptr<const WeightSet> set_;
+  const MhcMessagesRef mhc_;
+  const SwaMessagesRef swa_;
+};
+
+}  // namespace fusedlayer::server::shadow
