@@ -15,8 +15,12 @@ PACKAGES=(
   prometheus curl python3 python3-yaml shellcheck
   # HIP compile check (Debian's ROCm 5.2 hipcc; compile-only, no AMD GPU needed)
   hipcc libamdhip64-dev
-  # fuzzing and sanitizers (clang's runtimes)
-  clang libclang-rt-14-dev openssl
+  # sanitizer stages of scripts/test.sh: GCC's ASan/UBSan/TSan runtimes (scripts/sanitize.sh; also
+  # pulled in by build-essential, listed so the dependency is explicit), clang 14 with its runtimes
+  # for libFuzzer + ASan/UBSan (scripts/fuzz.sh; libclang_rt.fuzzer is in libclang-rt-14-dev)
+  libasan8 libubsan1 libtsan2 clang-14 clang libclang-rt-14-dev
+  # throwaway certificates of the security tests
+  openssl
 )
 
 SUDO=""

@@ -8,13 +8,28 @@
 #    compile and link only, since neither GPU exists on a CI machine,
 # 3. builds the CPU build (library, server, client, tests, benchmarks) and runs every test with ctest:
 #    kernel contract suites, weight/manifest tests, end-to-end gRPC tests, metrics lint
-#    (promtool), deployment checks and the real-Prometheus integration test.
-# Build folders: build/ (CPU), build-cuda/, build-hip/ (override with BUILD_DIR).
+#    (promtool), deployment checks and the real-Prometheus integration test,
+# 4. sanitizers (scripts/sanitize.sh): the WHOLE test suite again, built with ASan+UBSan (GCC) and run
+#    with ctest (leaks are failures); the concurrency tests built with ThreadSanitizer and run,
+# 5. fuzzing (scripts/fuzz.sh): the libFuzzer targets (clang, ASan+UBSan) for request validation,
+#    the safetensors reader and the manifest parser, each for FUZZ_SECONDS (default 60) from the
+#    seed corpus in tests/fuzz/corpus/.
+# Any failure stops the script with a non-zero exit. On an idle 2-core CI machine (no GPU) steps 1-3
+# take ~10 minutes and steps 4-5 roughly 20 more (well inside CI's 90-minute limit, also on a
+# loaded machine); the per-stage wall times are printed at the end.
+#
+#   FUSEDLAYER_SKIP_SANITIZERS=1 scripts/test.sh    quick local run: steps 1-3 only (CI never sets it)
+#   FUZZ_SECONDS=N                                  fuzzing time per target
+#
+# Build folders: build/ (CPU), build-cuda/, build-hip/ (override with BUILD_DIR), build-asan/,
+# build-tsan/, build-fuzz/ (see the scripts).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${BUILD_DIR:-$ROOT/build}"
 JOBS="${JOBS:-$(nproc)}"
 
+T0=$SECONDS
+TIMES=()
 "$ROOT/scripts/install-deps.sh"
 
 step() { printf '\n==== %s\n' "$*"; }
@@ -41,3 +56,17 @@ cmake --build "$BUILD" -j"$JOBS"
 
 step "tests"
 ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS"
+TIMES+=("cpu build + tests (and GPU compile checks): $((SECONDS - T0)) s")
+
+if [ "${FUSEDLAYER_SKIP_SANITIZERS:-0}" = 1 ]; then
+  step "sanitizer and fuzz stages SKIPPED (FUSEDLAYER_SKIP_SANITIZERS=1; CI runs them)"
+else
+  timed() { local name="$1" t=$SECONDS; shift; "$@"; TIMES+=("$name: $((SECONDS - t)) s"); }
+  timed "asan+ubsan build + whole ctest" env JOBS="$JOBS" "$ROOT/scripts/sanitize.sh" asan
+  timed "tsan build + concurrency tests" env JOBS="$JOBS" "$ROOT/scripts/sanitize.sh" tsan
+  timed "fuzz build + ${FUZZ_SECONDS:-60} s per target" env JOBS="$JOBS" FUZZ_SECONDS="${FUZZ_SECONDS:-60}" \
+    "$ROOT/scripts/fuzz.sh"
+fi
+
+step "all stages passed ($((SECONDS - T0)) s in all)"
+printf '  %s\n' "${TIMES[@]}"
