@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "demo_server_process.h"
 #include "server_process.h"
 #include "server_test_env.h"
 #include "weights/demo_weights.h"
@@ -41,30 +42,10 @@ server::PackedWeightSet DemoSet(const std::string& name) {
   return {};
 }
 
-int PortFromLine(const std::string& line) {
-  std::smatch m;
-  if (!std::regex_search(line, m, std::regex("\\(port ([0-9]+)\\)"))) return 0;
-  return std::stoi(m[1]);
-}
-
-// A running binary with the demo weights; waits for metrics, serving and (with faults) armed.
-struct RunningServer {
-  explicit RunningServer(const std::string& binary, std::vector<std::string> extra, bool armed)
-      : process(binary, [&] {
-          std::vector<std::string> a = {"--backend=cpu", "--cpu_threads=2", "--demo_weights",
-                                        "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0"};
-          a.insert(a.end(), extra.begin(), extra.end());
-          return a;
-        }()) {
-    metrics_port = PortFromLine(process.ReadUntil(std::regex("metrics on .*\\(port [0-9]+\\)")));
-    port = PortFromLine(process.ReadUntil(std::regex("serving fusedlayer\\.v1\\.FusedLayer .*\\(port [0-9]+\\)")));
-    if (armed && port != 0 && process.ReadUntil(std::regex("fault injection armed")).empty()) port = 0;
-    if (port != 0) {
-      channel = MakeChannel(port);
-      stub = v1::FusedLayer::NewStub(channel);
-    }
-  }
-  std::string Metrics() { return HttpGet(metrics_port, "/metrics"); }
+// A running binary with the demo weights (demo_server_process.h), plus the waits the drain and
+// overload tests need.
+struct RunningServer : DemoServerProcess {
+  using DemoServerProcess::DemoServerProcess;
   // A scrape taken once no call is in flight (OnDone, which counts the call, may trail the client).
   std::string IdleMetrics() {
     for (int i = 0; i < 1000; ++i) {
@@ -83,12 +64,6 @@ struct RunningServer {
     }
     ADD_FAILURE() << "fewer than " << n << " calls in flight";
   }
-
-  ServerProcess process;
-  int port = 0;
-  int metrics_port = 0;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::FusedLayer::Stub> stub;
 };
 
 grpc::Status Seam(v1::FusedLayer::Stub& stub, const v1::MhcSeamRequest& req, v1::MhcSeamResponse* resp) {

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "demo_server_process.h"
 #include "server_process.h"
 #include "server_test_env.h"
 #include "shadow/shared_messages.h"
@@ -456,31 +457,6 @@ TEST(ShadowE2E, AResponseOverTheSendLimitIsNotShadowedAndReleasesItsMessages) {
 
 // ---- the fault-injection binary -----------------------------------------------------------------
 
-int PortFromLine(const std::string& line) {
-  std::smatch m;
-  if (!std::regex_search(line, m, std::regex("\\(port ([0-9]+)\\)"))) return 0;
-  return std::stoi(m[1]);
-}
-
-struct Binary {
-  Binary(const std::string& path, std::vector<std::string> extra, bool armed)
-      : process(path, [&] {
-          std::vector<std::string> a = {"--backend=cpu", "--cpu_threads=2", "--demo_weights",
-                                        "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0"};
-          a.insert(a.end(), extra.begin(), extra.end());
-          return a;
-        }()) {
-    metrics_port = PortFromLine(process.ReadUntil(std::regex("metrics on .*\\(port [0-9]+\\)")));
-    port = PortFromLine(process.ReadUntil(std::regex("serving fusedlayer\\.v1\\.FusedLayer .*\\(port [0-9]+\\)")));
-    if (armed && port != 0 && process.ReadUntil(std::regex("fault injection armed")).empty()) port = 0;
-    if (port != 0) stub = v1::FusedLayer::NewStub(MakeChannel(port));
-  }
-  std::string Metrics() { return HttpGet(metrics_port, "/metrics"); }
-  ServerProcess process;
-  int port = 0, metrics_port = 0;
-  std::unique_ptr<v1::FusedLayer::Stub> stub;
-};
-
 // Runs fusedctl with `args`; returns the exit code and sets *output (stdout + stderr).
 int Fusedctl(const std::vector<std::string>& args, std::string* output) {
   std::string cmd = std::string(FUSEDCTL_BINARY);
@@ -512,7 +488,7 @@ std::string MakeTempDir() {
 
 TEST(ShadowFaults, UlpFlipIsCountedLoggedDumpedAndReplayed) {
   const std::string dir = MakeTempDir();
-  Binary faulty(FUSEDLAYER_FAULT_SERVER_BINARY,
+  DemoServerProcess faulty(FUSEDLAYER_FAULT_SERVER_BINARY,
                 {"--fault_inject=ulp_flip", "--shadow_sample_rate=1", "--shadow_dump_dir=" + dir,
                  "--shadow_dump_max_files=2"},
                 true);
@@ -592,7 +568,7 @@ TEST(ShadowFaults, UlpFlipIsCountedLoggedDumpedAndReplayed) {
   EXPECT_NE(out.find("verification (fused vs unfused, this server): MISMATCH"), std::string::npos) << out;
 
   // On a correct server the fused output differs from the faulty dump and the mismatch is gone.
-  Binary clean(FUSEDLAYER_SERVER_BINARY, {}, false);
+  DemoServerProcess clean(FUSEDLAYER_SERVER_BINARY, {}, false);
   ASSERT_NE(clean.port, 0) << clean.process.ReadAll();
   EXPECT_EQ(Fusedctl({"swa", "--weight_set=v4-pro/demo", "--tokens=3", "--verify",
                       "--target=127.0.0.1:" + std::to_string(clean.port)},
@@ -612,7 +588,7 @@ TEST(ShadowFaults, UlpFlipIsCountedLoggedDumpedAndReplayed) {
 }
 
 TEST(ShadowFaults, WrongScaleIsAQScaleMismatchForBothScaleFormats) {
-  Binary faulty(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=wrong_scale", "--shadow_sample_rate=1"}, true);
+  DemoServerProcess faulty(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=wrong_scale", "--shadow_sample_rate=1"}, true);
   ASSERT_NE(faulty.port, 0) << faulty.process.ReadAll();
   std::mt19937_64 rng = MakeRng(42);
   // v41-flash/demo: fp32 scales, row-major (Q = 1280); v4-pro/demo: UE8M0, column-major (Q = 1536).
