@@ -132,11 +132,12 @@ absl::Status CheckPreference(v1::PathPreference p) {
 }
 
 // The executor-side half shared by both ops: launch checks, path choice, run with fallback,
-// metrics and the execution report. `support` and `run` are the op-specific parts.
+// metrics and the execution report. `support` and `run` are the op-specific parts. Returns the
+// path taken (and why, when unfused).
 template <typename SupportFn, typename RunFn>
-absl::Status ExecuteOnWorker(Op op, v1::PathPreference preference, const ServerConfig& config, Metrics& metrics,
-                             const std::string& what, double queue_seconds, SupportFn&& support, RunFn&& run,
-                             v1::ExecutionReport* report) {
+absl::StatusOr<PathDecision> ExecuteOnWorker(Op op, v1::PathPreference preference, const ServerConfig& config,
+                                             Metrics& metrics, const std::string& what, double queue_seconds,
+                                             SupportFn&& support, RunFn&& run, v1::ExecutionReport* report) {
   absl::StatusOr<PathDecision> decision = ChoosePath(op, preference, config.fused_disabled(op), support);
   if (!decision.ok()) return decision.status();
   absl::StatusOr<DispatchOutcome> outcome =
@@ -150,19 +151,77 @@ absl::Status ExecuteOnWorker(Op op, v1::PathPreference preference, const ServerC
   report->set_fallback_detail(d.detail);
   report->set_kernel_seconds(outcome->stats.kernel_seconds);
   report->set_queue_seconds(queue_seconds);
-  return absl::OkStatus();
+  return outcome->decision;
 }
 
-// verify = true on a request that ran unfused: there is no fused output to compare.
-v1::Verification NotComparedUnfused(const v1::ExecutionReport& report) {
+// verify = true on a request that ran unfused: there is no fused output to compare. The reason is
+// the same label the fallback metric uses.
+v1::Verification NotComparedUnfused(const PathDecision& decision) {
   v1::Verification v;
   v.set_compared(false);
   v.set_reason(absl::StrCat("ran unfused (",
-                            absl::AsciiStrToLower(absl::StripPrefix(v1::FallbackReason_Name(report.fallback_reason()),
-                                                                    "FALLBACK_REASON_")),
-                            ")"));
+                            decision.reason.has_value() ? FallbackReasonName(*decision.reason) : "no reason", ")"));
   return v;
 }
+
+// What differs between the two compute RPCs; FusedLayerService::StartCompute is the rest.
+struct MhcRpc {
+  using Request = v1::MhcSeamRequest;
+  using Response = v1::MhcSeamResponse;
+  using Messages = shadow::MhcMessages;
+  using Prepared = PreparedMhcWeights;
+  static constexpr Op kOp = Op::kMhc;
+  static constexpr const char* kPartName = "mHC";
+  static constexpr const char* kTokensSymbol = "T";
+  static const Prepared* Part(const WeightSet& set) { return set.mhc.get(); }
+  static absl::StatusOr<MhcCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
+                                        Response* response) {
+    return DecodeMhcRequest(request, w, max_tokens, response);
+  }
+  static FusedSupport Support(Backend& backend, const Prepared& w, const MhcCall& c) {
+    return backend.MhcFusedSupport(w, c.query);
+  }
+  static absl::StatusOr<RunStats> Run(Backend& backend, const Prepared& w, const MhcCall& c, Path path) {
+    return RunMhcCall(backend, w, c.args, path);
+  }
+  static v1::Verification Verify(shadow::ShadowVerifier& shadow, const WeightSet& set, const Request& request,
+                                 const Response& response) {
+    return shadow.VerifyMhc(set, request, response);
+  }
+  static std::unique_ptr<shadow::ShadowVerifier::Job> Capture(shadow::ShadowVerifier& shadow,
+                                                              std::shared_ptr<const WeightSet> set, Messages* held) {
+    return shadow.CaptureMhc(std::move(set), held);
+  }
+};
+
+struct SwaRpc {
+  using Request = v1::SwaNormQuantRequest;
+  using Response = v1::SwaNormQuantResponse;
+  using Messages = shadow::SwaMessages;
+  using Prepared = PreparedSwaWeights;
+  static constexpr Op kOp = Op::kSwa;
+  static constexpr const char* kPartName = "SWA";
+  static constexpr const char* kTokensSymbol = "M";
+  static const Prepared* Part(const WeightSet& set) { return set.swa.get(); }
+  static absl::StatusOr<SwaCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
+                                        Response* response) {
+    return DecodeSwaRequest(request, w, max_tokens, response);
+  }
+  static FusedSupport Support(Backend& backend, const Prepared& w, const SwaCall& c) {
+    return backend.SwaFusedSupport(w, c.query);
+  }
+  static absl::StatusOr<RunStats> Run(Backend& backend, const Prepared& w, const SwaCall& c, Path path) {
+    return RunSwaCall(backend, w, c.args, path);
+  }
+  static v1::Verification Verify(shadow::ShadowVerifier& shadow, const WeightSet& set, const Request& request,
+                                 const Response& response) {
+    return shadow.VerifySwa(set, request, response);
+  }
+  static std::unique_ptr<shadow::ShadowVerifier::Job> Capture(shadow::ShadowVerifier& shadow,
+                                                              std::shared_ptr<const WeightSet> set, Messages* held) {
+    return shadow.CaptureSwa(std::move(set), held);
+  }
+};
 
 }  // namespace
 
@@ -176,58 +235,9 @@ grpc::ServerUnaryReactor* FusedLayerService::MhcSeam(grpc::CallbackServerContext
                                                      v1::MhcSeamResponse* response) {
   auto* call = new UnaryCall(metrics_, Method::kMhcSeam, config_.max_message_bytes, ctx, request, response);
   absl::Status s = AdmitDuringDrain();
-  if (s.ok()) s = StartMhc(call, shadow::MhcMessages::Of(ctx), request, response);
+  if (s.ok()) s = StartCompute<MhcRpc>(call, shadow::MhcMessages::Of(ctx), request, response);
   if (!s.ok()) call->Complete(std::move(s));
   return call;
-}
-
-absl::Status FusedLayerService::StartMhc(UnaryCall* call, shadow::MhcMessages* held,
-                                         const v1::MhcSeamRequest* request, v1::MhcSeamResponse* response) {
-  if (absl::Status s = CheckPreference(request->path_preference()); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<const WeightSet>> set = weights_.Get(request->weight_set());
-  if (!set.ok()) return set.status();
-  if (!(*set)->mhc) {
-    return absl::NotFoundError(absl::StrCat("weight set '", request->weight_set(), "' has no mHC part"));
-  }
-  absl::StatusOr<MhcCall> decoded = DecodeMhcRequest(*request, *(*set)->mhc, config_.max_tokens, response);
-  if (!decoded.ok()) return decoded.status();
-  response->set_request_id(RequestId(request->request_id()));
-
-  return executor_.Submit([this, call, held, request, response, set = std::move(*set),
-                           decoded = std::move(*decoded)](double queue_seconds) {
-    metrics_.ObserveQueue(queue_seconds);
-    if (absl::Status s = call->LaunchCheck(); !s.ok()) {
-      call->Complete(std::move(s));
-      return;
-    }
-    const std::string what =
-        absl::StrCat("request ", response->request_id(), " (weight set '", set->name, "', T = ", decoded.args.tokens, ")");
-    v1::ExecutionReport* report = response->mutable_report();
-    absl::Status s = ExecuteOnWorker(
-        Op::kMhc, request->path_preference(), config_, metrics_, what, queue_seconds,
-        [&] { return backend_.MhcFusedSupport(*set->mhc, decoded.query); },
-        [&](Path path) { return RunMhcCall(backend_, *set->mhc, decoded.args, path); }, report);
-    std::unique_ptr<shadow::ShadowVerifier::Job> shadow_job;
-    if (s.ok()) {
-      if (request->verify()) {
-        // Synchronous: the unfused run and the comparison happen in this job, before the response.
-        *response->mutable_verification() =
-            report->path() == v1::EXECUTION_PATH_FUSED ? shadow_.VerifyMhc(*set, *request, *response)
-                                                       : NotComparedUnfused(*report);
-      } else if (report->path() == v1::EXECUTION_PATH_FUSED && decoded.args.tokens > 0 && shadow_.Sample()) {
-        // No copy: the job takes a reference to this call's messages (shadow/shared_messages.h).
-        // Only the report is written after this, before the response is sent; the job never
-        // reads it.
-        shadow_job = shadow_.CaptureMhc(set, held);
-      }
-      FillReport(report, set->name);
-      report->set_server_seconds(call->elapsed());
-    }
-    // A response over the send limit is cleared and not sent: nothing to shadow-verify.
-    if (!call->Complete(std::move(s))) shadow_job.reset();
-    // After the response: the shadow run waits in the executor's background lane.
-    shadow_.Submit(std::move(shadow_job));
-  });
 }
 
 grpc::ServerUnaryReactor* FusedLayerService::SwaNormQuant(grpc::CallbackServerContext* ctx,
@@ -235,20 +245,24 @@ grpc::ServerUnaryReactor* FusedLayerService::SwaNormQuant(grpc::CallbackServerCo
                                                           v1::SwaNormQuantResponse* response) {
   auto* call = new UnaryCall(metrics_, Method::kSwaNormQuant, config_.max_message_bytes, ctx, request, response);
   absl::Status s = AdmitDuringDrain();
-  if (s.ok()) s = StartSwa(call, shadow::SwaMessages::Of(ctx), request, response);
+  if (s.ok()) s = StartCompute<SwaRpc>(call, shadow::SwaMessages::Of(ctx), request, response);
   if (!s.ok()) call->Complete(std::move(s));
   return call;
 }
 
-absl::Status FusedLayerService::StartSwa(UnaryCall* call, shadow::SwaMessages* held,
-                                         const v1::SwaNormQuantRequest* request, v1::SwaNormQuantResponse* response) {
+// Inline (on the gRPC thread): validate and decode. On the executor: launch checks, run, verify or
+// sample for shadow verification, report, respond.
+template <typename Rpc>
+absl::Status FusedLayerService::StartCompute(UnaryCall* call, typename Rpc::Messages* held,
+                                             const typename Rpc::Request* request, typename Rpc::Response* response) {
   if (absl::Status s = CheckPreference(request->path_preference()); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<const WeightSet>> set = weights_.Get(request->weight_set());
   if (!set.ok()) return set.status();
-  if (!(*set)->swa) {
-    return absl::NotFoundError(absl::StrCat("weight set '", request->weight_set(), "' has no SWA part"));
+  if (Rpc::Part(**set) == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("weight set '", request->weight_set(), "' has no ", Rpc::kPartName, " part"));
   }
-  absl::StatusOr<SwaCall> decoded = DecodeSwaRequest(*request, *(*set)->swa, config_.max_tokens, response);
+  auto decoded = Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response);
   if (!decoded.ok()) return decoded.status();
   response->set_request_id(RequestId(request->request_id()));
 
@@ -259,26 +273,33 @@ absl::Status FusedLayerService::StartSwa(UnaryCall* call, shadow::SwaMessages* h
       call->Complete(std::move(s));
       return;
     }
-    const std::string what =
-        absl::StrCat("request ", response->request_id(), " (weight set '", set->name, "', M = ", decoded.args.tokens, ")");
+    const typename Rpc::Prepared& part = *Rpc::Part(*set);
+    const std::string what = absl::StrCat("request ", response->request_id(), " (weight set '", set->name, "', ",
+                                          Rpc::kTokensSymbol, " = ", decoded.args.tokens, ")");
     v1::ExecutionReport* report = response->mutable_report();
-    absl::Status s = ExecuteOnWorker(
-        Op::kSwa, request->path_preference(), config_, metrics_, what, queue_seconds,
-        [&] { return backend_.SwaFusedSupport(*set->swa, decoded.query); },
-        [&](Path path) { return RunSwaCall(backend_, *set->swa, decoded.args, path); }, report);
+    absl::StatusOr<PathDecision> ran = ExecuteOnWorker(
+        Rpc::kOp, request->path_preference(), config_, metrics_, what, queue_seconds,
+        [&] { return Rpc::Support(backend_, part, decoded); },
+        [&](Path path) { return Rpc::Run(backend_, part, decoded, path); }, report);
     std::unique_ptr<shadow::ShadowVerifier::Job> shadow_job;
-    if (s.ok()) {
+    if (ran.ok()) {
       if (request->verify()) {
-        *response->mutable_verification() =
-            report->path() == v1::EXECUTION_PATH_FUSED ? shadow_.VerifySwa(*set, *request, *response)
-                                                       : NotComparedUnfused(*report);
-      } else if (report->path() == v1::EXECUTION_PATH_FUSED && decoded.args.tokens > 0 && shadow_.Sample()) {
-        shadow_job = shadow_.CaptureSwa(set, held);  // no copy, as in StartMhc
+        // Synchronous: the unfused run and the comparison happen in this job, before the response.
+        *response->mutable_verification() = ran->path == Path::kFused
+                                                ? Rpc::Verify(shadow_, *set, *request, *response)
+                                                : NotComparedUnfused(*ran);
+      } else if (ran->path == Path::kFused && decoded.args.tokens > 0 && shadow_.Sample()) {
+        // No copy: the job takes a reference to this call's messages (shadow/shared_messages.h).
+        // Only the report is written after this, before the response is sent; the job never
+        // reads it.
+        shadow_job = Rpc::Capture(shadow_, set, held);
       }
       FillReport(report, set->name);
       report->set_server_seconds(call->elapsed());
     }
-    if (!call->Complete(std::move(s))) shadow_job.reset();
+    // A response over the send limit is cleared and not sent: nothing to shadow-verify.
+    if (!call->Complete(ran.status())) shadow_job.reset();
+    // After the response: the shadow run waits in the executor's background lane.
     shadow_.Submit(std::move(shadow_job));
   });
 }

@@ -57,11 +57,12 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   absl::Status AdmitDuringDrain() const;
   class LoadWeightsReactor;
 
-  // `held`: the call's reference-counted messages (shadow capture without copies), or null.
-  absl::Status StartMhc(UnaryCall* call, shadow::MhcMessages* held, const v1::MhcSeamRequest* request,
-                        v1::MhcSeamResponse* response);
-  absl::Status StartSwa(UnaryCall* call, shadow::SwaMessages* held, const v1::SwaNormQuantRequest* request,
-                        v1::SwaNormQuantResponse* response);
+  // Validates and decodes a compute request, then queues its execution on the device executor.
+  // `Rpc` is the op's traits (MhcRpc / SwaRpc in service.cc); `held` is the call's reference-counted
+  // messages (shadow capture without copies), or null.
+  template <typename Rpc>
+  absl::Status StartCompute(UnaryCall* call, typename Rpc::Messages* held, const typename Rpc::Request* request,
+                            typename Rpc::Response* response);
   std::string RequestId(const std::string& given);
   void FillReport(v1::ExecutionReport* report, const std::string& weight_set) const;
 
