@@ -40,7 +40,9 @@ class GpuBackend final : public Backend {
 
   absl::Status Init() {
     if (absl::Status s = start_.Init(); !s.ok()) return s;
-    return stop_.Init();
+    if (absl::Status s = stop_.Init(); !s.ok()) return s;
+    InitStagingPool();
+    return absl::OkStatus();
   }
 
   std::string_view kind() const override { return GpuBackendKind(); }
@@ -48,11 +50,37 @@ class GpuBackend final : public Backend {
   std::string arch() const override { return ctx_->arch; }
   bool host_accessible() const override { return false; }
 
+  // A request's staging buffers. With the stream-ordered pool (see InitStagingPool) allocation and
+  // release are queue operations on the backend's stream: no driver allocation and, unlike
+  // gpuFree, no device-wide synchronisation per buffer. Without it, plain gpuMalloc / gpuFree.
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes == 0) return DeviceBuffer();
-    auto mem = gpu::GpuAlloc(bytes);
-    if (!mem.ok()) return mem.status();
-    return DeviceBuffer(mem->release(), bytes, [](void* p) { (void)gpuFree(p); });
+    if (!pool_) {
+      auto mem = gpu::GpuAlloc(bytes);
+      if (!mem.ok()) return mem.status();
+      return DeviceBuffer(mem->release(), bytes, [](void* p) { (void)gpuFree(p); });
+    }
+    void* p = nullptr;
+    gpuError_t err = gpuMallocAsync(&p, bytes, ctx_->stream);
+    if (err == gpuErrorMemoryAllocation) {
+      // The pool may hold free blocks too fragmented for this size: give them back, retry once.
+      (void)gpuGetLastError();
+      (void)gpuStreamSynchronize(ctx_->stream);
+      (void)gpuMemPoolTrimTo(pool_, 0);
+      err = gpuMallocAsync(&p, bytes, ctx_->stream);
+    }
+    if (err != gpuSuccess) {
+      (void)gpuGetLastError();
+      if (err == gpuErrorMemoryAllocation) {
+        return absl::ResourceExhaustedError(absl::StrCat("device memory: ", bytes, " bytes for a request buffer"));
+      }
+      // Anything else (e.g. a size the pool refuses outright): the plain allocator decides.
+      auto mem = gpu::GpuAlloc(bytes);
+      if (!mem.ok()) return mem.status();
+      return DeviceBuffer(mem->release(), bytes, [](void* q) { (void)gpuFree(q); });
+    }
+    gpuStream_t stream = ctx_->stream;
+    return DeviceBuffer(p, bytes, [stream](void* q) { (void)gpuFreeAsync(q, stream); });
   }
 
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
@@ -99,6 +127,26 @@ class GpuBackend final : public Backend {
   }
 
  private:
+  // Request buffers come from the device's default stream-ordered pool, which keeps freed memory
+  // for reuse instead of returning it to the driver at every synchronisation (release threshold =
+  // unlimited). What it retains is bounded by the largest request's tensors: the executor runs one
+  // job at a time on this device. Measured reason: per-request gpuMalloc + gpuFree (which waits
+  // for the whole device) was most of a small SWA request's executor time (BENCHMARKS.md). A
+  // runtime without stream-ordered pools keeps plain allocation.
+  void InitStagingPool() {
+    gpuMemPool_t pool = nullptr;
+    if (gpuDeviceGetDefaultMemPool(&pool, ctx_->device) != gpuSuccess || pool == nullptr) {
+      (void)gpuGetLastError();
+      return;
+    }
+    uint64_t keep_all = ~uint64_t{0};
+    if (gpuMemPoolSetAttribute(pool, gpuMemPoolAttrReleaseThreshold, &keep_all) != gpuSuccess) {
+      (void)gpuGetLastError();
+      return;
+    }
+    pool_ = pool;
+  }
+
   absl::Status Copy(void* dst, const void* src, size_t bytes, decltype(gpuMemcpyHostToDevice) kind,
                     const char* what) {
     if (bytes == 0) return absl::OkStatus();
@@ -136,6 +184,7 @@ class GpuBackend final : public Backend {
   }
 
   std::unique_ptr<GpuContext> ctx_;
+  gpuMemPool_t pool_ = nullptr;  // null: plain gpuMalloc / gpuFree
   const int64_t fused_max_tokens_;
   GpuEvent start_, stop_;
 };

@@ -52,6 +52,13 @@ using gpuGraphExec_t = hipGraphExec_t;
 #define gpuGraphLaunch hipGraphLaunch
 #define gpuGraphDestroy hipGraphDestroy
 #define gpuGraphExecDestroy hipGraphExecDestroy
+using gpuMemPool_t = hipMemPool_t;
+#define gpuMallocAsync hipMallocAsync
+#define gpuFreeAsync hipFreeAsync
+#define gpuDeviceGetDefaultMemPool hipDeviceGetDefaultMemPool
+#define gpuMemPoolSetAttribute hipMemPoolSetAttribute
+#define gpuMemPoolTrimTo hipMemPoolTrimTo
+#define gpuMemPoolAttrReleaseThreshold hipMemPoolAttrReleaseThreshold
 #else
 #include <cuda_runtime.h>
 #define FL_HIP 0
@@ -99,6 +106,13 @@ using gpuGraphExec_t = cudaGraphExec_t;
 #define gpuGraphLaunch cudaGraphLaunch
 #define gpuGraphDestroy cudaGraphDestroy
 #define gpuGraphExecDestroy cudaGraphExecDestroy
+using gpuMemPool_t = cudaMemPool_t;
+#define gpuMallocAsync cudaMallocAsync
+#define gpuFreeAsync cudaFreeAsync
+#define gpuDeviceGetDefaultMemPool cudaDeviceGetDefaultMemPool
+#define gpuMemPoolSetAttribute cudaMemPoolSetAttribute
+#define gpuMemPoolTrimTo cudaMemPoolTrimTo
+#define gpuMemPoolAttrReleaseThreshold cudaMemPoolAttrReleaseThreshold
 #endif
 
 // cudaGraphInstantiate lost its error-node/log arguments in CUDA 12; HIP 5.x still has them.
