@@ -1,5 +1,6 @@
 // The GPU backend (CUDA or HIP, one source): device memory, synchronous copies on the backend's
 // stream, and the mHC / SWA launchers timed with events.
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -133,7 +134,12 @@ class GpuBackend final : public Backend {
   // job at a time on this device. Measured reason: per-request gpuMalloc + gpuFree (which waits
   // for the whole device) was most of a small SWA request's executor time (BENCHMARKS.md). A
   // runtime without stream-ordered pools keeps plain allocation.
+  // FUSEDLAYER_NO_GPU_STAGING_POOL=1 keeps plain allocation (like PyTorch's
+  // PYTORCH_NO_CUDA_MEMORY_CACHING): for A/B measurement, or a driver whose pools misbehave.
   void InitStagingPool() {
+    if (const char* off = std::getenv("FUSEDLAYER_NO_GPU_STAGING_POOL"); off != nullptr && std::string(off) == "1") {
+      return;
+    }
     gpuMemPool_t pool = nullptr;
     if (gpuDeviceGetDefaultMemPool(&pool, ctx_->device) != gpuSuccess || pool == nullptr) {
       (void)gpuGetLastError();
