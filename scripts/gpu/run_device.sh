@@ -51,6 +51,19 @@ if want smoke; then
   } > "$OUT/smoke.log" 2>&1
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/smoke.log"
   cat "$OUT/smoke.log"
+  # A/B of the request staging allocator (docs/operations.md): the same benches with plain
+  # cudaMalloc/cudaFree per request buffer.
+  echo "== server smoke, FUSEDLAYER_NO_GPU_STAGING_POOL=1 (plain allocation, for comparison)"
+  FUSEDLAYER_NO_GPU_STAGING_POOL=1 ./fusedlayer_server --demo_weights --backend=cuda --address=127.0.0.1:50171 \
+    --metrics_address=127.0.0.1:50172 > "$OUT/server-nopool.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:50171 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+  { C="--target=127.0.0.1:50171"
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
+    ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
+  } > "$OUT/smoke-nopool.log" 2>&1
+  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/smoke-nopool.log"
+  cat "$OUT/smoke-nopool.log"
 fi
 if want shadow; then
   echo "== shadow verification on the GPU (CUDA backend, demo weights, sample rate 1, verify)"
