@@ -41,11 +41,10 @@ struct SwaRowParams {
   bool pdl = true;
   // Largest M launched one row per block (the small-M kernel); -1: 8 x multiprocessors. Tuning only.
   int64_t wide_rows_max = -1;
-  // Large M: each row team prefetches into L2 the row about one wave of resident rows ahead
-  // (prefetch_rows is set by the launcher). A hint: results do not depend on it. Off: measured
-  // 12-16% slower at M >= 8192 on the H200 (SWA_GPU_RESULTS.md, round 7); kept for re-measuring.
+  // Ignored. The round-7 L2 prefetch experiment (measured 12-16% slower at M >= 8192, see
+  // SWA_GPU_RESULTS.md) is no longer in the kernels; this field only remains until
+  // bench_swa_gpu.cc stops setting it (its --prefetch flag), then it goes too.
   bool prefetch = false;
-  int64_t prefetch_rows = 0;
 };
 
 // Whether this binary holds code the current device can run (gpuErrorInvalidDeviceFunction or

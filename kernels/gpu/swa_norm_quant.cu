@@ -4,9 +4,11 @@
 // one token row. The row is cut into 16-byte chunks of 8 bf16; chunk c of a half belongs to lane
 // c % 32, so each load instruction of the team reads 512 contiguous bytes. For the q half, the 16
 // chunks of quant group g sit on 16 consecutive lanes (chunk c = lane + 32 k: lanes 0..15 hold
-// group 2k, lanes 16..31 group 2k + 1), so the group amax is a 4-step butterfly over 16 lanes, in
-// registers, with no shared memory and no barrier. A team is a warp on NVIDIA and half a
-// wavefront on CDNA; every shuffle names its width, nothing assumes 32-lane warps.
+// group 2k, lanes 16..31 group 2k + 1), so the group amax is a butterfly over 16 lanes, in
+// registers, with no shared memory and no barrier; the large-M kernel quantizes a lane's chunks k
+// and k + 1 together (QuantizeGroupPair: one transposed butterfly and one scale/reciprocal
+// sequence for two groups). A team is a warp on NVIDIA and half a wavefront on CDNA; every
+// shuffle names its width, nothing assumes 32-lane warps.
 //
 // For rows up to Q <= 2048 and D <= 1024 (all DeepSeek shapes) the row stays in registers between
 // the sum of squares and the output pass, so HBM is read once; wider rows are re-read (streamed)
@@ -157,6 +159,23 @@ __device__ __forceinline__ float Rrms(float ss, int n, float eps) {
   return DivRn(1.0f, SqrtRn(DivRn(ss, float(n)) + eps));
 }
 
+// Both halves' rrms from the lanes' partial sums of squares with one reduction and one Rrms
+// sequence, bitwise equal to Rrms(TeamSum(ssq), Q) and Rrms(TeamSum(ssk), D): the first butterfly
+// step (xor 16) is transposed (lanes 0-15 keep q's pairwise sums, lanes 16-31 kv's; each is the
+// same sum of the same two values as in TeamSum), the other four steps reduce each half within its
+// 16 lanes exactly as TeamSum's last four steps do. Lane 0 then holds q's rrms, lane 16 kv's.
+__device__ __forceinline__ void RowRrms(float ssq, float ssk, int Q, int D, float eps, int lane, float& rq,
+                                        float& rk) {
+  static_assert(kRowTeam == 32, "the transposed first step splits a 32-lane team in halves");
+  const bool hi = (lane & 16) != 0;
+  float s = (hi ? ssk : ssq) + ShflXor(hi ? ssq : ssk, 16, kRowTeam);
+#pragma unroll
+  for (int o = 8; o > 0; o /= 2) s += ShflXor(s, o, kRowTeam);
+  const float r = Rrms(s, hi ? D : Q, eps);
+  rq = Shfl(r, 0, kRowTeam);
+  rk = Shfl(r, 16, kRowTeam);
+}
+
 // y = (x * rrms) * w: two fp32 multiplies in this order (no FMA can form: there is no add).
 // Weights already in fp32 (staged unpacked in shared memory by the resident row kernel).
 __device__ __forceinline__ void NormalizeW(const uint4& xu, const float4& wlo, const float4& whi, float rrms,
@@ -288,6 +307,32 @@ __device__ __forceinline__ uint2 QuantizeGroupChunk(const float (&v)[kChunk], bo
   return EncodeChunk<kFmt>(v, scale, inv, ue8m0);
 }
 
+// Two chunks of two different groups per lane (chunks k and k + 1 of SwaRowKernel: lanes 0-15 of
+// a team hold groups 2k and 2k + 2, lanes 16-31 groups 2k + 1 and 2k + 3), quantized with one
+// group-scale computation instead of two. The amax reduction is transposed: in its first step
+// (xor 8) a lane with bit 3 clear keeps its chunk-0 maximum and sends the chunk-1 one, a lane with
+// bit 3 set the opposite, so afterwards each lane carries one group's partial maximum and the
+// remaining three steps (xor 4, 2, 1) finish it: 10 instructions for both groups instead of 16.
+// Each lane then computes the scale and reciprocal of "its" group (bit 3 clear: chunk 0's, set:
+// chunk 1's) and receives the other one from lane ^ 8 (2 shuffles instead of a second scale and
+// rcp sequence). max is exact and order-free (|v| >= +0, NaN dropped either way), so amax, scale,
+// inv and the codes are bitwise those of QuantizeGroupChunk on each chunk. All 16 lanes of a group
+// pair must call it. scale_mine: the scale of the group this lane computed (chunk bit3 ? 1 : 0).
+template <Fp8Format kFmt>
+__device__ __forceinline__ void QuantizeGroupPair(const float (&v0)[kChunk], const float (&v1)[kChunk], bool ue8m0,
+                                                  bool bit3, uint2& c0, uint2& c1, float& scale_mine) {
+  const float a0 = LocalAmax(v0), a1 = LocalAmax(v1);
+  float amax = fmaxf(bit3 ? a1 : a0, ShflXor(bit3 ? a0 : a1, 8, kGroupLanes));
+#pragma unroll
+  for (int o = kGroupLanes / 4; o > 0; o /= 2) amax = fmaxf(amax, ShflXor(amax, o, kGroupLanes));
+  float scale, inv;
+  GroupScale<kFmt>(amax, ue8m0, scale, inv);
+  scale_mine = scale;
+  const float scale_o = ShflXor(scale, 8, kGroupLanes), inv_o = ShflXor(inv, 8, kGroupLanes);
+  c0 = EncodeChunk<kFmt>(v0, bit3 ? scale_o : scale, bit3 ? inv_o : inv, ue8m0);
+  c1 = EncodeChunk<kFmt>(v1, bit3 ? scale : scale_o, bit3 ? inv : inv_o, ue8m0);
+}
+
 __device__ __forceinline__ void StoreCodes(uint8_t* p, const uint2& c, bool vec) {
   if (vec) {
     *reinterpret_cast<uint2*>(p) = c;
@@ -313,14 +358,6 @@ __device__ __forceinline__ void GridDependencyWait() {
 __device__ __forceinline__ void LaunchDependents() {
 #if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void PrefetchL2(const void* p) {
-#if !FL_HIP
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#else
-  (void)p;
 #endif
 }
 
@@ -392,14 +429,6 @@ __global__ void __launch_bounds__(256) SwaRowKernel(SwaRowParams p, RowFlags f) 
       const int c = lane + k * kRowTeam;
       xk[k] = Load<true>(kv_in + c * kChunk, D - c * kChunk, true);
     }
-    // Optional (p.prefetch, off by default) L2 prefetch of the row this team's successor will
-    // process, p.prefetch_rows rows ahead (about one wave of resident rows), meant to keep HBM
-    // streaming while the wave computes. A hint only: no register, no effect on any result.
-    // Measured slower (Q = 1536, M = 8192: 20.2 against 17.7 us; L2 hit rate 45%), so not used.
-    if (p.prefetch_rows > 0 && row_raw + p.prefetch_rows < p.tokens) {
-      const char* next = reinterpret_cast<const char*>(q_in + p.prefetch_rows * p.row_stride);
-      for (int i = lane; i * 128 < (Q + D) * 2; i += kRowTeam) PrefetchL2(next + i * 128);
-    }
     // Slots [0, KQ*32): q_norm chunks, [KQ*32, (KQ+KD)*32): kv_norm chunks (D % 8 == 0 here);
     // slots past a half's end hold zeros (a masked q chunk then normalises to zeros, as before).
     const int qw = Q / kChunk, kw = D / kChunk;
@@ -428,11 +457,52 @@ __global__ void __launch_bounds__(256) SwaRowKernel(SwaRowParams p, RowFlags f) 
       ssk += ChunkSq(LoadChunk(kv_in + c * kChunk, D - c * kChunk, f.vec_in));
     }
   }
-  const float rq = Rrms(TeamSum(ssq), Q, p.eps);
-  const float rk = Rrms(TeamSum(ssk), D, p.eps);
+  float rq, rk;
+  RowRrms(ssq, ssk, Q, D, p.eps, lane, rq, rk);
 
   // ---- q half ----
   const int q_chunks = Q / kChunk;
+  if constexpr (kResident && kMode == RowMode::kFused) {
+    // Chunks k, k + 1 in pairs (QuantizeGroupPair); an odd last chunk alone. Output addresses
+    // from per-row bases: codes at constant offsets, scales one g_stride multiple per pair.
+    // (Measured, SWA_GPU_RESULTS.md round 9: 1,314 -> 1,079 warp instructions per row at
+    // Q = 1536. Branching once per row on p.ue8m0 instead of per group measured 7% more
+    // instructions; three groups per scale sequence needs 72 registers.)
+    uint8_t* const q_out = p.q_fp8 + row * Q + lane * kChunk;
+    const bool bit3 = (lane & 8) != 0;
+    const int half = lane / kGroupLanes;  // 0: groups 2k (and 2k + 2), 1: groups 2k + 1 (2k + 3)
+    const int64_t gs = p.scale_layout.g_stride;
+    // The group whose scale this lane stores (lanes 0, 8, 16, 24 of the team): 2 (k + bit3) + half.
+    float* const s_out = p.q_scale + row * p.scale_layout.m_stride + (2 * int(bit3) + half) * gs;
+    const bool store_scale = active && (lane & 7) == 0;
+#pragma unroll
+    for (int k = 0; k < KQ; k += 2) {
+      const int c = lane + k * kRowTeam;
+      float y0[kChunk];
+      NormalizeW(xq[k], s_wf[c], s_wf[kSlots + c], rq, y0);
+      if (k + 1 < KQ) {
+        float y1[kChunk];
+        NormalizeW(xq[k + 1], s_wf[c + kRowTeam], s_wf[kSlots + c + kRowTeam], rq, y1);
+        uint2 c0, c1;
+        float scale;
+        QuantizeGroupPair<kFmt>(y0, y1, p.ue8m0, bit3, c0, c1, scale);
+        if (active && c < q_chunks) StoreQ<true>(q_out + k * kRowTeam * kChunk, c0, true);
+        if (active && c + kRowTeam < q_chunks) StoreQ<true>(q_out + (k + 1) * kRowTeam * kChunk, c1, true);
+        // This lane's scale belongs to chunk k + bit3, whose group starts at chunk
+        // 16 half + 32 (k + bit3).
+        if (store_scale && half * kGroupLanes + (k + int(bit3)) * kRowTeam < q_chunks) {
+          s_out[int64_t(2 * k) * gs] = scale;
+        }
+      } else {
+        float scale;
+        const uint2 codes = QuantizeGroupChunk<kFmt>(y0, p.ue8m0, scale);
+        if (active && c < q_chunks) {
+          StoreQ<true>(q_out + k * kRowTeam * kChunk, codes, true);
+          if (lane % kGroupLanes == 0) s_out[int64_t(2 * k) * gs] = scale;  // bit3 clear: group 2k + half
+        }
+      }
+    }
+  } else {
 #pragma unroll
   for (int k = 0; k < (kResident ? KQ : 1); ++k) {
     for (int ks = kResident ? k : 0; ks < (kResident ? k + 1 : nq); ++ks) {
@@ -459,6 +529,7 @@ __global__ void __launch_bounds__(256) SwaRowKernel(SwaRowParams p, RowFlags f) 
         }
       }
     }
+  }
   }
   if constexpr (kMode == RowMode::kFused) {
     // The last row's team zero-fills the column-major layout's padding rows (at most 3); kept out
@@ -666,10 +737,6 @@ gpuError_t LaunchRows(const SwaRowParams& p, int sm_count, gpuStream_t stream) {
   // many rows: 8 rows (256 threads) per block.
   const int rows_per_block = p.tokens <= int64_t(4) * (sm_count > 0 ? sm_count : 1) ? 2 : 8;
   const int64_t blocks = (p.tokens + rows_per_block - 1) / rows_per_block;
-  SwaRowParams pp = p;
-  // One wave of resident rows ahead: the DeepSeek-shape instances hold 4 blocks of 8 rows per SM
-  // (62-63 registers); for the others it is an estimate (prefetch is a hint either way).
-  pp.prefetch_rows = p.prefetch && rows_per_block == 8 ? int64_t(4 * 8) * (sm_count > 0 ? sm_count : 1) : 0;
   RowFlags f;
   f.vec_in = (reinterpret_cast<uintptr_t>(p.qr_kv) % 16 == 0) && (p.row_stride % kChunk == 0);
   f.vec_kv = (reinterpret_cast<uintptr_t>(p.kv) % 16 == 0) && (p.head_dim % kChunk == 0);
@@ -678,7 +745,7 @@ gpuError_t LaunchRows(const SwaRowParams& p, int sm_count, gpuStream_t stream) {
   // The norm step writes no codes: one format's instances serve it.
   RowKernelFn fn = fmt_fn ? PickRowKernel<kMode, Fp8Format::kE4M3FN>(p.q_rank, p.head_dim, f)
                           : PickRowKernel<kMode, Fp8Format::kE4M3FNUZ>(p.q_rank, p.head_dim, f);
-  return LaunchPdl(p.pdl, fn, blocks, rows_per_block * kRowTeam, stream, pp, f);
+  return LaunchPdl(p.pdl, fn, blocks, rows_per_block * kRowTeam, stream, p, f);
 }
 
 // Equivalence check of the quantization arithmetic (GPU test QuantEncodingMatchesIeeeDivision):
