@@ -13,7 +13,14 @@
 // Floor: fused bytes (2(Q+D) read + Q + 4Q/128 + 2D written per row) at 4.2 TB/s. The device-to-device
 // copy bandwidth measured here is printed too (bytes read + written).
 //
-// usage: bench_swa_gpu [--csv FILE] [--quick] [--tune] [--prefetch] [--profile Q M]
+// wq_b section (--wqb: after the table; --wqb-only: alone): the production projection
+// (LaunchWqbProjection: cuBLASLt block-scaled FP8 with the algorithm pinned at load, on CUDA e4m3fn)
+// against our CUDA-core kernel (LaunchWqbGemm) in the same run, K = 1536, N in {8192, 24576},
+// M in {1, 64, 1024, 4096, 16384}, same method (each launch on its own q, scales, output and weight
+// copy; cold L2). Floors: bytes (q + weight + scales + bf16 out) at 4.2 TB/s and 2MNK at 1979 TFLOP/s
+// (H200 dense FP8, datasheet).
+//
+// usage: bench_swa_gpu [--csv FILE] [--quick] [--tune] [--profile Q M] [--wqb | --wqb-only]
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,9 +32,12 @@
 #include <vector>
 
 #include "fusedlayer/numeric.h"
+#include "fusedlayer/swa.h"
 #include "gpu_context.h"
 #include "gpu_runtime.h"
+#include "swa_gpu.h"
 #include "swa_kernels.h"
+#include "wq_b_cublaslt.h"
 
 namespace fl = fusedlayer;
 namespace gpu = fusedlayer::gpu;
@@ -103,22 +113,175 @@ double CopyBandwidth(gpuStream_t stream, gpuEvent_t e0, gpuEvent_t e1) {
   return 2.0 * double(bytes) / (ms[ms.size() / 2] * 1e-3);
 }
 
+constexpr double kPeakFp8 = 1979e12;  // H200 SXM dense FP8, datasheet
+
+// The wq_b projection table (see the file header).
+void WqbSection(gpu::GpuContext& ctx, void* flush, gpuEvent_t e0, gpuEvent_t e1) {
+  const int K = 1536, G = K / 128;
+  std::printf("\n## wq_b projection (K = %d, e4m3fn, cold L2)\n", K);
+  std::mt19937_64 rng(4242);
+  for (int N : {8192, 24576}) {
+    fl::SwaHyperParams hp;
+    hp.q_rank = K;
+    hp.head_dim = 512;
+    hp.fp8_format = fl::Fp8Format::kE4M3FN;
+    hp.scale_layout = fl::ScaleLayout::kColumnMajorTma;
+    hp.wq_b_rows = N;
+    std::vector<uint16_t> qn(size_t(K), fl::FloatToBf16(1.0f)), kvn(512, fl::FloatToBf16(1.0f));
+    std::vector<uint8_t> wb(size_t(N) * K);
+    std::normal_distribution<float> nd(0.0f, 150.0f);
+    for (auto& c : wb) c = fl::FloatToFp8(std::clamp(nd(rng), -448.0f, 448.0f), fl::Fp8Format::kE4M3FN);
+    std::uniform_real_distribution<float> u(0.06f / 448, 0.14f / 448);
+    std::vector<float> wbs(size_t(N / 128) * G);
+    for (auto& v : wbs) v = u(rng);
+    fl::SwaWeightsHost hw;
+    hw.q_norm = fl::TensorView::Contiguous(qn.data(), fl::DType::kBF16, {K});
+    hw.kv_norm = fl::TensorView::Contiguous(kvn.data(), fl::DType::kBF16, {512});
+    hw.wq_b = fl::TensorView::Contiguous(wb.data(), fl::DType::kFP8E4M3FN, {N, K});
+    hw.wq_b_scale = fl::TensorView::Contiguous(wbs.data(), fl::DType::kFP32, {N / 128, G});
+    auto w0 = gpu::PrepareSwaGpu(hp, hw, ctx);
+    if (!w0.ok()) {
+      std::fprintf(stderr, "wq_b prepare failed: %s\n", std::string(w0.status().message()).c_str());
+      std::exit(1);
+    }
+    std::printf("\nN = %d: production implementation: %s\n", N, (*w0)->wq_b_impl_detail.c_str());
+    // The alternative pin (the heuristic's choice at M = 64) and the heuristic's own per-M choices.
+    gpu::WqbLtPlan alt;
+    bool have_alt = false;
+#if !FL_HIP
+    if ((*w0)->wq_b_impl == gpu::GpuSwaWeights::WqbImpl::kCublasLt) {
+      auto a = gpu::PlanWqbCublasLt(ctx, N, K, 64);
+      if (a.ok()) {
+        alt = *a;
+        have_alt = true;
+        std::printf("  alternative pin (heuristic at M = 64): %s\n", alt.description.c_str());
+      } else {
+        std::printf("  alternative pin (heuristic at M = 64): %s\n", a.status().ToString().c_str());
+      }
+      for (int64_t m : {4, 64, 1024, 4096, 16384}) {
+        auto d = gpu::DescribeWqbLtHeuristic(ctx, N, K, m);
+        std::printf("  heuristic #0 at M = %lld: %s\n", (long long)m,
+                    d.ok() ? d->c_str() : d.status().ToString().c_str());
+      }
+    }
+#endif
+    std::printf("\n| N | M | production us (TMA scales) | production us (row-major scales) | alt pin us | ours us | "
+                "speed-up | production TFLOP/s | floor us (bytes / fp8) | production %% of floor |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int64_t M : {int64_t{1}, int64_t{64}, int64_t{1024}, int64_t{4096}, int64_t{16384}}) {
+      const int64_t Mp = fl::AlignTo4(M);
+      const double bytes = double(M) * K + double(N) * K + 2.0 * M * N + 4.0 * M * G + 4.0 * (N / 128) * G;
+      const double alloc = double(Mp) * K + double(N) * K + 2.0 * Mp * N + 8.0 * Mp * G;
+      const int L = int(std::clamp(double(size_t{1} << 30) / alloc, 2.0, 200.0));
+      // Per launch: q codes, TMA scales [G][Mp], row-major scales [M][G], output, weight copy.
+      std::vector<void*> qv(L), st(L), sr(L), ov(L);
+      std::vector<std::unique_ptr<gpu::GpuSwaWeights>> wv(L);
+      std::vector<uint8_t> hq(size_t(M) * K);
+      std::normal_distribution<float> qd(0.0f, 150.0f);
+      for (auto& c : hq) c = fl::FloatToFp8(std::clamp(qd(rng), -448.0f, 448.0f), fl::Fp8Format::kE4M3FN);
+      std::vector<float> hs(size_t(M) * G), ht(size_t(G) * Mp, 0.0f);
+      std::uniform_real_distribution<float> us(2.0f / 448, 4.0f / 448);
+      for (auto& v : hs) v = us(rng);
+      for (int64_t m = 0; m < M; ++m)
+        for (int g = 0; g < G; ++g) ht[size_t(g) * Mp + m] = hs[size_t(m) * G + g];
+      for (int i = 0; i < L; ++i) {
+        qv[i] = Alloc(hq.size());
+        st[i] = Alloc(ht.size() * 4);
+        sr[i] = Alloc(hs.size() * 4);
+        ov[i] = Alloc(size_t(M) * N * 2);
+        CHECK_GPU(gpuMemcpy(qv[i], hq.data(), hq.size(), gpuMemcpyHostToDevice));
+        CHECK_GPU(gpuMemcpy(st[i], ht.data(), ht.size() * 4, gpuMemcpyHostToDevice));
+        CHECK_GPU(gpuMemcpy(sr[i], hs.data(), hs.size() * 4, gpuMemcpyHostToDevice));
+        auto wi = std::make_unique<gpu::GpuSwaWeights>();
+        wi->params_ = (*w0)->params_;
+        wi->wq_b_impl = (*w0)->wq_b_impl;
+        wi->wq_b_lt = (*w0)->wq_b_lt;
+        auto b = gpu::GpuAlloc(wb.size());
+        auto bs = gpu::GpuAlloc(wbs.size() * 4);
+        if (!b.ok() || !bs.ok()) {
+          std::fprintf(stderr, "out of memory\n");
+          std::exit(1);
+        }
+        CHECK_GPU(gpuMemcpy(b->get(), (*w0)->wq_b.get(), wb.size(), gpuMemcpyDeviceToDevice));
+        CHECK_GPU(gpuMemcpy(bs->get(), (*w0)->wq_b_scale.get(), wbs.size() * 4, gpuMemcpyDeviceToDevice));
+        wi->wq_b = std::move(*b);
+        wi->wq_b_scale = std::move(*bs);
+        wv[i] = std::move(wi);
+      }
+      const gpu::SwaScaleLayout tma{1, Mp, Mp}, row{G, 1, M};
+      auto prod = [&](int i, bool use_tma, const gpu::WqbLtPlan* plan) -> gpuError_t {
+        absl::Status s;
+#if !FL_HIP
+        if (plan != nullptr) {
+          s = gpu::LaunchWqbCublasLt(*plan, ctx, static_cast<const uint8_t*>(qv[i]),
+                                     static_cast<const float*>(use_tma ? st[i] : sr[i]), use_tma ? tma : row,
+                                     static_cast<const uint8_t*>(wv[i]->wq_b.get()),
+                                     static_cast<const float*>(wv[i]->wq_b_scale.get()), static_cast<uint16_t*>(ov[i]), M);
+        } else
+#endif
+        {
+          s = gpu::LaunchWqbProjection(*wv[i], static_cast<const uint8_t*>(qv[i]),
+                                       static_cast<const float*>(use_tma ? st[i] : sr[i]), use_tma ? tma : row,
+                                       static_cast<uint16_t*>(ov[i]), M, ctx);
+        }
+        if (!s.ok()) {
+          std::fprintf(stderr, "wq_b launch failed: %s\n", s.ToString().c_str());
+          std::exit(1);
+        }
+        return gpuSuccess;
+      };
+      auto ours = [&](int i) {
+        return gpu::LaunchWqbGemm(static_cast<const uint8_t*>(qv[i]), static_cast<const float*>(st[i]), tma,
+                                  static_cast<const uint8_t*>(wv[i]->wq_b.get()),
+                                  static_cast<const float*>(wv[i]->wq_b_scale.get()), static_cast<uint16_t*>(ov[i]), M,
+                                  N, K, fl::Fp8Format::kE4M3FN, ctx.stream);
+      };
+      // Eager once per variant: sizes the staging scratch, which capture cannot allocate.
+      CHECK_GPU(prod(0, true, nullptr));
+      CHECK_GPU(prod(0, false, nullptr));
+      if (have_alt) CHECK_GPU(prod(0, true, &alt));
+      CHECK_GPU(gpuStreamSynchronize(ctx.stream));
+      auto timed = [&](auto&& fn) {
+        gpuGraphExec_t g = Capture(ctx.stream, L, fn);
+        const double us = MedianReplayMs(g, ctx.stream, flush, e0, e1) * 1e3 / L;
+        CHECK_GPU(gpuGraphExecDestroy(g));
+        return us;
+      };
+      const double t_tma = timed([&](int i) { return prod(i, true, nullptr); });
+      const double t_row = timed([&](int i) { return prod(i, false, nullptr); });
+      const double t_alt = have_alt ? timed([&](int i) { return prod(i, true, &alt); }) : 0.0;
+      const double t_ours = timed(ours);
+      const double flops = 2.0 * double(M) * N * K;
+      const double fb = bytes / kFloorBandwidth * 1e6, ff = flops / kPeakFp8 * 1e6;
+      char alt_s[32];
+      std::snprintf(alt_s, sizeof alt_s, have_alt ? "%.2f" : "-", t_alt);
+      std::printf("| %d | %lld | %.2f | %.2f | %s | %.2f | %.1fx | %.1f | %.2f / %.2f | %.0f%% |\n", N, (long long)M,
+                  t_tma, t_row, alt_s, t_ours, t_ours / t_tma, flops / t_tma * 1e-6, fb, ff,
+                  100.0 * std::max(fb, ff) / t_tma);
+      std::fflush(stdout);
+      for (int i = 0; i < L; ++i) {
+        for (void* p : {qv[i], st[i], sr[i], ov[i]}) CHECK_GPU(gpuFree(p));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string csv_path;
   bool quick = false;
   bool tune = false;
-  bool prefetch = false;
   int profile_q = 0;
   int64_t profile_m = 0;
+  bool wqb = false, wqb_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     // --tune: after the table, PDL on/off at small M and the one-row-per-block kernel on/off at mid M.
     else if (!std::strcmp(argv[i], "--tune")) tune = true;
-    // --prefetch: the large-M kernel with its optional L2 prefetch of the next wave's rows.
-    else if (!std::strcmp(argv[i], "--prefetch")) prefetch = true;
+    else if (!std::strcmp(argv[i], "--wqb")) wqb = true;
+    else if (!std::strcmp(argv[i], "--wqb-only")) wqb = wqb_only = true;
     // --profile Q M: three eager fused launches at one shape, nothing else (for ncu).
     else if (!std::strcmp(argv[i], "--profile") && i + 2 < argc) {
       profile_q = std::atoi(argv[++i]);
@@ -165,6 +328,11 @@ int main(int argc, char** argv) {
   std::printf("device %s (%s), %d SMs, L2 %.0f MB; measured D2D copy %.2f TB/s (read+write)\n", ctx.name.c_str(),
               ctx.arch.c_str(), ctx.sm_count, ctx.l2_bytes / 1e6, copy_bw / 1e12);
 
+  if (wqb_only) {
+    WqbSection(ctx, flush, e0, e1);
+    CHECK_GPU(gpuFree(flush));
+    return 0;
+  }
   FILE* csv = csv_path.empty() ? nullptr : std::fopen(csv_path.c_str(), "w");
   if (csv) std::fprintf(csv, "Q,D,M,launches,fused_us,unfused_us,floor_us,fused_TBps,fused_pct_of_4.2,speedup,fused_warm_us\n");
   std::printf("\n| Q | M | fused us | unfused us | floor us | fused TB/s | fused %% of 4.2 TB/s | fused/unfused | fused warm us |\n");
@@ -222,7 +390,6 @@ int main(int argc, char** argv) {
         p.q_scale = reinterpret_cast<float*>(s + sb * i);
         p.scale_layout = gpu::SwaScaleLayout{G, 1, M};
         p.q_bf16 = static_cast<uint16_t*>(ws);
-        p.prefetch = prefetch;
         return p;
       };
       gpuGraphExec_t fused = Capture(ctx.stream, L, [&](int i) {
@@ -350,6 +517,7 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (wqb) WqbSection(ctx, flush, e0, e1);
   CHECK_GPU(gpuFree(flush));
   return 0;
 }

@@ -89,28 +89,30 @@ absl::StatusOr<std::unique_ptr<GpuContext>> GpuContext::Create(int device) {
 }
 
 GpuContext::~GpuContext() {
-  if (stream != nullptr) {
-    (void)gpuStreamSynchronize(stream);
-    (void)gpuStreamDestroy(stream);
+  if (stream != nullptr) (void)gpuStreamSynchronize(stream);
+  wq_b_lt.reset();  // may hold a library handle and device memory used on the stream
+  if (stream != nullptr) (void)gpuStreamDestroy(stream);
+  for (void* w : workspace_) {
+    if (w != nullptr) (void)gpuFree(w);
   }
-  if (workspace_ != nullptr) (void)gpuFree(workspace_);
   if (persistent_ != nullptr) (void)gpuFree(persistent_);
 }
 
-void* GpuContext::Workspace(size_t bytes) {
-  if (bytes <= workspace_bytes_) return workspace_;
+void* GpuContext::Workspace(size_t bytes, Scratch block) {
+  const int i = int(block);
+  if (bytes <= workspace_bytes_[i]) return workspace_[i];
   // Work queued on the stream may still use the old block: gpuFree waits for the device.
-  if (workspace_ != nullptr) (void)gpuFree(workspace_);
-  workspace_ = nullptr;
-  workspace_bytes_ = 0;
+  if (workspace_[i] != nullptr) (void)gpuFree(workspace_[i]);
+  workspace_[i] = nullptr;
+  workspace_bytes_[i] = 0;
   void* p = nullptr;
   if (gpuMalloc(&p, bytes) != gpuSuccess) {
     (void)gpuGetLastError();
     return nullptr;
   }
-  workspace_ = p;
-  workspace_bytes_ = bytes;
-  return workspace_;
+  workspace_[i] = p;
+  workspace_bytes_[i] = bytes;
+  return workspace_[i];
 }
 
 void* GpuContext::PersistentZeroed(size_t bytes) {

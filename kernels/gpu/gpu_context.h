@@ -32,13 +32,27 @@ struct GpuContext {
   size_t l2_bytes = 0;
   int max_smem_per_block_optin = 0;
 
+  // Independent scratch blocks: a launcher's use of one never clobbers another's. kPrimary: the
+  // unfused SWA bf16 q and the mHC split partials; kWqb: the wq_b projection's packed scales and
+  // small-M operands (wq_b_cublaslt.cc), alive while the SWA chain's own workspace is too.
+  enum class Scratch : int { kPrimary = 0, kWqb = 1, kCount = 2 };
   // Scratch memory owned by the backend, grown on demand and never shrunk, valid until the next
-  // call that asks for more. Returns nullptr when the allocation fails: the caller then reports
-  // workspace_unavailable instead of launching.
-  void* Workspace(size_t bytes);
+  // call that asks for more of the same block. Returns nullptr when the allocation fails: the
+  // caller then reports workspace_unavailable instead of launching. Growing frees the old block
+  // (gpuFree waits for queued work), so a graph capture must follow an eager call of the same or
+  // larger shape (capture cannot allocate).
+  void* Workspace(size_t bytes, Scratch block = Scratch::kPrimary);
   // Zero-initialised scratch that persists across calls (e.g. split barriers that kernels reset
   // themselves after use); separate from Workspace. nullptr on failure.
   void* PersistentZeroed(size_t bytes);
+
+  // Per-context state of an optional library, owned here and created by its user on first use
+  // (CUDA: the cuBLASLt handle and workspace of the wq_b projection, wq_b_cublaslt.cc). Destroyed
+  // after the stream is drained and before it is destroyed.
+  struct Extension {
+    virtual ~Extension() = default;
+  };
+  std::unique_ptr<Extension> wq_b_lt;
 
   ~GpuContext();
   GpuContext() = default;
@@ -46,8 +60,8 @@ struct GpuContext {
   GpuContext& operator=(const GpuContext&) = delete;
 
  private:
-  void* workspace_ = nullptr;
-  size_t workspace_bytes_ = 0;
+  void* workspace_[int(Scratch::kCount)] = {};
+  size_t workspace_bytes_[int(Scratch::kCount)] = {};
   void* persistent_ = nullptr;
   size_t persistent_bytes_ = 0;
 };

@@ -2,6 +2,7 @@
 #include "swa_gpu.h"
 
 #include <cmath>
+#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "swa_kernels.h"
@@ -60,8 +61,50 @@ absl::StatusOr<std::unique_ptr<GpuSwaWeights>> PrepareSwaGpu(const SwaHyperParam
   if (params.has_wq_b()) {
     if (!(s = up(weights.wq_b, w->wq_b)).ok()) return s;
     if (!(s = up(weights.wq_b_scale, w->wq_b_scale)).ok()) return s;
+    // One implementation (and one cuBLASLt algorithm) for the whole set: never mixed across M.
+    w->wq_b_impl = GpuSwaWeights::WqbImpl::kOwnKernel;
+#if FL_HIP
+    w->wq_b_impl_detail = "our kernel (HIP build: no cuBLASLt)";
+#else
+    if (params.fp8_format != Fp8Format::kE4M3FN) {
+      w->wq_b_impl_detail = "our kernel (e4m3fnuz has no cuBLASLt data type on NVIDIA)";
+    } else {
+      auto plan = PlanWqbCublasLt(ctx, int(params.wq_b_rows), int(Q));
+      if (plan.ok()) {
+        w->wq_b_impl = GpuSwaWeights::WqbImpl::kCublasLt;
+        w->wq_b_lt = std::move(*plan);
+        w->wq_b_impl_detail = absl::StrCat("cuBLASLt: ", w->wq_b_lt.description);
+      } else {
+        w->wq_b_impl_detail = absl::StrCat("our kernel (cuBLASLt unavailable: ", plan.status().ToString(), ")");
+        std::fprintf(stderr, "fusedlayer gpu: wq_b N=%lld K=%lld on %s uses our CUDA-core kernel for every M: %s\n",
+                     static_cast<long long>(params.wq_b_rows), static_cast<long long>(Q), ctx.arch.c_str(),
+                     plan.status().ToString().c_str());
+      }
+    }
+#endif
   }
   return w;
+}
+
+absl::Status LaunchWqbProjection(const GpuSwaWeights& weights, const uint8_t* q_fp8, const float* q_scale,
+                                 const SwaScaleLayout& layout, uint16_t* q_proj, int64_t tokens, GpuContext& ctx) {
+  const SwaHyperParams& hp = weights.params();
+  if (!hp.has_wq_b()) return absl::FailedPreconditionError("the weight set has no wq_b");
+  const auto* b = static_cast<const uint8_t*>(weights.wq_b.get());
+  const auto* bs = static_cast<const float*>(weights.wq_b_scale.get());
+#if !FL_HIP
+  if (weights.wq_b_impl == GpuSwaWeights::WqbImpl::kCublasLt) {
+    if (!WqbCublasLtAligned(weights.wq_b_lt, q_fp8, b, q_proj)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "q_fp8 and q_proj must be aligned to ", weights.wq_b_lt.min_align_b, " and ", weights.wq_b_lt.min_align_d,
+          " bytes for this weight set's cuBLASLt wq_b algorithm"));
+    }
+    return LaunchWqbCublasLt(weights.wq_b_lt, ctx, q_fp8, q_scale, layout, b, bs, q_proj, tokens);
+  }
+#endif
+  return LaunchStatus(LaunchWqbGemm(q_fp8, q_scale, layout, b, bs, q_proj, tokens, int(hp.wq_b_rows),
+                                    int(hp.q_rank), hp.fp8_format, ctx.stream),
+                      "wq_b GEMM");
 }
 
 FusedSupport SwaFusedSupportGpu(const GpuSwaWeights& /*weights*/, const SwaShapeQuery& query,
@@ -86,6 +129,16 @@ absl::Status LaunchSwaGpu(const GpuSwaWeights& weights, const SwaArgs& args, Pat
   const int64_t M = args.tokens;
   if (M == 0) return absl::OkStatus();
   const int Q = int(hp.q_rank), D = int(hp.head_dim);
+#if !FL_HIP
+  // Checked before anything is enqueued (the GEMM is the last step).
+  if (hp.has_wq_b() && weights.wq_b_impl == GpuSwaWeights::WqbImpl::kCublasLt &&
+      !WqbCublasLtAligned(weights.wq_b_lt, args.q_fp8.ptr<const uint8_t>(),
+                          static_cast<const uint8_t*>(weights.wq_b.get()), args.q_proj.ptr<const uint16_t>())) {
+    return absl::InvalidArgumentError(absl::StrCat("q_fp8 and q_proj must be aligned to ", weights.wq_b_lt.min_align_b,
+                                                   " and ", weights.wq_b_lt.min_align_d,
+                                                   " bytes for this weight set's cuBLASLt wq_b algorithm"));
+  }
+#endif
 
   SwaScaleLayout layout;
   if (hp.scale_layout == ScaleLayout::kRowMajor) {
@@ -138,11 +191,7 @@ absl::Status LaunchSwaGpu(const GpuSwaWeights& weights, const SwaArgs& args, Pat
   }
   if (hp.has_wq_b()) {
     // Both paths feed the fp8 q and its scales to the GEMM (unfused: the re-quantized bf16 q).
-    if (absl::Status s = LaunchStatus(
-            LaunchWqbGemm(p.q_fp8, p.q_scale, layout, static_cast<const uint8_t*>(weights.wq_b.get()),
-                          static_cast<const float*>(weights.wq_b_scale.get()), args.q_proj.ptr<uint16_t>(), M,
-                          int(hp.wq_b_rows), Q, hp.fp8_format, ctx.stream),
-            "wq_b GEMM");
+    if (absl::Status s = LaunchWqbProjection(weights, p.q_fp8, p.q_scale, layout, args.q_proj.ptr<uint16_t>(), M, ctx);
         !s.ok()) {
       return s;
     }

@@ -5,11 +5,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "fusedlayer/backend.h"
 #include "gpu_context.h"
+#include "swa_kernels.h"
+#include "wq_b_cublaslt.h"
 
 namespace fusedlayer::gpu {
 
@@ -24,6 +27,15 @@ class GpuSwaWeights final : public PreparedSwaWeights {
   GpuMemory wq_b;        // fp8 [N, Q] (absent without wq_b)
   GpuMemory wq_b_scale;  // fp32 [N/128, Q/128]
   size_t resident_bytes_ = 0;
+
+  // The wq_b GEMM, fixed per weight set at load so that every M takes the same implementation
+  // and algorithm (batch invariance): cuBLASLt block-scaled FP8 with a pinned algorithm (CUDA,
+  // e4m3fn, when one algorithm is valid for every row count), else our kernel (swa_wq_b_gemm.cu:
+  // HIP, e4m3fnuz, or cuBLASLt unavailable; logged at load).
+  enum class WqbImpl { kNone, kOwnKernel, kCublasLt };
+  WqbImpl wq_b_impl = WqbImpl::kNone;
+  std::string wq_b_impl_detail;  // the pinned algorithm, or why our kernel serves this set
+  WqbLtPlan wq_b_lt;             // valid for kCublasLt
 };
 
 // Validates the host weights against `params` (InvalidArgument) and uploads them once.
@@ -38,6 +50,12 @@ FusedSupport SwaFusedSupportGpu(const GpuSwaWeights& weights, const SwaShapeQuer
 // Validates `args` (InvalidArgument, nothing launched), checks the fused path is supported
 // (FailedPrecondition), then enqueues the kernels on ctx.stream. Launch failures are Internal;
 // a missing unfused workspace is ResourceExhausted.
+// The wq_b projection of a prepared weight set, q_proj[tokens, N] from the fp8 q and its scales
+// (either layout), through the set's implementation. Enqueues only (the launcher's last step; the
+// benchmark times it alone). Invalid alignment for the pinned algorithm is InvalidArgument.
+absl::Status LaunchWqbProjection(const GpuSwaWeights& weights, const uint8_t* q_fp8, const float* q_scale,
+                                 const SwaScaleLayout& layout, uint16_t* q_proj, int64_t tokens, GpuContext& ctx);
+
 absl::Status LaunchSwaGpu(const GpuSwaWeights& weights, const SwaArgs& args, Path path, GpuContext& ctx,
                           int64_t fused_max_tokens);
 

@@ -41,10 +41,6 @@ struct SwaRowParams {
   bool pdl = true;
   // Largest M launched one row per block (the small-M kernel); -1: 8 x multiprocessors. Tuning only.
   int64_t wide_rows_max = -1;
-  // Ignored. The round-7 L2 prefetch experiment (measured 12-16% slower at M >= 8192, see
-  // SWA_GPU_RESULTS.md) is no longer in the kernels; this field only remains until
-  // bench_swa_gpu.cc stops setting it (its --prefetch flag), then it goes too.
-  bool prefetch = false;
 };
 
 // Whether this binary holds code the current device can run (gpuErrorInvalidDeviceFunction or
@@ -70,8 +66,31 @@ gpuError_t SwaCheckQuantEncoding(uint64_t seed, int64_t n, Fp8Format fmt, bool u
 
 // q_proj[m, n] = bf16( sum_kb As[m,kb] * Bs[n/128,kb] * sum_{k in kb} fp8(A[m,k]) fp8(B[n,k]) ),
 // fp32 accumulation. A = q codes [M, K] (K = Q), B = wq_b codes [N, K], Bs [N/128, K/128].
+// Our CUDA-core kernel: the fallback and HIP implementation (swa_gpu.cc picks per weight set).
 gpuError_t LaunchWqbGemm(const uint8_t* a, const float* a_scale, const SwaScaleLayout& a_layout, const uint8_t* b,
                          const float* b_scale, uint16_t* out, int64_t tokens, int n, int k, Fp8Format fmt,
                          gpuStream_t stream);
+
+// Operand staging for a library GEMM that wants the activation scales as [G][rows] (rows
+// contiguous) per call and whole multiples of 4 rows (cuBLASLt block-scaled FP8, wq_b_cublaslt.cc).
+// One launch writes, from (a, a_scale, layout) of `tokens` rows with k = Q columns (G = k/128):
+//   main_scale (if not null): rows [0, main_rows) in chunks of chunk_rows: chunk c (rows
+//     [r0, r0 + rc)) at main_scale[G * r0 + g * rc + j] = s(r0 + j, g);
+//   tail_scale (if not null): [G][4], tail_scale[g * 4 + j] = s(tail_row0 + j, g), 0 for rows >= tokens;
+//   tail_a (if not null): [4][k] codes of rows [tail_row0, tail_row0 + 4), zero bytes for rows >= tokens.
+struct WqbPackParams {
+  const uint8_t* a = nullptr;
+  const float* a_scale = nullptr;
+  SwaScaleLayout layout;
+  int64_t tokens = 0;
+  int k = 0;
+  float* main_scale = nullptr;
+  int64_t main_rows = 0;
+  int64_t chunk_rows = 0;
+  float* tail_scale = nullptr;
+  int64_t tail_row0 = 0;
+  uint8_t* tail_a = nullptr;
+};
+gpuError_t LaunchWqbPack(const WqbPackParams& p, gpuStream_t stream);
 
 }  // namespace fusedlayer::gpu

@@ -1,6 +1,10 @@
 // The wq_b projection of the SWA op: a block-scaled FP8 GEMM, q_proj = bf16(dequant(A) dequant(B)^T)
 // with 1x128 activation scales and 128x128 weight scales (spec/swa.md "Optional projection").
 //
+// On CUDA, e4m3fn weight sets use cuBLASLt instead (wq_b_cublaslt.cc, chosen per weight set at load in
+// swa_gpu.cc); this kernel serves HIP, e4m3fnuz, and sets for which no single cuBLASLt algorithm is
+// valid for every M. The file also holds LaunchWqbPack, the cuBLASLt path's operand staging.
+//
 // A portable CUDA-core kernel (one source for CUDA and HIP; CDNA2 has no FP8 matrix unit): fp8
 // codes are decoded through a 256-entry table in shared memory, products accumulate in fp32 over
 // each 128-wide K block, and the block's partial sum is scaled by As[m,kb] * Bs[n/128,kb] before it
@@ -101,7 +105,44 @@ __global__ void __launch_bounds__(kThreads) WqbGemmKernel(const uint8_t* a, cons
   }
 }
 
+// Grid-stride over the three regions of WqbPackParams (main scales, tail scales, tail codes).
+__global__ void WqbPackKernel(WqbPackParams p) {
+  const int G = p.k / kKBlock;
+  const int64_t n_main = p.main_scale != nullptr ? int64_t(G) * p.main_rows : 0;
+  const int64_t n_tail = p.tail_scale != nullptr ? int64_t(G) * 4 : 0;
+  const int64_t n_a = p.tail_a != nullptr ? int64_t(4) * p.k : 0;
+  const int64_t total = n_main + n_tail + n_a;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    if (i < n_main) {
+      const int64_t chunk = i / (int64_t(G) * p.chunk_rows);
+      const int64_t r0 = chunk * p.chunk_rows;
+      const int64_t rc = p.main_rows - r0 < p.chunk_rows ? p.main_rows - r0 : p.chunk_rows;
+      const int64_t local = i - int64_t(G) * r0;
+      const int64_t g = local / rc, m = r0 + local % rc;
+      p.main_scale[i] = p.a_scale[m * p.layout.m_stride + g * p.layout.g_stride];
+    } else if (i < n_main + n_tail) {
+      const int64_t t = i - n_main;
+      const int64_t g = t / 4, m = p.tail_row0 + t % 4;
+      p.tail_scale[t] = m < p.tokens ? p.a_scale[m * p.layout.m_stride + g * p.layout.g_stride] : 0.0f;
+    } else {
+      const int64_t t = i - n_main - n_tail;
+      const int64_t m = p.tail_row0 + t / p.k;
+      p.tail_a[t] = m < p.tokens ? p.a[p.tail_row0 * p.k + t] : uint8_t(0);
+    }
+  }
+}
+
 }  // namespace
+
+gpuError_t LaunchWqbPack(const WqbPackParams& p, gpuStream_t stream) {
+  const int G = p.k / kKBlock;
+  const int64_t total = (p.main_scale != nullptr ? int64_t(G) * p.main_rows : 0) +
+                        (p.tail_scale != nullptr ? int64_t(G) * 4 : 0) + (p.tail_a != nullptr ? int64_t(4) * p.k : 0);
+  if (total == 0) return gpuSuccess;
+  const int64_t blocks = (total + kThreads - 1) / kThreads;
+  WqbPackKernel<<<dim3(unsigned(blocks < 1024 ? blocks : 1024)), dim3(kThreads), 0, stream>>>(p);
+  return gpuGetLastError();
+}
 
 gpuError_t LaunchWqbGemm(const uint8_t* a, const float* a_scale, const SwaScaleLayout& a_layout, const uint8_t* b,
                          const float* b_scale, uint16_t* out, int64_t tokens, int n, int k, Fp8Format fmt,
