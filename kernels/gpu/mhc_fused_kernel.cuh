@@ -114,11 +114,16 @@ __device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1,
 #ifndef FL_MHC_EARLY_B
 #define FL_MHC_EARLY_B 1
 #endif
+//
+// kMinBlocks (> 0): minimum resident CTAs per SM for this instance's register budget instead of
+// the defaults above (mhc_gpu.cu runs a 4-CTA/SM 16-token instance when the grid exceeds one wave
+// of the default instance). Register allocation only: the arithmetic and its order are unchanged.
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false, int kTiles = 2,
-          bool kOneLaunch = false>
+          bool kOneLaunch = false, int kMinBlocks = 0>
 __global__ void __launch_bounds__(kFusedThreads, kOneLaunch        ? FL_MHC_ONE_LAUNCH_MIN_BLOCKS
-                                                  : kTiles == 1 ? FL_MHC_TILE16_MIN_BLOCKS
-                                                                : 3)
+                                                  : kMinBlocks > 0 ? kMinBlocks
+                                                  : kTiles == 1   ? FL_MHC_TILE16_MIN_BLOCKS
+                                                                  : 3)
     MhcFusedPassKernel(FusedParams p) {
   static_assert(!kGemmOnly || (kMix && !kShifted && !kAux), "the GEMM-only pass writes partials only");
   static_assert(!kOneLaunch || (kShifted && !kGemmOnly && kTiles == 1), "one launch: shifted mode, 16-token tiles");

@@ -151,12 +151,27 @@ absl::Status LaunchFinalizeN(const FinalizeParams& fp, bool vec, const GpuContex
 #endif
 constexpr int64_t kSingleTileMaxTokens = FL_MHC_SINGLE_TILE_MAX_TOKENS;
 
+// 16-token tiles: the default instance (FL_MHC_TILE16_MIN_BLOCKS = 3 CTAs per SM, no spills) while
+// the grid fits one wave of those; a larger grid runs the 4-CTA/SM instance (128 registers, a few
+// spilled), which turns e.g. C = 7168, T = 128 (448 CTAs) from 1.13 waves into one (measured -11%
+// there as a global switch, but +1-2% at T <= 64 from the spills: MHC_GPU_NOTES.md, "bf16 fn
+// round", v1; hence only where the grid exceeds the 3-CTA wave). Same arithmetic, same bits: the
+// choice may depend on T (tested: BatchInvariance crosses it).
+constexpr int kTile16WideMinBlocks = 4;
+
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false>
-void EnqueueFusedPass(const FusedParams& fp, int nchunk, gpuStream_t stream) {
+void EnqueueFusedPass(const FusedParams& fp, int nchunk, int sm_count, gpuStream_t stream) {
   if (fp.tokens <= kSingleTileMaxTokens) {
-    const dim3 grid(unsigned((fp.tokens + 15) / 16), unsigned(nchunk));
-    mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1>
-        <<<grid, mhc::kFusedThreads, 0, stream>>>(fp);
+    const int64_t tiles = (fp.tokens + 15) / 16;
+    const dim3 grid{unsigned(tiles), unsigned(nchunk)};
+    if (tiles * nchunk > int64_t(FL_MHC_TILE16_MIN_BLOCKS) * std::max(sm_count, 1) &&
+        kTile16WideMinBlocks > FL_MHC_TILE16_MIN_BLOCKS) {
+      mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1, false, kTile16WideMinBlocks>
+          <<<grid, mhc::kFusedThreads, 0, stream>>>(fp);
+    } else {
+      mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1>
+          <<<grid, mhc::kFusedThreads, 0, stream>>>(fp);
+    }
   } else {
     const dim3 grid(unsigned((fp.tokens + 31) / 32), unsigned(nchunk));
     mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 2>
@@ -233,9 +248,9 @@ absl::Status LaunchUnfusedN(const GpuMhcWeights& w, const MhcArgs& a, GpuContext
         fp.tokens = ts;
         fp.C = C;
         if (first) {
-          EnqueueFusedPass<true, false, false, false, true, true>(fp, nsplit, ctx.stream);
+          EnqueueFusedPass<true, false, false, false, true, true>(fp, nsplit, ctx.sm_count, ctx.stream);
         } else {
-          EnqueueFusedPass<false, false, false, false, true, true>(fp, nsplit, ctx.stream);
+          EnqueueFusedPass<false, false, false, false, true, true>(fp, nsplit, ctx.sm_count, ctx.stream);
         }
         if (absl::Status s = LaunchStatus("MhcFusedPassKernel (mixes GEMM)"); !s.ok()) return s;
       }
@@ -407,22 +422,22 @@ absl::Status LaunchFused(const GpuMhcWeights& w, const MhcArgs& a, GpuContext& c
     }
     // Template flags: (first, shifted, has_pre, aux, mix).
     if (first) {
-      if (shifted) EnqueueFusedPass<true, true, false, false, true>(fp, nchunk, ctx.stream);
-      else EnqueueFusedPass<true, false, false, false, true>(fp, nchunk, ctx.stream);
+      if (shifted) EnqueueFusedPass<true, true, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+      else EnqueueFusedPass<true, false, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
     } else if (head) {
-      if (has_pre) EnqueueFusedPass<false, true, true, false, false>(fp, nchunk, ctx.stream);
-      else EnqueueFusedPass<false, true, false, false, false>(fp, nchunk, ctx.stream);
+      if (has_pre) EnqueueFusedPass<false, true, true, false, false>(fp, nchunk, ctx.sm_count, ctx.stream);
+      else EnqueueFusedPass<false, true, false, false, false>(fp, nchunk, ctx.sm_count, ctx.stream);
     } else if (shifted) {
       if (has_pre) {
-        if (aux) EnqueueFusedPass<false, true, true, true, true>(fp, nchunk, ctx.stream);
-        else EnqueueFusedPass<false, true, true, false, true>(fp, nchunk, ctx.stream);
+        if (aux) EnqueueFusedPass<false, true, true, true, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+        else EnqueueFusedPass<false, true, true, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
       } else {
-        if (aux) EnqueueFusedPass<false, true, false, true, true>(fp, nchunk, ctx.stream);
-        else EnqueueFusedPass<false, true, false, false, true>(fp, nchunk, ctx.stream);
+        if (aux) EnqueueFusedPass<false, true, false, true, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+        else EnqueueFusedPass<false, true, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
       }
     } else {
-      if (aux) EnqueueFusedPass<false, false, false, true, true>(fp, nchunk, ctx.stream);
-      else EnqueueFusedPass<false, false, false, false, true>(fp, nchunk, ctx.stream);
+      if (aux) EnqueueFusedPass<false, false, false, true, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+      else EnqueueFusedPass<false, false, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
     }
     if (absl::Status s = LaunchStatus("MhcFusedPassKernel"); !s.ok()) return s;
 
