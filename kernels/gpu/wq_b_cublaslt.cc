@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cublaslt_loader.h"
 
 namespace fusedlayer::gpu {
 namespace {
@@ -32,25 +33,30 @@ constexpr int64_t kMaxRowsCandidates[] = {65536, 16384};
 constexpr int64_t kMinMaxRows = 4096;
 constexpr size_t kAlign = 256;  // scratch regions
 
+// The loaded library. Only called once State() has succeeded, which loads it.
+const CublasLtApi& Lt() { return *LoadCublasLt(); }
+
 struct LtState final : GpuContext::Extension {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   std::set<std::pair<int, int>> logged;  // (n, k) whose pinned algorithm was logged
   ~LtState() override {
-    if (handle != nullptr) (void)cublasLtDestroy(handle);
+    if (handle != nullptr) (void)Lt().Destroy(handle);
     if (workspace != nullptr) (void)cudaFree(workspace);
   }
 };
 
 absl::Status LtStatus(cublasStatus_t s, const char* what) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": ", cublasLtGetStatusName(s), " (", int(s), ")"));
+  return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": ", Lt().GetStatusName(s), " (", int(s), ")"));
 }
 
 absl::StatusOr<LtState*> State(GpuContext& ctx) {
   if (ctx.wq_b_lt != nullptr) return static_cast<LtState*>(ctx.wq_b_lt.get());
+  std::string why_not;
+  if (LoadCublasLt(&why_not) == nullptr) return absl::FailedPreconditionError(why_not);
   auto st = std::make_unique<LtState>();
-  if (absl::Status s = LtStatus(cublasLtCreate(&st->handle), "create"); !s.ok()) {
+  if (absl::Status s = LtStatus(Lt().Create(&st->handle), "create"); !s.ok()) {
     st->handle = nullptr;
     return s;
   }
@@ -78,12 +84,12 @@ struct Problem {
 
   absl::Status Init(int n, int k, int64_t rows, const void* w_scale, const void* q_scale) {
     absl::Status s;
-    if (!(s = LtStatus(cublasLtMatmulDescInit(op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc")).ok()) return s;
+    if (!(s = LtStatus(Lt().MatmulDescInit(op, sizeof(*op), CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc")).ok()) return s;
     const int32_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     const int32_t ma = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, mb = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     const int8_t fast = 0;
     auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* v, size_t bytes, const char* what) {
-      return LtStatus(cublasLtMatmulDescSetAttribute(op, attr, v, bytes), what);
+      return LtStatus(Lt().MatmulDescSetAttribute(op, attr, v, bytes), what);
     };
     if (!(s = set(CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta), "TRANSA")).ok()) return s;
     if (!(s = set(CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb), "TRANSB")).ok()) return s;
@@ -92,16 +98,16 @@ struct Problem {
     if (!(s = set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast), "FAST_ACCUM")).ok()) return s;
     if (!(s = set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof(w_scale), "A_SCALE_POINTER")).ok()) return s;
     if (!(s = set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &q_scale, sizeof(q_scale), "B_SCALE_POINTER")).ok()) return s;
-    if (!(s = LtStatus(cublasLtMatrixLayoutInit(la, CUDA_R_8F_E4M3, uint64_t(k), uint64_t(n), int64_t(k)), "layout A"))
+    if (!(s = LtStatus(Lt().MatrixLayoutInit(la, sizeof(*la), CUDA_R_8F_E4M3, uint64_t(k), uint64_t(n), int64_t(k)), "layout A"))
              .ok()) {
       return s;
     }
-    if (!(s = LtStatus(cublasLtMatrixLayoutInit(lb, CUDA_R_8F_E4M3, uint64_t(k), uint64_t(rows), int64_t(k)),
+    if (!(s = LtStatus(Lt().MatrixLayoutInit(lb, sizeof(*lb), CUDA_R_8F_E4M3, uint64_t(k), uint64_t(rows), int64_t(k)),
                        "layout B"))
              .ok()) {
       return s;
     }
-    return LtStatus(cublasLtMatrixLayoutInit(ld, CUDA_R_16BF, uint64_t(n), uint64_t(rows), int64_t(n)), "layout D");
+    return LtStatus(Lt().MatrixLayoutInit(ld, sizeof(*ld), CUDA_R_16BF, uint64_t(n), uint64_t(rows), int64_t(n)), "layout D");
   }
 };
 
@@ -109,14 +115,14 @@ template <typename T>
 T ConfigAttr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
   T v{};
   size_t written = 0;
-  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) return T{};
+  if (Lt().MatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) return T{};
   return v;
 }
 
 uint32_t CapAlign(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr) {
   uint32_t v = 0;
   size_t written = 0;
-  if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS || v == 0) {
+  if (Lt().MatmulAlgoCapGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS || v == 0) {
     return 256;  // the heuristic's default assumption
   }
   return v;
@@ -141,17 +147,17 @@ absl::StatusOr<std::vector<cublasLtMatmulHeuristicResult_t>> Heuristic(LtState& 
   if (absl::Status s = p.Init(n, k, rows, st.workspace, st.workspace); !s.ok()) return s;
   cublasLtMatmulPreferenceOpaque_t pref_storage;
   cublasLtMatmulPreference_t pref = &pref_storage;
-  if (absl::Status s = LtStatus(cublasLtMatmulPreferenceInit(pref), "preference"); !s.ok()) return s;
+  if (absl::Status s = LtStatus(Lt().MatmulPreferenceInit(pref, sizeof(*pref)), "preference"); !s.ok()) return s;
   const size_t wsz = kWqbLtWorkspaceBytes;
   if (absl::Status s = LtStatus(
-          cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)),
+          Lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)),
           "preference workspace");
       !s.ok()) {
     return s;
   }
   std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(count));
   int got = 0;
-  if (absl::Status s = LtStatus(cublasLtMatmulAlgoGetHeuristic(st.handle, p.op, p.la, p.lb, p.ld, p.ld, pref, count,
+  if (absl::Status s = LtStatus(Lt().MatmulAlgoGetHeuristic(st.handle, p.op, p.la, p.lb, p.ld, p.ld, pref, count,
                                                                res.data(), &got),
                                 "heuristic");
       !s.ok()) {
@@ -167,7 +173,7 @@ absl::StatusOr<size_t> Check(LtState& st, const cublasLtMatmulAlgo_t& algo, int 
   if (absl::Status s = p.Init(n, k, rows, st.workspace, st.workspace); !s.ok()) return s;
   cublasLtMatmulHeuristicResult_t r;
   std::memset(&r, 0, sizeof(r));
-  if (absl::Status s = LtStatus(cublasLtMatmulAlgoCheck(st.handle, p.op, p.la, p.lb, p.ld, p.ld, &algo, &r),
+  if (absl::Status s = LtStatus(Lt().MatmulAlgoCheck(st.handle, p.op, p.la, p.lb, p.ld, p.ld, &algo, &r),
                                 "algo check");
       !s.ok()) {
     return s;
@@ -236,7 +242,7 @@ absl::StatusOr<WqbLtPlan> PlanWqbCublasLt(GpuContext& ctx, int n, int k, int64_t
     plan.min_align_b = CapAlign(h.algo, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES);
     plan.min_align_d = CapAlign(h.algo, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES);
     plan.description = absl::StrCat(Describe(h.algo, ws), ", pinned from the heuristic at M = ", plan_rows,
-                                    ", max rows per call ", max_rows, ", cuBLASLt ", cublasLtGetVersion());
+                                    ", max rows per call ", max_rows, ", cuBLASLt ", Lt().GetVersion());
     if (st.logged.insert({n, k}).second) {
       std::fprintf(stderr, "fusedlayer gpu: wq_b N=%d K=%d uses cuBLASLt block-scaled FP8 (%s)\n", n, k,
                    plan.description.c_str());
@@ -319,7 +325,7 @@ absl::Status LaunchWqbCublasLt(const WqbLtPlan& plan, GpuContext& ctx, const uin
   auto matmul = [&](const uint8_t* q, const float* qs, uint16_t* d, int64_t rows) -> absl::Status {
     Problem p;
     if (absl::Status s = p.Init(n, k, rows, b_scale, qs); !s.ok()) return s;
-    return LtStatus(cublasLtMatmul(st.handle, p.op, &alpha, b, p.la, q, p.lb, &beta, d, p.ld, d, p.ld, &algo,
+    return LtStatus(Lt().Matmul(st.handle, p.op, &alpha, b, p.la, q, p.lb, &beta, d, p.ld, d, p.ld, &algo,
                                    st.workspace, kWqbLtWorkspaceBytes, ctx.stream),
                     "matmul");
   };
