@@ -41,6 +41,23 @@ if [ -n "$NVCC" ]; then
   cmake -S "$ROOT" -B "$BUILD-cuda" -G Ninja -DFUSEDLAYER_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" \
     -DFUSEDLAYER_BUILD_SERVER=OFF -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST
   cmake --build "$BUILD-cuda" -j"$JOBS"
+  # The CUDA-built server must start and serve /metrics on a machine without a GPU (it picks the
+  # CPU backend). Linking libcublasLt once broke exactly this (its TLS starved civetweb's threads).
+  step "CUDA-built server: starts and serves /metrics (CPU backend here: no GPU)"
+  cmake -S "$ROOT" -B "$BUILD-cuda" -DFUSEDLAYER_BUILD_SERVER=ON > /dev/null
+  cmake --build "$BUILD-cuda" -j"$JOBS" --target fusedlayer_server
+  "$BUILD-cuda/server/fusedlayer_server" --demo_weights --address=127.0.0.1:50391 \
+    --metrics_address=127.0.0.1:50392 > "$BUILD-cuda/server-start.log" 2>&1 &
+  cuda_server=$!
+  ok=0
+  for _ in $(seq 1 60); do
+    if curl -fsS http://127.0.0.1:50392/metrics 2>/dev/null | grep -q '^fusedlayer_build_info{.*backend="cpu"'; then ok=1; break; fi
+    kill -0 "$cuda_server" 2>/dev/null || break
+    sleep 0.5
+  done
+  kill -TERM "$cuda_server" 2>/dev/null; wait "$cuda_server" 2>/dev/null || true
+  if [ "$ok" != 1 ]; then cat "$BUILD-cuda/server-start.log"; echo "FAIL: the CUDA-built server did not serve /metrics"; exit 1; fi
+  echo "CUDA-built server served /metrics (backend cpu)"
 else
   step "CUDA build skipped: no nvcc on this machine"
 fi
