@@ -117,6 +117,10 @@ COPY --from=cuda-build /out/fusedlayer_server /out/fusedctl /usr/local/bin/
 # Every shared library must resolve, except the driver (libcuda.so.1), which the NVIDIA
 # Container Toolkit mounts at run time.
 RUN ! ldd /usr/local/bin/fusedlayer_server /usr/local/bin/fusedctl | grep 'not found' | grep -v 'libcuda\.so\.1'
+# cuBLASLt (the wq_b projection) is loaded with dlopen at first use (kernels/gpu/cublaslt_loader.h),
+# so ldd does not list it: check that the runtime image has the soname the build expects.
+ARG CUDA_VERSION
+RUN ldconfig -p | grep -q "libcublasLt\.so\.${CUDA_VERSION%%.*} "
 # compute: CUDA; utility: nvidia-smi / NVML inside the container for debugging.
 ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 10001:10001
