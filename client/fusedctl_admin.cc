@@ -51,6 +51,7 @@ void PrintWeightSet(const v1::WeightSetInfo& ws, std::ostream& out) {
         << " eps=" << OptFloat(s.has_eps(), s.eps(), "1e-06")
         << " wq_b=" << (ws.wq_b_rows() > 0 ? absl::StrCat("N=", ws.wq_b_rows()) : std::string("none")) << "; "
         << capability("swa") << "\n";
+    if (!ws.wq_b_implementation().empty()) out << "  wq_b        " << ws.wq_b_implementation() << "\n";
   }
 }
 

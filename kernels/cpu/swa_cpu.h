@@ -15,6 +15,9 @@ class CpuSwaWeights final : public PreparedSwaWeights {
  public:
   const SwaHyperParams& params() const override { return params_; }
   size_t resident_bytes() const override;
+  std::string wq_b_implementation() const override {
+    return params_.has_wq_b() ? "CPU reference GEMM (swa_cpu_gemm.cc)" : "";
+  }
 
   SwaHyperParams params_;
   std::vector<uint16_t> q_norm_;      // [Q] bf16 bits

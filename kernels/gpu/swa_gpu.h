@@ -20,6 +20,7 @@ class GpuSwaWeights final : public PreparedSwaWeights {
  public:
   const SwaHyperParams& params() const override { return params_; }
   size_t resident_bytes() const override { return resident_bytes_; }
+  std::string wq_b_implementation() const override { return wq_b_impl_detail; }
 
   SwaHyperParams params_;
   GpuMemory q_norm;      // bf16 [Q]

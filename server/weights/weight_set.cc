@@ -364,6 +364,7 @@ v1::WeightSetInfo ToInfo(const WeightSet& set, const Backend& backend) {
   if (set.swa) {
     *info.mutable_swa() = set.header.swa();
     info.set_wq_b_rows(set.swa->params().wq_b_rows);
+    info.set_wq_b_implementation(set.swa->wq_b_implementation());
     SwaShapeQuery q;
     q.tokens = 1;
     add_capability("swa", backend.SwaFusedSupport(*set.swa, q));

@@ -403,12 +403,14 @@ TEST(GpuSwa, WqbImplementationPerWeightSet) {
     EXPECT_EQ((*w)->wq_b_impl, want_lt ? gpu::GpuSwaWeights::WqbImpl::kCublasLt : gpu::GpuSwaWeights::WqbImpl::kOwnKernel)
         << (*w)->wq_b_impl_detail;
     EXPECT_FALSE((*w)->wq_b_impl_detail.empty());
+    EXPECT_EQ((*w)->wq_b_implementation(), (*w)->wq_b_impl_detail);  // what WeightSetInfo reports
   }
   // Without wq_b there is no GEMM at all.
   Problem none(Case{1, 1536, 512});
   auto w = gpu::PrepareSwaGpu(none.Params(), none.Weights(), ctx);
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_EQ((*w)->wq_b_impl, gpu::GpuSwaWeights::WqbImpl::kNone);
+  EXPECT_EQ((*w)->wq_b_implementation(), "");
 }
 
 // The projection alone (LaunchWqbProjection, the launcher's GEMM step) on fixed random operands:

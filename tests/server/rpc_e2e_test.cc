@@ -79,6 +79,8 @@ TEST(ServerRpc, LoadListReplaceUnload) {
   EXPECT_TRUE(info.has_mhc());
   EXPECT_TRUE(info.has_swa());
   EXPECT_EQ(info.wq_b_rows(), 128);
+  // Which implementation computes q_proj is reported (the CPU backend's reference GEMM here).
+  EXPECT_EQ(info.wq_b_implementation(), "CPU reference GEMM (swa_cpu_gemm.cc)");
   EXPECT_GT(info.resident_bytes(), 0u);
   EXPECT_EQ(info.sha256(), set.first.sha256());
 

@@ -1021,6 +1021,7 @@ TEST(DemoWeightsTest, BuildOnCpuWithFusedAvailable) {
   EXPECT_EQ(flash.swa().scale_format(), v1::SCALE_FORMAT_FP32);
   EXPECT_EQ(flash.swa().scale_layout(), v1::SCALE_LAYOUT_ROW_MAJOR);
   EXPECT_EQ(flash.wq_b_rows(), 1024);
+  EXPECT_FALSE(flash.wq_b_implementation().empty());
   EXPECT_TRUE(flash.has_norm_weight());
   const v1::WeightSetInfo& pro = infos.at(kDemoProSetName);
   EXPECT_EQ(pro.mhc().hidden(), 7168);
@@ -1029,6 +1030,7 @@ TEST(DemoWeightsTest, BuildOnCpuWithFusedAvailable) {
   EXPECT_EQ(pro.swa().scale_format(), v1::SCALE_FORMAT_UE8M0);
   EXPECT_EQ(pro.swa().scale_layout(), v1::SCALE_LAYOUT_COLUMN_MAJOR_TMA);
   EXPECT_EQ(pro.wq_b_rows(), 0);
+  EXPECT_EQ(pro.wq_b_implementation(), "");  // no wq_b, nothing to report
   for (const auto& [name, info] : infos) {
     EXPECT_EQ(info.source(), "demo");
     EXPECT_GT(info.resident_bytes(), 0u);

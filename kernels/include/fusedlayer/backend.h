@@ -57,6 +57,10 @@ class PreparedSwaWeights {
   virtual ~PreparedSwaWeights() = default;
   virtual const SwaHyperParams& params() const = 0;
   virtual size_t resident_bytes() const = 0;
+  // What computes the wq_b projection of this set, fixed at load (e.g. "cuBLASLt: algo ..." or
+  // "our kernel (e4m3fnuz has no cuBLASLt data type on NVIDIA)"); empty without wq_b. Reported in
+  // WeightSetInfo so an operator sees a slow fallback without reading logs.
+  virtual std::string wq_b_implementation() const = 0;
 };
 
 struct RunStats {
