@@ -56,11 +56,7 @@ class GpuBackend final : public Backend {
   // gpuFree, no device-wide synchronisation per buffer. Without it, plain gpuMalloc / gpuFree.
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes == 0) return DeviceBuffer();
-    if (!pool_) {
-      auto mem = gpu::GpuAlloc(bytes);
-      if (!mem.ok()) return mem.status();
-      return DeviceBuffer(mem->release(), bytes, [](void* p) { (void)gpuFree(p); });
-    }
+    if (!pool_) return PlainBuffer(bytes);
     void* p = nullptr;
     gpuError_t err = gpuMallocAsync(&p, bytes, ctx_->stream);
     if (err == gpuErrorMemoryAllocation) {
@@ -76,9 +72,7 @@ class GpuBackend final : public Backend {
         return absl::ResourceExhaustedError(absl::StrCat("device memory: ", bytes, " bytes for a request buffer"));
       }
       // Anything else (e.g. a size the pool refuses outright): the plain allocator decides.
-      auto mem = gpu::GpuAlloc(bytes);
-      if (!mem.ok()) return mem.status();
-      return DeviceBuffer(mem->release(), bytes, [](void* q) { (void)gpuFree(q); });
+      return PlainBuffer(bytes);
     }
     gpuStream_t stream = ctx_->stream;
     return DeviceBuffer(p, bytes, [stream](void* q) { (void)gpuFreeAsync(q, stream); });
@@ -128,6 +122,12 @@ class GpuBackend final : public Backend {
   }
 
  private:
+  static absl::StatusOr<DeviceBuffer> PlainBuffer(size_t bytes) {
+    auto mem = gpu::GpuAlloc(bytes);
+    if (!mem.ok()) return mem.status();
+    return DeviceBuffer(mem->release(), bytes, [](void* p) { (void)gpuFree(p); });
+  }
+
   // Request buffers come from the device's default stream-ordered pool, which keeps freed memory
   // for reuse instead of returning it to the driver at every synchronisation (release threshold =
   // unlimited). What it retains is bounded by the largest request's tensors: the executor runs one

@@ -86,19 +86,33 @@ absl::StatusOr<std::unique_ptr<GpuSwaWeights>> PrepareSwaGpu(const SwaHyperParam
   return w;
 }
 
+namespace {
+
+// The cuBLASLt algorithm's operand alignment, checked before anything is enqueued (our own kernel
+// would accept any pointer, but mixing implementations per call would break batch invariance).
+absl::Status CheckWqbOperands(const GpuSwaWeights& weights, const uint8_t* q_fp8, const uint16_t* q_proj) {
+#if !FL_HIP
+  if (weights.wq_b_impl == GpuSwaWeights::WqbImpl::kCublasLt &&
+      !WqbCublasLtAligned(weights.wq_b_lt, q_fp8, static_cast<const uint8_t*>(weights.wq_b.get()), q_proj)) {
+    return absl::InvalidArgumentError(absl::StrCat("q_fp8 and q_proj must be aligned to ", weights.wq_b_lt.min_align_b,
+                                                   " and ", weights.wq_b_lt.min_align_d,
+                                                   " bytes for this weight set's cuBLASLt wq_b algorithm"));
+  }
+#endif
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status LaunchWqbProjection(const GpuSwaWeights& weights, const uint8_t* q_fp8, const float* q_scale,
                                  const SwaScaleLayout& layout, uint16_t* q_proj, int64_t tokens, GpuContext& ctx) {
   const SwaHyperParams& hp = weights.params();
   if (!hp.has_wq_b()) return absl::FailedPreconditionError("the weight set has no wq_b");
   const auto* b = static_cast<const uint8_t*>(weights.wq_b.get());
   const auto* bs = static_cast<const float*>(weights.wq_b_scale.get());
+  if (absl::Status s = CheckWqbOperands(weights, q_fp8, q_proj); !s.ok()) return s;
 #if !FL_HIP
   if (weights.wq_b_impl == GpuSwaWeights::WqbImpl::kCublasLt) {
-    if (!WqbCublasLtAligned(weights.wq_b_lt, q_fp8, b, q_proj)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "q_fp8 and q_proj must be aligned to ", weights.wq_b_lt.min_align_b, " and ", weights.wq_b_lt.min_align_d,
-          " bytes for this weight set's cuBLASLt wq_b algorithm"));
-    }
     return LaunchWqbCublasLt(weights.wq_b_lt, ctx, q_fp8, q_scale, layout, b, bs, q_proj, tokens);
   }
 #endif
@@ -129,16 +143,12 @@ absl::Status LaunchSwaGpu(const GpuSwaWeights& weights, const SwaArgs& args, Pat
   const int64_t M = args.tokens;
   if (M == 0) return absl::OkStatus();
   const int Q = int(hp.q_rank), D = int(hp.head_dim);
-#if !FL_HIP
-  // Checked before anything is enqueued (the GEMM is the last step).
-  if (hp.has_wq_b() && weights.wq_b_impl == GpuSwaWeights::WqbImpl::kCublasLt &&
-      !WqbCublasLtAligned(weights.wq_b_lt, args.q_fp8.ptr<const uint8_t>(),
-                          static_cast<const uint8_t*>(weights.wq_b.get()), args.q_proj.ptr<const uint16_t>())) {
-    return absl::InvalidArgumentError(absl::StrCat("q_fp8 and q_proj must be aligned to ", weights.wq_b_lt.min_align_b,
-                                                   " and ", weights.wq_b_lt.min_align_d,
-                                                   " bytes for this weight set's cuBLASLt wq_b algorithm"));
+  if (hp.has_wq_b()) {  // the GEMM is the last step: check its operands before the first launch
+    if (absl::Status s = CheckWqbOperands(weights, args.q_fp8.ptr<const uint8_t>(), args.q_proj.ptr<const uint16_t>());
+        !s.ok()) {
+      return s;
+    }
   }
-#endif
 
   SwaScaleLayout layout;
   if (hp.scale_layout == ScaleLayout::kRowMajor) {

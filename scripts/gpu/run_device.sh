@@ -8,6 +8,15 @@ export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"tests sanitize bench torch smoke shadow"}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
+# start_server PORT METRICS_PORT LOG [extra flags...]: a CUDA-backend server with the demo weights in
+# the background (pid in $pid), returning once its health check answers (or after 60 s).
+start_server() {
+  local port=$1 mport=$2 log=$3; shift 3
+  ./fusedlayer_server --demo_weights --backend=cuda --address=127.0.0.1:$port \
+    --metrics_address=127.0.0.1:$mport "$@" > "$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:$port --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
 
 if want tests; then
@@ -36,9 +45,7 @@ if want torch; then
 fi
 if want smoke; then
   echo "== server smoke (CUDA backend, demo weights)"
-  ./fusedlayer_server --demo_weights --backend=cuda --address=127.0.0.1:50151 --metrics_address=127.0.0.1:50152 > "$OUT/server.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:50151 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+  start_server 50151 50152 "$OUT/server.log"
   { C="--target=127.0.0.1:50151"
     ./fusedctl info $C; ./fusedctl health $C --service=fusedlayer.swa
     ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64
@@ -54,10 +61,7 @@ if want smoke; then
   # A/B of the request staging allocator (docs/operations.md): the same benches with plain
   # cudaMalloc/cudaFree per request buffer.
   echo "== server smoke, FUSEDLAYER_NO_GPU_STAGING_POOL=1 (plain allocation, for comparison)"
-  FUSEDLAYER_NO_GPU_STAGING_POOL=1 ./fusedlayer_server --demo_weights --backend=cuda --address=127.0.0.1:50171 \
-    --metrics_address=127.0.0.1:50172 > "$OUT/server-nopool.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:50171 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+  FUSEDLAYER_NO_GPU_STAGING_POOL=1 start_server 50171 50172 "$OUT/server-nopool.log"
   { C="--target=127.0.0.1:50171"
     ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
     ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
@@ -67,10 +71,7 @@ if want smoke; then
 fi
 if want shadow; then
   echo "== shadow verification on the GPU (CUDA backend, demo weights, sample rate 1, verify)"
-  ./fusedlayer_server --demo_weights --backend=cuda --shadow_sample_rate=1 --address=127.0.0.1:50161 \
-    --metrics_address=127.0.0.1:50162 > "$OUT/shadow-server.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:50161 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+  start_server 50161 50162 "$OUT/shadow-server.log" --shadow_sample_rate=1
   { C="--target=127.0.0.1:50161"
     for ws in v4-pro/demo v41-flash/demo; do
       for T in 1 7 64 300; do

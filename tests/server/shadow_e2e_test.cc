@@ -67,14 +67,7 @@ server::ServerConfig ShadowConfig(double rate, int64_t queue = 64) {
 }
 
 SwaSetSpec SwaSpec(v1::Fp8Format fp8, v1::ScaleFormat scale, v1::ScaleLayout layout, int64_t wq_b) {
-  SwaSetSpec s;
-  s.q_rank = 512;
-  s.head_dim = 128;
-  s.fp8 = fp8;
-  s.scale = scale;
-  s.layout = layout;
-  s.wq_b_rows = wq_b;
-  return s;
+  return {.q_rank = 512, .head_dim = 128, .fp8 = fp8, .scale = scale, .layout = layout, .wq_b_rows = wq_b};
 }
 
 TEST(ShadowE2E, ZeroMismatchesOverManyRandomRequestsInEveryConfig) {

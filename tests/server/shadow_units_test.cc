@@ -325,13 +325,7 @@ TEST(ShadowCompareSwa, CorrectKernelsNeverMismatchAcrossConfigs) {
 }
 
 SwaSetSpec Spec(v1::ScaleFormat scale, v1::ScaleLayout layout = v1::SCALE_LAYOUT_ROW_MAJOR, int64_t wq_b = 0) {
-  SwaSetSpec s;
-  s.q_rank = 512;
-  s.head_dim = 128;
-  s.scale = scale;
-  s.layout = layout;
-  s.wq_b_rows = wq_b;
-  return s;
+  return {.q_rank = 512, .head_dim = 128, .scale = scale, .layout = layout, .wq_b_rows = wq_b};
 }
 
 TEST(ShadowCompareSwa, KvFlipIsAKvMismatch) {
