@@ -17,12 +17,18 @@
 // are cloned for x86-64-v4 (AVX-512) and x86-64-v3 (AVX2 + FMA) and picked at load time (ifunc);
 // with contraction off, explicit fmaf and no -ffast-math reassociation, every clone produces the
 // same bits as the baseline code (vectorisation maps the 16 lanes onto registers, it never
-// reorders a lane's additions).
+// reorders a lane's additions). The mixes GEMM also has a hand-tiled AVX-512 form (intrinsics,
+// MixLaneSumsAvx512) picked at run time on x86-64-v4 CPUs: register tiles of 4 tokens x 6 fn rows,
+// the same per-lane FMA chains, so the same bits (asserted by MhcCpuGemmForms in the suite).
 #include "mhc_cpu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(FUSEDLAYER_NO_MULTIVERSION)
+#include <immintrin.h>
+#endif
 
 #include "absl/strings/str_cat.h"
 #include "fusedlayer/numeric.h"
@@ -32,8 +38,12 @@ namespace {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(FUSEDLAYER_NO_MULTIVERSION)
 #define FL_MHC_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// The mixes GEMM has a hand-blocked AVX-512 version (MixDotsAvx512), picked at run time.
+#define FL_MHC_AVX512_GEMM 1
+#define FL_AVX512_FN __attribute__((target("arch=x86-64-v4")))
 #else
 #define FL_MHC_MULTIVERSION
+#define FL_MHC_AVX512_GEMM 0
 #endif
 
 using bf16 = bf16_bits;
@@ -145,22 +155,24 @@ FL_FORCE_INLINE void Dot1(const float* rf, const float* f0, int64_t len, float* 
   for (int l = 0; l < kLanes; ++l) acc[l] = s0[l];
 }
 
-// Sum of squares and the M dot products of R'_flat (rows of new_residual) for tokens [t0, t1),
-// t1 - t0 <= kTokenBlock. The k chunking (fn chunk reused by every token of the tile from L2) and
-// the row grouping change only the memory access order, never a lane's arithmetic.
-template <int kN, bool kFullTiles>
-FL_MHC_MULTIVERSION void MixDotsBlock(const Problem& p, int64_t t0, int64_t t1, float* d /*[nt][M]*/,
-                                      float* S /*[nt]*/) {
+// Lane sums of the mixes GEMM over k < k_full (a multiple of kLanes) for nt <= kTokenBlock tokens:
+// sacc[t][l] = sum of squares and acc[t][o][l] = dot products of R'_flat (rows of new_residual),
+// lane l taking k = l, l + 16, ... in ascending order. acc and sacc come in zeroed. Both versions
+// below (and the ISA clones of the generic one) run exactly these per-lane FMA chains; k chunking,
+// token/row blocking and register tiling change only the memory access order.
+template <int kN>
+using MixAcc = float[kN * (kN + 2)][kLanes];
+
+// Generic form (the target_clones vectorise it): per token, four fn rows share each load of R'.
+// The k chunking keeps the fn chunk in L2 for every token of the tile.
+template <int kN>
+FL_MHC_MULTIVERSION void MixLaneSumsGeneric(const Problem& p, int64_t t0, int64_t nt, int64_t k_full,
+                                            MixAcc<kN>* acc, float (*sacc)[kLanes]) {
   constexpr int M = kN * (kN + 2);
-  const int64_t K = p.K, nt = t1 - t0;
+  const int64_t K = p.K;
   const float* fn = p.w->fn_.data();
   const bf16* rows = p.a->new_residual.ptr<const bf16>() + t0 * K;
-  alignas(64) float acc[kTokenBlock][M][kLanes];
-  alignas(64) float sacc[kTokenBlock][kLanes];
   alignas(64) float rf[kKChunk];
-  std::memset(acc, 0, sizeof(acc));
-  std::memset(sacc, 0, sizeof(sacc));
-  const int64_t k_full = kFullTiles ? K : K / kLanes * kLanes;
   for (int64_t k0 = 0; k0 < k_full; k0 += kKChunk) {
     const int64_t len = std::min(k_full, k0 + kKChunk) - k0;
     for (int64_t t = 0; t < nt; ++t) {
@@ -180,6 +192,126 @@ FL_MHC_MULTIVERSION void MixDotsBlock(const Problem& p, int64_t t0, int64_t t1, 
       for (; o < M; ++o) Dot1(rf, fn + int64_t(o) * K + k0, len, acc[t][o]);
     }
   }
+}
+
+#if FL_MHC_AVX512_GEMM
+// AVX-512 form: one zmm holds the 16 lanes of one (token, fn row) pair, and a register tile of
+// kTok tokens x kRows fn rows shares every load (kTok + kRows loads per kTok * kRows FMAs, against
+// 5 per 4 in the generic form), so the fn chunk is read once per 4 tokens instead of once per token.
+// _mm512_fmadd_ps(a, b, c) rounds a * b + c once, exactly as fmaf: same bits as the generic form.
+constexpr int64_t kKChunkAvx512 = 512;  // 8 tokens x 2 KB of R' + 24 fn rows x 2 KB: L1/L2-resident
+constexpr int kRowTileAvx512 = 6;       // 4 x 6 accumulators + 4 R' vectors + 1 fn vector = 29 zmm
+
+template <int kTok, int kRows>
+FL_AVX512_FN FL_FORCE_INLINE void DotTileAvx512(const float* rf, const float* f, int64_t K, int64_t len, float* acc,
+                                                int64_t acc_tok_stride) {
+  __m512 s[kTok][kRows];
+#pragma GCC unroll 8
+  for (int t = 0; t < kTok; ++t) {
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) s[t][r] = _mm512_load_ps(acc + t * acc_tok_stride + r * kLanes);
+  }
+  for (int64_t k = 0; k < len; k += kLanes) {
+    __m512 x[kTok];
+#pragma GCC unroll 8
+    for (int t = 0; t < kTok; ++t) x[t] = _mm512_load_ps(rf + t * kKChunkAvx512 + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 fv = _mm512_loadu_ps(f + r * K + k);
+#pragma GCC unroll 8
+      for (int t = 0; t < kTok; ++t) s[t][r] = _mm512_fmadd_ps(x[t], fv, s[t][r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < kTok; ++t) {
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) _mm512_store_ps(acc + t * acc_tok_stride + r * kLanes, s[t][r]);
+  }
+}
+
+// kRows fn rows against all nt tokens, four tokens per register tile.
+template <int kRows>
+FL_AVX512_FN FL_FORCE_INLINE void DotRowsAvx512(const float* rf, const float* f, int64_t K, int64_t len, int64_t nt,
+                                                float* acc, int64_t acc_tok_stride) {
+  int64_t t = 0;
+  for (; t + 4 <= nt; t += 4) {
+    DotTileAvx512<4, kRows>(rf + t * kKChunkAvx512, f, K, len, acc + t * acc_tok_stride, acc_tok_stride);
+  }
+  const float* rt = rf + t * kKChunkAvx512;
+  float* at = acc + t * acc_tok_stride;
+  switch (nt - t) {
+    case 3: DotTileAvx512<3, kRows>(rt, f, K, len, at, acc_tok_stride); break;
+    case 2: DotTileAvx512<2, kRows>(rt, f, K, len, at, acc_tok_stride); break;
+    case 1: DotTileAvx512<1, kRows>(rt, f, K, len, at, acc_tok_stride); break;
+    default: break;
+  }
+}
+
+template <int kN>
+FL_AVX512_FN void MixLaneSumsAvx512(const Problem& p, int64_t t0, int64_t nt, int64_t k_full, MixAcc<kN>* acc,
+                                    float (*sacc)[kLanes]) {
+  constexpr int M = kN * (kN + 2);
+  constexpr int64_t kAccTokStride = int64_t(M) * kLanes;
+  const int64_t K = p.K;
+  const float* fn = p.w->fn_.data();
+  const bf16* rows = p.a->new_residual.ptr<const bf16>() + t0 * K;
+  alignas(64) float rf[kTokenBlock][kKChunkAvx512];
+  for (int64_t k0 = 0; k0 < k_full; k0 += kKChunkAvx512) {
+    const int64_t len = std::min(k_full, k0 + kKChunkAvx512) - k0;
+    for (int64_t t = 0; t < nt; ++t) {
+      // bf16 -> fp32 is a 16-bit shift (exact), then the sum of squares in the same lane order.
+      const bf16* r = rows + t * K + k0;
+      __m512 ss = _mm512_load_ps(sacc[t]);
+      for (int64_t k = 0; k < len; k += kLanes) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + k));
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm512_store_ps(rf[t] + k, v);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      _mm512_store_ps(sacc[t], ss);
+    }
+    const float* f = fn + k0;
+    int o = 0;
+    for (; o + kRowTileAvx512 <= M; o += kRowTileAvx512) {
+      DotRowsAvx512<kRowTileAvx512>(rf[0], f + int64_t(o) * K, K, len, nt, acc[0][o], kAccTokStride);
+    }
+    for (; o < M; ++o) DotRowsAvx512<1>(rf[0], f + int64_t(o) * K, K, len, nt, acc[0][o], kAccTokStride);
+  }
+}
+
+// Tests compare the two forms bitwise (SetMhcCpuAvx512ForTesting).
+std::atomic<bool> g_allow_avx512_gemm{true};
+
+bool UseAvx512Gemm() {
+  // The same ISA level the target attribute compiles for (AVX-512 F/BW/DQ/VL and everything below),
+  // i.e. the level whose target_clones the loader would pick.
+  static const bool supported = __builtin_cpu_supports("x86-64-v4");
+  return supported && g_allow_avx512_gemm.load(std::memory_order_relaxed);
+}
+#endif  // FL_MHC_AVX512_GEMM
+
+// Sum of squares and the M dot products of R'_flat for tokens [t0, t1), t1 - t0 <= kTokenBlock.
+template <int kN, bool kFullTiles>
+FL_MHC_MULTIVERSION void MixDotsBlock(const Problem& p, int64_t t0, int64_t t1, float* d /*[nt][M]*/,
+                                      float* S /*[nt]*/) {
+  constexpr int M = kN * (kN + 2);
+  const int64_t K = p.K, nt = t1 - t0;
+  const float* fn = p.w->fn_.data();
+  const bf16* rows = p.a->new_residual.ptr<const bf16>() + t0 * K;
+  alignas(64) float acc[kTokenBlock][M][kLanes];
+  alignas(64) float sacc[kTokenBlock][kLanes];
+  std::memset(acc, 0, sizeof(acc));
+  std::memset(sacc, 0, sizeof(sacc));
+  const int64_t k_full = kFullTiles ? K : K / kLanes * kLanes;
+#if FL_MHC_AVX512_GEMM
+  if (UseAvx512Gemm()) {
+    MixLaneSumsAvx512<kN>(p, t0, nt, k_full, acc, sacc);
+  } else {
+    MixLaneSumsGeneric<kN>(p, t0, nt, k_full, acc, sacc);
+  }
+#else
+  MixLaneSumsGeneric<kN>(p, t0, nt, k_full, acc, sacc);
+#endif
   if constexpr (!kFullTiles) {
     // K % 16 tail: element k_full + l goes to lane l, after the lane's full-width terms.
     for (int64_t t = 0; t < nt; ++t) {
@@ -366,6 +498,16 @@ void RunUnfusedAnyN(const Problem& p, ThreadPool& pool) {
 }
 
 }  // namespace
+
+bool SetMhcCpuAvx512ForTesting(bool allow) {
+#if FL_MHC_AVX512_GEMM
+  g_allow_avx512_gemm.store(allow, std::memory_order_relaxed);
+  return __builtin_cpu_supports("x86-64-v4");
+#else
+  (void)allow;
+  return false;
+#endif
+}
 
 size_t CpuMhcWeights::resident_bytes() const {
   return fn_.size() * sizeof(float) + scale_.size() * sizeof(float) + base_.size() * sizeof(float) +

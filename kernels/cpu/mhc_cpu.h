@@ -32,4 +32,8 @@ FusedSupport MhcFusedSupportCpu(const CpuMhcWeights& weights, const MhcShapeQuer
 absl::Status RunMhcCpu(const CpuMhcWeights& weights, const MhcArgs& args, Path path, int64_t fused_max_tokens,
                        ThreadPool& pool);
 
+// Allows (default) or forbids the AVX-512 form of the mixes GEMM, so tests can compare it bitwise
+// with the generic form. Returns whether this build and CPU have the AVX-512 form at all.
+bool SetMhcCpuAvx512ForTesting(bool allow);
+
 }  // namespace fusedlayer::cpu

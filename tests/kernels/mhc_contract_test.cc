@@ -31,6 +31,7 @@
 #include "fusedlayer/backend.h"
 #include "fusedlayer/numeric.h"
 #include "gtest/gtest.h"
+#include "mhc_cpu.h"  // SetMhcCpuAvx512ForTesting
 #include "mhc_reference.h"
 #include "test_util.h"
 
@@ -777,6 +778,66 @@ TEST_P(MhcContractTest, PrepareRejectsBadWeights) {
     MhcWeightsHost wh = base_weights();
     mutate(wh);
     EXPECT_EQ(backend_->PrepareMhc(p.hp, wh).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+// The CPU backend's mixes GEMM has two forms: the generic one (vectorised by the compiler's ISA
+// clones) and a register-tiled AVX-512 one picked at run time. They must agree bitwise on every
+// output, for every n (fused and unfused), for C with and without a K % 16 tail and a partial last
+// k chunk, and for token counts that exercise the 4-token register tiles and their 1-3 token rests.
+TEST(MhcCpuGemmForms, Avx512FormMatchesGenericFormBitwise) {
+  struct ResetForms {
+    ~ResetForms() { cpu::SetMhcCpuAvx512ForTesting(true); }
+  } reset;
+  if (!cpu::SetMhcCpuAvx512ForTesting(true)) {
+    GTEST_SKIP() << "this build or CPU has no AVX-512 form of the mixes GEMM: nothing to compare";
+  }
+  auto backend = CreateBackend("cpu");
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::vector<Case> cases;
+  for (int64_t T : {1, 3, 8, 13}) {
+    for (MhcMode mode : {MhcMode::kShifted, MhcMode::kNormal}) {
+      Case k;
+      k.mode = mode;
+      k.n = 4;
+      k.C = 5120;  // K = 20480: 40 full 512-wide chunks
+      k.T = T;
+      k.aux = mode == MhcMode::kShifted;
+      cases.push_back(k);
+    }
+  }
+  for (int n : {1, 2, 3, 5, 8}) {
+    Case k;
+    k.n = n;
+    k.C = 200;  // K = 200 n: a partial last chunk and, for odd n, a K % 16 tail
+    k.T = 11;
+    cases.push_back(k);
+  }
+  Case first;
+  first.stage = MhcStage::kFirst;
+  first.C = 1088;
+  first.T = 6;
+  first.pre_mix = false;
+  cases.push_back(first);
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.Name());
+    auto rng = MakeRng(29);
+    Problem p = MakeProblem(k, rng);
+    auto w = Prepare(**backend, p);
+    ASSERT_TRUE(w.ok()) << w.status();
+    std::vector<Path> paths = {Path::kUnfused};
+    if ((*backend)->MhcFusedSupport(**w, QueryOf(p)).supported) paths.push_back(Path::kFused);
+    EXPECT_EQ(paths.size(), k.n == 4 ? 2u : 1u);
+    for (Path path : paths) {
+      SCOPED_TRACE(PathName(path));
+      cpu::SetMhcCpuAvx512ForTesting(false);
+      auto generic = RunProblem(**backend, **w, p, path);
+      cpu::SetMhcCpuAvx512ForTesting(true);
+      auto avx512 = RunProblem(**backend, **w, p, path);
+      ASSERT_TRUE(generic.ok()) << generic.status();
+      ASSERT_TRUE(avx512.ok()) << avx512.status();
+      ExpectIdentical(*generic, *avx512);
+    }
   }
 }
 
