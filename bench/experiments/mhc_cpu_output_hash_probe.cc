@@ -6,11 +6,12 @@
 // diff the outputs: identical lines = identical bits. `generic` as an argument
 // forbids the AVX-512 GEMM form. Not part of the build; from the repository
 // root, with a CPU build in build/:
-//   g++ -std=c++20 -O2 -Ikernels/include -Ikernels/cpu
-//   bench/experiments/mhc_cpu_output_hash_probe.cc \
-//     build/kernels/libfusedlayer_kernels.a $(pkg-config --libs absl_status
-//     absl_statusor absl_strings \ absl_str_format) -lpthread -o /tmp/mhc_probe
-//     && /tmp/mhc_probe > hashes.txt
+//
+//   g++ -std=c++20 -O2 -Ikernels/include -Ikernels/cpu \
+//     bench/experiments/mhc_cpu_output_hash_probe.cc \
+//     build/kernels/libfusedlayer_kernels.a \
+//     $(pkg-config --libs absl_status absl_statusor absl_strings absl_str_format) \
+//     -lpthread -o /tmp/mhc_probe && /tmp/mhc_probe > hashes.txt
 #include "fusedlayer/backend.h"
 #include "fusedlayer/numeric.h"
 #include "mhc_cpu.h"
