@@ -16,6 +16,7 @@
 
 #include "benchmark/benchmark.h"
 #include "fusedlayer/backend.h"
+#include "deterministic_inputs.h"
 #include "fusedlayer/numeric.h"
 
 namespace fusedlayer {
@@ -24,26 +25,7 @@ namespace {
 constexpr int kN = 4;
 constexpr int64_t kC = 7168;
 
-// Cheap deterministic generator (SplitMix64): the inputs only need to be non-zero, varied and
-// have outliers; drawing 10^8 normal variates with <random> would dominate the set-up time.
-struct Gen {
-  uint64_t s;
-  uint64_t Next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  float Uniform(float lo, float hi) { return lo + (hi - lo) * float(Next() >> 40) * (1.0f / 16777216.0f); }
-  // |v| in [0.25, 2), random sign, 1% outliers x16: never zero.
-  uint16_t Bf16() {
-    const uint64_t r = Next();
-    float v = 0.25f + 1.75f * float(r >> 40) * (1.0f / 16777216.0f);
-    if ((r & 1) != 0) v = -v;
-    if (((r >> 1) & 127) == 0) v *= 16.0f;
-    return FloatToBf16(v);
-  }
-};
+using bench::Gen;
 
 struct SeamData {
   std::unique_ptr<Backend> backend;

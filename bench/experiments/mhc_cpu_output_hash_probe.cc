@@ -4,7 +4,8 @@
 // mode and path, 1 and 2 threads), one FNV-1a hash per configuration over every
 // output byte, and a total. Build it against two versions of the library and
 // diff the outputs: identical lines = identical bits. `generic` as an argument
-// forbids the AVX-512 GEMM form. Not part of the build; from the repository
+// forbids the AVX-512 GEMM form (add -DPROBE_LIBRARY_BEFORE_GEMM_FORMS for a
+// library older than it). Not part of the build; from the repository
 // root, with a CPU build in build/:
 //
 //   g++ -std=c++20 -O2 -Ikernels/include -Ikernels/cpu \
@@ -12,6 +13,7 @@
 //     build/kernels/libfusedlayer_kernels.a \
 //     $(pkg-config --libs absl_status absl_statusor absl_strings absl_str_format) \
 //     -lpthread -o /tmp/mhc_probe && /tmp/mhc_probe > hashes.txt
+#include "../deterministic_inputs.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/numeric.h"
 #include "mhc_cpu.h"
@@ -20,27 +22,7 @@
 #include <cstring>
 #include <vector>
 using namespace fusedlayer;
-struct Gen {
-  uint64_t s;
-  uint64_t Next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  float U(float lo, float hi) {
-    return lo + (hi - lo) * float(Next() >> 40) * (1.0f / 16777216.0f);
-  }
-  uint16_t B() {
-    uint64_t r = Next();
-    float v = 0.25f + 1.75f * float(r >> 40) * (1.0f / 16777216.0f);
-    if (r & 1)
-      v = -v;
-    if (((r >> 1) & 63) == 0)
-      v *= 16.0f;
-    return FloatToBf16(v);
-  }
-};
+using bench::Gen;
 static uint64_t H(uint64_t h, const void *p, size_t n) {
   auto *b = (const unsigned char *)p;
   for (size_t i = 0; i < n; ++i) {
@@ -50,9 +32,14 @@ static uint64_t H(uint64_t h, const void *p, size_t n) {
   return h;
 }
 int main(int argc, char **argv) {
+#ifndef PROBE_LIBRARY_BEFORE_GEMM_FORMS  // define it for libraries older than the AVX-512 form
   if (argc > 1)
     printf("avx512 form available: %d (forbidden now)\n",
            fusedlayer::cpu::SetMhcCpuAvx512ForTesting(false));
+#else
+  (void)argc;
+  (void)argv;
+#endif
   uint64_t total = 1469598103934665603ull;
   int configs = 0;
   for (int threads : {1, 2}) {
@@ -80,18 +67,18 @@ int main(int argc, char **argv) {
                   hp.sinkhorn_iters = variant ? 7 : 20;
                   const int64_t M = hp.num_mixes(), K = hp.flat_width();
                   std::vector<float> fn(M * K),
-                      scale = {g.U(0.5f, 2), g.U(0.5f, 2), g.U(0.5f, 2)},
+                      scale = {g.Uniform(0.5f, 2), g.Uniform(0.5f, 2), g.Uniform(0.5f, 2)},
                       base(M);
                   for (auto &f : fn) {
-                    f = g.U(-0.05f, 0.05f) + 1e-4f;
+                    f = g.Uniform(-0.05f, 0.05f) + 1e-4f;
                     if ((g.Next() & 255) == 0)
                       f *= 30;
                   }
                   for (auto &b : base)
-                    b = g.U(-1, 1);
+                    b = g.Uniform(-1, 1);
                   std::vector<uint16_t> norm(C);
                   for (auto &v : norm)
-                    v = g.B();
+                    v = g.Bf16();
                   MhcWeightsHost wh;
                   wh.fn =
                       TensorView::Contiguous(fn.data(), DType::kFP32, {M, K});
@@ -110,18 +97,18 @@ int main(int argc, char **argv) {
                   std::vector<uint16_t> x(T * C), R(T * K), nr(T * K, 0x7fc1),
                       y(T * C, 0x7fc1), aux(T * C, 0x7fc1);
                   for (auto &v : x)
-                    v = g.B();
+                    v = g.Bf16();
                   for (auto &v : R)
-                    v = g.B();
+                    v = g.Bf16();
                   std::vector<float> post(T * n), comb(T * n * n), pre(T * n),
                       npre(T * n, NAN), npost(T * n, NAN),
                       ncomb(T * n * n, NAN);
                   for (auto &v : post)
-                    v = g.U(0.2f, 2);
+                    v = g.Uniform(0.2f, 2);
                   for (auto &v : pre)
-                    v = g.U(0.1f, 1.5f);
+                    v = g.Uniform(0.1f, 1.5f);
                   for (auto &v : comb)
-                    v = g.U(0.05f, 1);
+                    v = g.Uniform(0.05f, 1);
                   MhcArgs a;
                   a.stage = MhcStage(stage);
                   a.mode = MhcMode(mode);
