@@ -1,5 +1,5 @@
 // CPU mHC seam benchmarks: DeepSeek-V4-Pro hidden size (C = 7168), n = 4, shifted mode with pre_mix
-// and the norm weight (the V4.1 seam as vLLM calls it), fused vs unfused, T in {1, 64, 1024, 4096}.
+// and the norm weight (the V4.1 seam as vLLM calls it), fused vs unfused, T in {1, 8, 64, 1024, 4096}.
 //
 // Byte model (SetBytesProcessed), per token, the op's compulsory traffic:
 //   read  x 2C + R 8C + post_mix 4n + comb_mix 4n^2 + pre_mix 4n
@@ -125,7 +125,7 @@ void BM_MhcSeamCpuUnfused(benchmark::State& state) { BM_MhcSeamCpu(state, Path::
 void Shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMicrosecond);
   for (int threads : {0, 1}) {
-    for (int64_t T : {1, 64, 1024, 4096}) b->Args({T, threads});
+    for (int64_t T : {1, 8, 64, 1024, 4096}) b->Args({T, threads});
   }
 }
 BENCHMARK(BM_MhcSeamCpuFused)->Apply(Shapes);
