@@ -38,7 +38,7 @@ namespace {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(FUSEDLAYER_NO_MULTIVERSION)
 #define FL_MHC_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-// The mixes GEMM has a hand-blocked AVX-512 version (MixDotsAvx512), picked at run time.
+// The mixes GEMM has a hand-tiled AVX-512 form (MixLaneSumsAvx512), picked at run time.
 #define FL_MHC_AVX512_GEMM 1
 #define FL_AVX512_FN __attribute__((target("arch=x86-64-v4")))
 #else
