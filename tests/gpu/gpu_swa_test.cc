@@ -160,6 +160,12 @@ std::unique_ptr<Backend> GpuOrNull() {
   auto var = GpuOrNull();                                                      \
   if (!var) GTEST_SKIP() << "no " << GpuBackendKind() << " device available"
 
+// The device-0 GpuContext as `var` (a reference), for tests that call the GPU kernels directly.
+#define GPU_CONTEXT_OR_SKIP(var)                                                          \
+  auto var##_or = gpu::GpuContext::Create(0);                                             \
+  if (!var##_or.ok() || !GpuOrNull()) GTEST_SKIP() << "no GPU: " << var##_or.status(); \
+  gpu::GpuContext& var = **var##_or
+
 // Both scale values of a UE8M0 group agree, or differ by exactly one binade (amax within an ulp of a
 // power of two after differently ordered sums of squares).
 bool ScalesAgree(float a, float b, bool ue8m0) {
@@ -318,9 +324,7 @@ TEST(GpuSwa, BatchInvariantAndDeterministic) {
 // pairs (fp8 rounding midpoints +-3 ulps, zeros of both signs, +-amax, fp8 subnormals, the 1e-10
 // amax floor): about 1.07e9 (v, scale) pairs in all.
 TEST(GpuSwa, QuantEncodingMatchesIeeeDivision) {
-  auto ctx_or = gpu::GpuContext::Create(0);
-  if (!ctx_or.ok() || !GpuOrNull()) GTEST_SKIP() << "no GPU: " << ctx_or.status();
-  gpu::GpuContext& ctx = **ctx_or;
+  GPU_CONTEXT_OR_SKIP(ctx);
   auto bad = gpu::GpuAlloc(sizeof(unsigned long long));
   ASSERT_TRUE(bad.ok());
   uint64_t seed = 0x5eed;
@@ -391,9 +395,7 @@ TEST(GpuSwa, ProjectionMatchesFp64ProductOfItsOperands) {
 // Which wq_b implementation each weight set gets: cuBLASLt on CUDA sm_90 for e4m3fn (so the
 // other tests exercise it there), our kernel for e4m3fnuz and on HIP.
 TEST(GpuSwa, WqbImplementationPerWeightSet) {
-  auto ctx_or = gpu::GpuContext::Create(0);
-  if (!ctx_or.ok() || !GpuOrNull()) GTEST_SKIP() << "no GPU: " << ctx_or.status();
-  gpu::GpuContext& ctx = **ctx_or;
+  GPU_CONTEXT_OR_SKIP(ctx);
   for (Fp8Format fmt : {Fp8Format::kE4M3FN, Fp8Format::kE4M3FNUZ}) {
     Problem pb(Case{1, 1536, 512, 0, fmt, ScaleFormat::kFp32, ScaleLayout::kRowMajor, 1024});
     auto w = gpu::PrepareSwaGpu(pb.Params(), pb.Weights(), ctx);
@@ -419,9 +421,7 @@ TEST(GpuSwa, WqbImplementationPerWeightSet) {
 // TMA: the window's own [G][align(Mc, 4)] scales), across layouts, and run to run. Includes a batch
 // just over the launcher's per-call row limit (chunked), compared with windows across the seam.
 TEST(GpuSwa, ProjectionBatchInvariantOverWindows) {
-  auto ctx_or = gpu::GpuContext::Create(0);
-  if (!ctx_or.ok() || !GpuOrNull()) GTEST_SKIP() << "no GPU: " << ctx_or.status();
-  gpu::GpuContext& ctx = **ctx_or;
+  GPU_CONTEXT_OR_SKIP(ctx);
   const int64_t Q = 1536, G = Q / kG;
   for (Fp8Format fmt : {Fp8Format::kE4M3FN, Fp8Format::kE4M3FNUZ}) {
     SCOPED_TRACE(Fp8FormatName(fmt));
@@ -516,9 +516,7 @@ TEST(GpuSwa, ProjectionBatchInvariantOverWindows) {
 // q_fp8 / q_proj not aligned as the pinned cuBLASLt algorithm needs: InvalidArgument before
 // anything is enqueued (our kernel takes any alignment).
 TEST(GpuSwa, MisalignedProjectionOutputRejectedForCublasLt) {
-  auto ctx_or = gpu::GpuContext::Create(0);
-  if (!ctx_or.ok() || !GpuOrNull()) GTEST_SKIP() << "no GPU: " << ctx_or.status();
-  gpu::GpuContext& ctx = **ctx_or;
+  GPU_CONTEXT_OR_SKIP(ctx);
   for (Fp8Format fmt : {Fp8Format::kE4M3FN, Fp8Format::kE4M3FNUZ}) {
     Problem pb(Case{8, 1024, 512, 0, fmt, ScaleFormat::kFp32, ScaleLayout::kRowMajor, 256});
     auto w = gpu::PrepareSwaGpu(pb.Params(), pb.Weights(), ctx);
@@ -551,9 +549,7 @@ TEST(GpuSwa, MisalignedProjectionOutputRejectedForCublasLt) {
 }
 
 TEST(GpuSwa, GraphReplayBitwiseEqualsEager) {
-  auto ctx_or = gpu::GpuContext::Create(0);
-  if (!ctx_or.ok() || !GpuOrNull()) GTEST_SKIP() << "no GPU: " << ctx_or.status();
-  gpu::GpuContext& ctx = **ctx_or;
+  GPU_CONTEXT_OR_SKIP(ctx);
   // wq_b through cuBLASLt (e4m3fn on sm_90): 777 rows = 776 + a 4-row tail with packed scales,
   // 1024 rows with the TMA scales read in place, 2 rows through the padded batch and its copy.
   const Case cases[] = {
