@@ -282,12 +282,14 @@ FL_AVX512_FN void MixLaneSumsAvx512(const Problem& p, int64_t t0, int64_t nt, in
 // Tests compare the two forms bitwise (SetMhcCpuAvx512ForTesting).
 std::atomic<bool> g_allow_avx512_gemm{true};
 
-bool UseAvx512Gemm() {
-  // The same ISA level the target attribute compiles for (AVX-512 F/BW/DQ/VL and everything below),
-  // i.e. the level whose target_clones the loader would pick.
+// The same ISA level the target attribute compiles for (AVX-512 F/BW/DQ/VL and everything below),
+// i.e. the level whose target_clones the loader would pick.
+bool CpuHasAvx512Gemm() {
   static const bool supported = __builtin_cpu_supports("x86-64-v4");
-  return supported && g_allow_avx512_gemm.load(std::memory_order_relaxed);
+  return supported;
 }
+
+bool UseAvx512Gemm() { return CpuHasAvx512Gemm() && g_allow_avx512_gemm.load(std::memory_order_relaxed); }
 #endif  // FL_MHC_AVX512_GEMM
 
 // Sum of squares and the M dot products of R'_flat for tokens [t0, t1), t1 - t0 <= kTokenBlock.
@@ -502,7 +504,7 @@ void RunUnfusedAnyN(const Problem& p, ThreadPool& pool) {
 bool SetMhcCpuAvx512ForTesting(bool allow) {
 #if FL_MHC_AVX512_GEMM
   g_allow_avx512_gemm.store(allow, std::memory_order_relaxed);
-  return __builtin_cpu_supports("x86-64-v4");
+  return CpuHasAvx512Gemm();
 #else
   (void)allow;
   return false;
