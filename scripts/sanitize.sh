@@ -11,7 +11,7 @@
 #       Concurrency.* (tests/server/concurrency_test.cc: producers on the executor while it stops, the
 #       CPU thread pool, WeightStore readers vs. publish/replace/unload), Executor.*, Dispatcher.*,
 #       WeightStoreTest.*. Debian's Abseil and gRPC are not TSan-instrumented: absl::Mutex is made
-#       visible by server/annotated_mutex.h (fusedlayer code locks through it); gRPC's internal
+#       visible by server/common/annotated_mutex.h (fusedlayer code locks through it); gRPC's internal
 #       thread hand-offs cannot be, so the gRPC end-to-end suites are not run under TSan (they run
 #       under ASan+UBSan above) - docs/operations.md, "Sanitizers and fuzzing". TSan turns the CPU ISA
 #       clones off (FUSEDLAYER_CPU_ISA_CLONES=OFF): their ifunc resolvers run before TSan's runtime is up.

@@ -11,7 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "log.h"
+#include "common/log.h"
 
 ABSL_FLAG(std::string, fault_inject, "",
           "TEST-ONLY fault injection (fault-injection builds only): comma-separated fused_launch_error[=N], "

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "log.h"
+#include "common/log.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0:50051", "gRPC listen address (host:port)");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9464",

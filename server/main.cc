@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "flags.h"
 #include "fusedlayer/backend.h"
-#include "log.h"
+#include "common/log.h"
 #include "server.h"
 #include "weights/demo_weights.h"
 #include "weights/manifest.h"

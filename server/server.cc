@@ -7,7 +7,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
-#include "log.h"
+#include "common/log.h"
 #include "prometheus/exposer.h"
 
 #ifndef FUSEDLAYER_VERSION_STRING

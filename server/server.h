@@ -9,14 +9,14 @@
 
 #include "absl/status/statusor.h"
 #include "config.h"
-#include "executor.h"
+#include "exec/executor.h"
 #include "fusedlayer/backend.h"
 #include "grpcpp/server.h"
-#include "health.h"
-#include "metrics.h"
-#include "service.h"
+#include "rpc/health.h"
+#include "common/metrics.h"
+#include "rpc/service.h"
 #include "shadow/shadow_verifier.h"
-#include "weight_manager.h"
+#include "exec/weight_manager.h"
 #include "weights/weight_set.h"
 
 namespace prometheus {

@@ -10,7 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "fusedlayer/numeric.h"
-#include "tensor_codec.h"
+#include "rpc/proto_convert.h"
 
 namespace fusedlayer::server::shadow {
 namespace {

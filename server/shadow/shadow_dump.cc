@@ -6,7 +6,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "tensor_codec.h"
+#include "rpc/proto_convert.h"
 #include "weights/safetensors.h"
 #include "weights/safetensors_writer.h"
 

@@ -7,8 +7,8 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/reflection.h"
-#include "log.h"
-#include "op_calls.h"
+#include "common/log.h"
+#include "rpc/proto_convert.h"
 
 namespace fusedlayer::server::shadow {
 

@@ -31,7 +31,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "executor.h"
+#include "exec/executor.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "prometheus/registry.h"

@@ -15,7 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "annotated_mutex.h"  // absl::Mutex visible to TSan (server/annotated_mutex.h)
+#include "common/annotated_mutex.h"  // absl::Mutex visible to TSan (server/common/annotated_mutex.h)
 #include "weights/weight_set.h"
 
 namespace fusedlayer::server {

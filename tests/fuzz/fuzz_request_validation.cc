@@ -21,7 +21,7 @@
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "google/protobuf/stubs/logging.h"
 #include "fuzz_weights_fixture.h"
-#include "op_calls.h"
+#include "rpc/proto_convert.h"
 #include "weights/weight_set.h"
 
 namespace {

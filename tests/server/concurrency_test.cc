@@ -1,7 +1,7 @@
 // Concurrency tests that run under ThreadSanitizer in CI (scripts/sanitize.sh tsan), and in every
 // other build as ordinary tests. They drive the server's shared state from many threads using only
 // synchronisation TSan can see: std::mutex / std::condition_variable / std::thread (intercepted in
-// libc and libstdc++) and absl::Mutex through server/annotated_mutex.h. The gRPC transport is not
+// libc and libstdc++) and absl::Mutex through server/common/annotated_mutex.h. The gRPC transport is not
 // part of the TSan run: Debian's libgrpc is not instrumented, so its internal hand-offs between
 // threads are invisible to TSan (docs/operations.md, "Sanitizers and fuzzing").
 //
@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "executor.h"
+#include "exec/executor.h"
 #include "gtest/gtest.h"
 #include "thread_pool.h"
 #include "weights/weight_store.h"

@@ -18,9 +18,9 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server.h"
-#include "tensor_codec.h"
-#include "dispatcher.h"
-#include "op_calls.h"
+#include "rpc/proto_convert.h"
+#include "exec/dispatcher.h"
+#include "rpc/proto_convert.h"
 #include "weights/weight_set.h"
 
 namespace fusedlayer::testing {

@@ -5,10 +5,10 @@
 #include <mutex>
 
 #include "config.h"
-#include "dispatcher.h"
-#include "executor.h"
+#include "exec/dispatcher.h"
+#include "exec/executor.h"
 #include "gtest/gtest.h"
-#include "tensor_codec.h"
+#include "rpc/proto_convert.h"
 
 namespace fusedlayer::server {
 namespace {

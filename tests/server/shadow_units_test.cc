@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "config.h"
-#include "executor.h"
+#include "exec/executor.h"
 #include "fusedlayer/numeric.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"

@@ -14,11 +14,11 @@
 
 #include "absl/status/statusor.h"
 #include "config.h"
-#include "executor.h"
+#include "exec/executor.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
-#include "health.h"
-#include "metrics.h"
+#include "rpc/health.h"
+#include "common/metrics.h"
 #include "weights/weight_set.h"
 #include "weights/weight_store.h"
 

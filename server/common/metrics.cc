@@ -1,4 +1,4 @@
-#include "metrics.h"
+#include "common/metrics.h"
 
 #include <sstream>
 

@@ -1,4 +1,4 @@
-#include "device_staging.h"
+#include "exec/device_staging.h"
 
 namespace fusedlayer::server {
 

@@ -10,14 +10,16 @@
 #include <string>
 
 #include "config.h"
-#include "executor.h"
+#include "exec/executor.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.grpc.pb.h"
-#include "metrics.h"
+#include "common/metrics.h"
 #include "shadow/shadow_verifier.h"
-#include "weight_manager.h"
+#include "exec/weight_manager.h"
 
 namespace fusedlayer::server {
+
+class UnaryCall;  // rpc/unary_call.h
 
 // What the service reports about itself (fixed at startup).
 struct ServerIdentity {
@@ -52,7 +54,6 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   void StartDraining() { draining_.store(true, std::memory_order_release); }
 
  private:
-  class UnaryCall;
   // UNAVAILABLE while draining, OK otherwise.
   absl::Status AdmitDuringDrain() const;
   class LoadWeightsReactor;
@@ -82,8 +83,5 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   shadow::SharedMessageAllocator<v1::MhcSeamRequest, v1::MhcSeamResponse> mhc_messages_;
   shadow::SharedMessageAllocator<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse> swa_messages_;
 };
-
-// absl::Status -> grpc::Status (the code spaces are identical).
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 }  // namespace fusedlayer::server

@@ -1,13 +1,13 @@
-#include "weight_manager.h"
+#include "exec/weight_manager.h"
 
 #include <cctype>
 #include <future>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "dispatcher.h"
-#include "log.h"
-#include "warmup.h"
+#include "exec/dispatcher.h"
+#include "common/log.h"
+#include "exec/warmup.h"
 
 namespace fusedlayer::server {
 namespace {
@@ -39,7 +39,7 @@ v1::OpCapability CapabilityFor(Op op, bool disabled, Backend& backend,
       return cap;
     }
     if (!any) {  // report the first set's reason
-      cap.set_reason(ToProto(s.reason));
+      cap.set_reason(ProtoFallbackReason(s.reason));
       cap.set_detail(absl::StrCat("weight set '", set->name, "': ", s.detail));
     }
     any = true;

@@ -1,4 +1,4 @@
-#include "executor.h"
+#include "exec/executor.h"
 
 #include <utility>
 

@@ -1,9 +1,7 @@
-#include "dispatcher.h"
-
-#include "weights/weight_set.h"
+#include "exec/dispatcher.h"
 
 #include "absl/strings/str_cat.h"
-#include "log.h"
+#include "common/log.h"
 
 namespace fusedlayer::server {
 
@@ -69,12 +67,6 @@ absl::StatusOr<DispatchOutcome> RunWithFallback(Op op, const PathDecision& decis
   out.decision.detail = absl::StrCat("fused launch failed: ", first.status().ToString());
   out.stats = *second;
   return out;
-}
-
-v1::FallbackReason ToProto(FallbackReason reason) { return ProtoFallbackReason(reason); }
-
-v1::ExecutionPath ToProto(Path path) {
-  return path == Path::kFused ? v1::EXECUTION_PATH_FUSED : v1::EXECUTION_PATH_UNFUSED;
 }
 
 }  // namespace fusedlayer::server

@@ -45,8 +45,4 @@ absl::StatusOr<DispatchOutcome> RunWithFallback(Op op, const PathDecision& decis
                                                 const std::string& what,
                                                 absl::FunctionRef<absl::StatusOr<RunStats>(Path)> run);
 
-// Proto mirrors of the library enums.
-v1::FallbackReason ToProto(FallbackReason reason);
-v1::ExecutionPath ToProto(Path path);
-
 }  // namespace fusedlayer::server

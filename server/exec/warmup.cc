@@ -1,4 +1,4 @@
-#include "warmup.h"
+#include "exec/warmup.h"
 
 #include <cmath>
 #include <cstdint>
@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "fusedlayer/numeric.h"
-#include "op_calls.h"
+#include "exec/op_calls.h"
 
 namespace fusedlayer::server {
 namespace {

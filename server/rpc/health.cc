@@ -1,4 +1,4 @@
-#include "health.h"
+#include "rpc/health.h"
 
 namespace fusedlayer::server {
 

@@ -1,0 +1,79 @@
+// One traits table per compute op: what differs between MhcSeam and SwaNormQuant, for the RPC
+// layer's one StartCompute (rpc/compute_rpcs.cc): the messages, the weight-set part, decoding
+// (rpc/proto_convert.h), the fused-support query, the run (exec/op_calls.h), and the shadow
+// verifier's synchronous verify and zero-copy capture (server/shadow/).
+#pragma once
+
+#include <memory>
+#include <utility>
+
+#include "config.h"
+#include "exec/op_calls.h"
+#include "fusedlayer/backend.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
+#include "rpc/proto_convert.h"
+#include "shadow/shadow_verifier.h"
+#include "shadow/shared_messages.h"
+#include "weights/weight_set.h"
+
+namespace fusedlayer::server {
+
+struct MhcRpc {
+  using Request = v1::MhcSeamRequest;
+  using Response = v1::MhcSeamResponse;
+  using Messages = shadow::MhcMessages;
+  using Prepared = PreparedMhcWeights;
+  static constexpr Op kOp = Op::kMhc;
+  static constexpr const char* kPartName = "mHC";
+  static constexpr const char* kTokensSymbol = "T";
+  static const Prepared* Part(const WeightSet& set) { return set.mhc.get(); }
+  static absl::StatusOr<MhcCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
+                                        Response* response) {
+    return DecodeMhcRequest(request, w, max_tokens, response);
+  }
+  static FusedSupport Support(Backend& backend, const Prepared& w, const MhcCall& c) {
+    return backend.MhcFusedSupport(w, c.query);
+  }
+  static absl::StatusOr<RunStats> Run(Backend& backend, const Prepared& w, const MhcCall& c, Path path) {
+    return RunMhcCall(backend, w, c.args, path);
+  }
+  static v1::Verification Verify(shadow::ShadowVerifier& shadow, const WeightSet& set, const Request& request,
+                                 const Response& response) {
+    return shadow.VerifyMhc(set, request, response);
+  }
+  static std::unique_ptr<shadow::ShadowVerifier::Job> Capture(shadow::ShadowVerifier& shadow,
+                                                              std::shared_ptr<const WeightSet> set, Messages* held) {
+    return shadow.CaptureMhc(std::move(set), held);
+  }
+};
+
+struct SwaRpc {
+  using Request = v1::SwaNormQuantRequest;
+  using Response = v1::SwaNormQuantResponse;
+  using Messages = shadow::SwaMessages;
+  using Prepared = PreparedSwaWeights;
+  static constexpr Op kOp = Op::kSwa;
+  static constexpr const char* kPartName = "SWA";
+  static constexpr const char* kTokensSymbol = "M";
+  static const Prepared* Part(const WeightSet& set) { return set.swa.get(); }
+  static absl::StatusOr<SwaCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
+                                        Response* response) {
+    return DecodeSwaRequest(request, w, max_tokens, response);
+  }
+  static FusedSupport Support(Backend& backend, const Prepared& w, const SwaCall& c) {
+    return backend.SwaFusedSupport(w, c.query);
+  }
+  static absl::StatusOr<RunStats> Run(Backend& backend, const Prepared& w, const SwaCall& c, Path path) {
+    return RunSwaCall(backend, w, c.args, path);
+  }
+  static v1::Verification Verify(shadow::ShadowVerifier& shadow, const WeightSet& set, const Request& request,
+                                 const Response& response) {
+    return shadow.VerifySwa(set, request, response);
+  }
+  static std::unique_ptr<shadow::ShadowVerifier::Job> Capture(shadow::ShadowVerifier& shadow,
+                                                              std::shared_ptr<const WeightSet> set, Messages* held) {
+    return shadow.CaptureSwa(std::move(set), held);
+  }
+};
+
+}  // namespace fusedlayer::server

@@ -1,0 +1,278 @@
+#include "rpc/proto_convert.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "weights/weight_set.h"  // ProtoFallbackReason
+
+namespace fusedlayer::server {
+namespace {
+
+// Assigns *out = decoded view or returns its error from the enclosing function.
+#define FL_ASSIGN_VIEW(out, expr)            \
+  do {                                       \
+    absl::StatusOr<TensorView> _v = (expr);  \
+    if (!_v.ok()) return _v.status();        \
+    (out) = *_v;                             \
+  } while (0)
+
+// Assigns *out = decoded view or returns its error from the enclosing function.
+#define FL_ASSIGN_VIEW(out, expr)            \
+  do {                                       \
+    absl::StatusOr<TensorView> _v = (expr);  \
+    if (!_v.ok()) return _v.status();        \
+    (out) = *_v;                             \
+  } while (0)
+
+absl::Status CheckTokens(int64_t tokens, int64_t max_tokens, const char* what) {
+  if (tokens > max_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " has ", tokens, " tokens; this server accepts at most ", max_tokens, " (--max_tokens)"));
+  }
+  return absl::OkStatus();
+}
+
+// A tensor field that must not be set for this stage: silently ignoring it would hide a client bug.
+absl::Status ExpectAbsent(bool present, const char* name, const char* why) {
+  if (present) return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' must be absent ", why));
+  return absl::OkStatus();
+}
+
+
+std::string ShapeString(const v1::Tensor& t) { return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]"); }
+std::string ShapeString(std::initializer_list<int64_t> dims) {
+  return absl::StrCat("[", absl::StrJoin(dims, ", "), "]");
+}
+
+const char* ProtoDTypeName(v1::DataType d) {
+  switch (d) {
+    case v1::DATA_TYPE_BF16: return "bf16";
+    case v1::DATA_TYPE_FP32: return "fp32";
+    case v1::DATA_TYPE_FP8_E4M3FN: return "fp8_e4m3fn";
+    case v1::DATA_TYPE_FP8_E4M3FNUZ: return "fp8_e4m3fnuz";
+    case v1::DATA_TYPE_UNSPECIFIED: return "unspecified";
+    default: return "unknown";
+  }
+}
+
+// The tensor is absent or its dtype is wrong.
+absl::Status CheckDType(const v1::Tensor& t, const char* name, DType dtype) {
+  if (t.dtype() == ToProto(dtype)) return absl::OkStatus();
+  if (t.dtype() == v1::DATA_TYPE_UNSPECIFIED && t.shape_size() == 0 && t.data().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' is missing (want ", DTypeName(dtype), ")"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': dtype ", ProtoDTypeName(t.dtype()),
+                                                 ", want ", DTypeName(dtype)));
+}
+
+absl::Status CheckBytes(const v1::Tensor& t, const char* name, DType dtype) {
+  auto want = DenseBytes(dtype, t.shape().data(), t.shape_size(), name);
+  if (!want.ok()) return want.status();
+  if (t.data().size() != *want) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': ", DTypeName(dtype), ShapeString(t),
+                                                   " needs ", *want, " bytes, got ", t.data().size()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+DType Fp8DType(Fp8Format f) { return f == Fp8Format::kE4M3FN ? DType::kFP8E4M3FN : DType::kFP8E4M3FNUZ; }
+
+MhcStage FromProto(v1::MhcStage stage) {
+  switch (stage) {
+    case v1::MHC_STAGE_FIRST: return MhcStage::kFirst;
+    case v1::MHC_STAGE_HEAD: return MhcStage::kHead;
+    default: return MhcStage::kSeam;
+  }
+}
+MhcMode FromProto(v1::MhcMode mode) { return mode == v1::MHC_MODE_NORMAL ? MhcMode::kNormal : MhcMode::kShifted; }
+
+v1::FallbackReason ToProto(FallbackReason reason) { return ProtoFallbackReason(reason); }
+
+v1::ExecutionPath ToProto(Path path) {
+  return path == Path::kFused ? v1::EXECUTION_PATH_FUSED : v1::EXECUTION_PATH_UNFUSED;
+}
+
+v1::DataType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return v1::DATA_TYPE_BF16;
+    case DType::kFP32: return v1::DATA_TYPE_FP32;
+    case DType::kFP8E4M3FN: return v1::DATA_TYPE_FP8_E4M3FN;
+    case DType::kFP8E4M3FNUZ: return v1::DATA_TYPE_FP8_E4M3FNUZ;
+  }
+  return v1::DATA_TYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<DType> FromProto(v1::DataType dtype) {
+  switch (dtype) {
+    case v1::DATA_TYPE_BF16: return DType::kBF16;
+    case v1::DATA_TYPE_FP32: return DType::kFP32;
+    case v1::DATA_TYPE_FP8_E4M3FN: return DType::kFP8E4M3FN;
+    case v1::DATA_TYPE_FP8_E4M3FNUZ: return DType::kFP8E4M3FNUZ;
+    default: return absl::InvalidArgumentError(absl::StrCat("unsupported dtype ", ProtoDTypeName(dtype)));
+  }
+}
+
+absl::StatusOr<uint64_t> DenseBytes(DType dtype, const int64_t* dims, int rank, const char* name) {
+  uint64_t bytes = DTypeSize(dtype);
+  for (int i = 0; i < rank; ++i) {
+    if (dims[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': negative dimension ", dims[i]));
+    }
+    if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(dims[i]), &bytes) || bytes > (uint64_t{1} << 62)) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': size overflows"));
+    }
+  }
+  return bytes;
+}
+
+absl::StatusOr<int64_t> LeadingDim(const v1::Tensor& t, const char* name, int rank) {
+  if (t.shape_size() != rank) {
+    if (t.dtype() == v1::DATA_TYPE_UNSPECIFIED && t.shape_size() == 0 && t.data().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' is missing"));
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "': rank ", t.shape_size(), " (shape ", ShapeString(t), "), want ", rank));
+  }
+  if (t.shape(0) < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': negative dimension ", t.shape(0)));
+  }
+  return t.shape(0);
+}
+
+absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& t, const char* name, DType dtype,
+                                        std::initializer_list<int64_t> dims) {
+  if (absl::Status s = CheckDType(t, name, dtype); !s.ok()) return s;
+  bool same = t.shape_size() == static_cast<int>(dims.size());
+  if (same) {
+    int i = 0;
+    for (int64_t d : dims) same = same && t.shape(i++) == d;
+  }
+  if (!same) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor '", name, "': shape ", ShapeString(t), ", want ", ShapeString(dims)));
+  }
+  if (absl::Status s = CheckBytes(t, name, dtype); !s.ok()) return s;
+  // The view is non-const because TensorView is; inputs are only ever read by the kernels.
+  return TensorView::Contiguous(const_cast<char*>(t.data().data()), dtype, dims);
+}
+
+absl::StatusOr<TensorView> DecodeStrided2D(const v1::Tensor& t, const char* name, DType dtype, int64_t cols) {
+  if (absl::Status s = CheckDType(t, name, dtype); !s.ok()) return s;
+  if (t.shape_size() != 2 || t.shape(0) < 0 || t.shape(1) < cols) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': shape ", ShapeString(t), ", want [M, S] with S >= ",
+                                                   cols));
+  }
+  if (absl::Status s = CheckBytes(t, name, dtype); !s.ok()) return s;
+  return TensorView::Strided2D(const_cast<char*>(t.data().data()), dtype, t.shape(0), cols, t.shape(1));
+}
+
+TensorView AllocateOutput(v1::Tensor* out, DType dtype, std::initializer_list<int64_t> dims) {
+  out->set_dtype(ToProto(dtype));
+  out->clear_shape();
+  uint64_t n = DTypeSize(dtype);
+  for (int64_t d : dims) {
+    out->add_shape(d);
+    n *= static_cast<uint64_t>(d);
+  }
+  out->mutable_data()->resize(n);
+  return TensorView::Contiguous(out->mutable_data()->data(), dtype, dims);
+}
+
+absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
+                                         int64_t max_tokens, v1::MhcSeamResponse* resp) {
+  if (!v1::MhcStage_IsValid(req.stage())) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown stage ", static_cast<int>(req.stage())));
+  }
+  if (!v1::MhcMode_IsValid(req.mode())) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown mode ", static_cast<int>(req.mode())));
+  }
+  const MhcHyperParams& p = weights.params();
+  const int64_t n = p.hc_mult, C = p.hidden;
+  MhcCall call;
+  MhcArgs& a = call.args;
+  a.stage = FromProto(req.stage());
+  a.mode = FromProto(req.mode());
+  a.capture_aux = req.capture_aux();
+  if (a.stage == MhcStage::kHead && a.mode != MhcMode::kShifted) {
+    return absl::InvalidArgumentError("the head stage exists only in shifted mode (V4.1)");
+  }
+  if (a.capture_aux && a.stage != MhcStage::kSeam) {
+    return absl::InvalidArgumentError("capture_aux is only defined for the seam stage");
+  }
+
+  absl::StatusOr<int64_t> T = LeadingDim(req.x(), "x", 2);
+  if (!T.ok()) return T.status();
+  if (absl::Status s = CheckTokens(*T, max_tokens, "x"); !s.ok()) return s;
+  a.tokens = *T;
+  FL_ASSIGN_VIEW(a.x, DecodeTensor(req.x(), "x", DType::kBF16, {*T, C}));
+
+  if (a.stage == MhcStage::kFirst) {
+    const char* why = "for stage FIRST (x is the embedding)";
+    for (auto [present, name] : {std::pair{req.has_residual(), "residual"}, {req.has_post_mix(), "post_mix"},
+                                 {req.has_comb_mix(), "comb_mix"}, {req.has_pre_mix(), "pre_mix"}}) {
+      if (absl::Status s = ExpectAbsent(present, name, why); !s.ok()) return s;
+    }
+  } else {
+    FL_ASSIGN_VIEW(a.residual, DecodeTensor(req.residual(), "residual", DType::kBF16, {*T, n, C}));
+    FL_ASSIGN_VIEW(a.post_mix, DecodeTensor(req.post_mix(), "post_mix", DType::kFP32, {*T, n}));
+    FL_ASSIGN_VIEW(a.comb_mix, DecodeTensor(req.comb_mix(), "comb_mix", DType::kFP32, {*T, n, n}));
+    if (req.has_pre_mix()) {
+      if (absl::Status s = ExpectAbsent(a.mode == MhcMode::kNormal, "pre_mix", "in NORMAL mode (y uses the new pre mix)");
+          !s.ok()) {
+        return s;
+      }
+      FL_ASSIGN_VIEW(a.pre_mix, DecodeTensor(req.pre_mix(), "pre_mix", DType::kFP32, {*T, n}));
+    }
+  }
+
+  a.new_residual = AllocateOutput(resp->mutable_new_residual(), DType::kBF16, {*T, n, C});
+  if (a.stage != MhcStage::kHead) {
+    a.new_pre_mix = AllocateOutput(resp->mutable_new_pre_mix(), DType::kFP32, {*T, n});
+    a.new_post_mix = AllocateOutput(resp->mutable_new_post_mix(), DType::kFP32, {*T, n});
+    a.new_comb_mix = AllocateOutput(resp->mutable_new_comb_mix(), DType::kFP32, {*T, n, n});
+  }
+  a.y = AllocateOutput(resp->mutable_y(), DType::kBF16, {*T, C});
+  if (a.capture_aux) a.aux = AllocateOutput(resp->mutable_aux(), DType::kBF16, {*T, C});
+
+  // The library's own contract check, so nothing invalid reaches the executor.
+  if (absl::Status s = ValidateMhcArgs(p, weights.has_norm_weight(), a); !s.ok()) return s;
+  call.query = MhcShapeQuery{a.stage, a.mode, a.capture_aux, a.tokens};
+  return call;
+}
+
+absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
+                                         int64_t max_tokens, v1::SwaNormQuantResponse* resp) {
+  const SwaHyperParams& p = weights.params();
+  const int64_t Q = p.q_rank, D = p.head_dim, G = p.groups();
+  SwaCall call;
+  SwaArgs& a = call.args;
+  absl::StatusOr<int64_t> M = LeadingDim(req.qr_kv(), "qr_kv", 2);
+  if (!M.ok()) return M.status();
+  if (absl::Status s = CheckTokens(*M, max_tokens, "qr_kv"); !s.ok()) return s;
+  a.tokens = *M;
+  FL_ASSIGN_VIEW(a.qr_kv, DecodeStrided2D(req.qr_kv(), "qr_kv", DType::kBF16, Q + D));
+
+  a.q_fp8 = AllocateOutput(resp->mutable_q_fp8(), Fp8DType(p.fp8_format), {*M, Q});
+  if (p.scale_layout == ScaleLayout::kRowMajor) {
+    a.q_scale = AllocateOutput(resp->mutable_q_scale(), DType::kFP32, {*M, G});
+  } else {
+    a.q_scale = AllocateOutput(resp->mutable_q_scale(), DType::kFP32, {G, AlignTo4(*M)});
+  }
+  a.kv = AllocateOutput(resp->mutable_kv(), DType::kBF16, {*M, D});
+  if (p.has_wq_b()) a.q_proj = AllocateOutput(resp->mutable_q_proj(), DType::kBF16, {*M, p.wq_b_rows});
+
+  if (absl::Status s = ValidateSwaArgs(p, a); !s.ok()) return s;
+  call.query = SwaShapeQuery{a.tokens};
+  return call;
+}
+
+}  // namespace fusedlayer::server

@@ -1,0 +1,68 @@
+// Every conversion between the wire (proto) and the library's types, in one place:
+//   - tensors: proto Tensor <-> TensorView. Decoding validates dtype, rank, every dimension and the
+//     byte length against what the op expects and returns INVALID_ARGUMENT naming the tensor; a
+//     decoded view points into the request's bytes (no copy). Output tensors are sized in the
+//     response message and viewed in place, so a host-accessible backend writes the response bytes
+//     directly;
+//   - requests: MhcSeamRequest / SwaNormQuantRequest -> the op's call (exec/op_calls.h), validated
+//     against the weight set and --max_tokens, with the response tensors sized (reactor thread,
+//     cheap);
+//   - enums (dtype, stage, mode, path, fallback reason) and absl::Status -> grpc::Status.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "exec/op_calls.h"
+#include "fusedlayer/backend.h"
+#include "fusedlayer/fallback.h"
+#include "fusedlayer/tensor.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
+#include "grpcpp/support/status.h"
+
+namespace fusedlayer::server {
+
+// ---- status and enums ------------------------------------------------------------------------------
+// absl::Status -> grpc::Status (the code spaces are identical).
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+v1::DataType ToProto(DType dtype);
+// InvalidArgument for DATA_TYPE_UNSPECIFIED or an unknown value.
+absl::StatusOr<DType> FromProto(v1::DataType dtype);
+DType Fp8DType(Fp8Format format);
+MhcStage FromProto(v1::MhcStage stage);
+MhcMode FromProto(v1::MhcMode mode);
+v1::FallbackReason ToProto(FallbackReason reason);
+v1::ExecutionPath ToProto(Path path);
+
+// ---- requests ----------------------------------------------------------------------------------------
+absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
+                                         int64_t max_tokens, v1::MhcSeamResponse* response);
+absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& request, const PreparedSwaWeights& weights,
+                                         int64_t max_tokens, v1::SwaNormQuantResponse* response);
+
+// ---- tensors -----------------------------------------------------------------------------------------
+// Checks `t` is dtype[dims...] with exactly the right number of bytes and returns a contiguous
+// view over its data. `name` is the proto field name, used in error messages.
+absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& t, const char* name, DType dtype,
+                                        std::initializer_list<int64_t> dims);
+
+// A 2-D dtype tensor [rows, row_stride] with row_stride >= min_cols, viewed as [rows, cols] with
+// row stride `row_stride` (the SWA qr_kv input: only the first cols columns are read).
+absl::StatusOr<TensorView> DecodeStrided2D(const v1::Tensor& t, const char* name, DType dtype,
+                                           int64_t cols);
+
+// The leading dimension of a tensor of rank `rank` (the token count), after checking the rank and
+// that it is non-negative. The rest is checked by DecodeTensor.
+absl::StatusOr<int64_t> LeadingDim(const v1::Tensor& t, const char* name, int rank);
+
+// Sizes `out` as dtype[dims...] (data zero-filled) and returns a contiguous view over its bytes.
+TensorView AllocateOutput(v1::Tensor* out, DType dtype, std::initializer_list<int64_t> dims);
+
+// Bytes of a dense tensor, or InvalidArgument when a dimension is negative or the size overflows.
+absl::StatusOr<uint64_t> DenseBytes(DType dtype, const int64_t* dims, int rank, const char* name);
+
+}  // namespace fusedlayer::server

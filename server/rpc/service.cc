@@ -1,0 +1,93 @@
+#include "rpc/service.h"
+
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "rpc/proto_convert.h"
+#include "rpc/unary_call.h"
+
+namespace fusedlayer::server {
+
+FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend,
+                                     Executor& executor, WeightManager& weights, Metrics& metrics,
+                                     shadow::ShadowVerifier& shadow)
+    : config_(config),
+      identity_(std::move(identity)),
+      backend_(backend),
+      executor_(executor),
+      weights_(weights),
+      metrics_(metrics),
+      shadow_(shadow),
+      request_id_salt_(std::random_device{}() & 0xffffff) {
+  SetMessageAllocatorFor_MhcSeam(&mhc_messages_);
+  SetMessageAllocatorFor_SwaNormQuant(&swa_messages_);
+}
+
+std::string FusedLayerService::RequestId(const std::string& given) {
+  if (!given.empty()) return given;
+  return absl::StrFormat("srv-%06x-%d", request_id_salt_, next_request_id_.fetch_add(1, std::memory_order_relaxed));
+}
+
+void FusedLayerService::FillReport(v1::ExecutionReport* report, const std::string& weight_set) const {
+  report->set_backend(identity_.backend);
+  report->set_device(identity_.device);
+  report->set_weight_set(weight_set);
+}
+
+absl::Status FusedLayerService::AdmitDuringDrain() const {
+  if (!draining_.load(std::memory_order_acquire)) return absl::OkStatus();
+  return absl::UnavailableError("the server is draining (shutting down); retry on another replica");
+}
+
+// ---- admin and discovery --------------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* FusedLayerService::ListWeightSets(grpc::CallbackServerContext* ctx,
+                                                            const v1::ListWeightSetsRequest* request,
+                                                            v1::ListWeightSetsResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kListWeightSets, config_.max_message_bytes, ctx, request, response);
+  for (v1::WeightSetInfo& info : weights_.Infos()) *response->add_weight_sets() = std::move(info);
+  call->Complete(absl::OkStatus());
+  return call;
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::UnloadWeightSet(grpc::CallbackServerContext* ctx,
+                                                             const v1::UnloadWeightSetRequest* request,
+                                                             v1::UnloadWeightSetResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kUnloadWeightSet, config_.max_message_bytes, ctx, request, response);
+  if (absl::Status s = AdmitDuringDrain(); !s.ok()) {
+    call->Complete(std::move(s));
+    return call;
+  }
+  // On the executor: the last reference to the prepared weights may be dropped there, and the
+  // capability refresh asks the backend.
+  absl::Status submitted = executor_.SubmitControl([this, call, request, response](double queue_seconds) {
+    metrics_.ObserveQueue(queue_seconds);
+    absl::StatusOr<uint64_t> freed = weights_.UnloadOnWorker(request->name());
+    if (freed.ok()) response->set_freed_bytes(*freed);
+    call->Complete(freed.status());
+  });
+  if (!submitted.ok()) call->Complete(std::move(submitted));
+  return call;
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::GetServerInfo(grpc::CallbackServerContext* ctx,
+                                                           const v1::GetServerInfoRequest* request,
+                                                           v1::GetServerInfoResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kGetServerInfo, config_.max_message_bytes, ctx, request, response);
+  response->set_version(identity_.version);
+  response->set_backend(identity_.backend);
+  response->set_device(identity_.device);
+  response->set_arch(identity_.arch);
+  for (v1::OpCapability& cap : weights_.Capabilities()) *response->add_ops() = std::move(cap);
+  response->set_max_receive_message_bytes(config_.max_message_bytes);
+  response->set_max_send_message_bytes(config_.max_message_bytes);
+  response->set_fused_max_tokens(config_.fused_max_tokens);
+  response->set_max_tokens(config_.max_tokens);
+  response->set_queue_capacity(config_.queue_capacity);
+  call->Complete(absl::OkStatus());
+  return call;
+}
+
+
+}  // namespace fusedlayer::server

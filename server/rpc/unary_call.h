@@ -1,0 +1,47 @@
+// A unary RPC in flight: counts itself in the inflight gauge, and on Complete() records the
+// request metrics, enforces the send limit and finishes. Complete() is called exactly once, from
+// the reactor thread (early errors, cheap RPCs) or from the executor; it returns whether the
+// response went out with OK (false also when the response was over the send limit and cleared).
+// LaunchCheck() is what the executor asks before starting work for the call.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "common/metrics.h"
+#include "google/protobuf/message.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/server_callback.h"
+
+namespace fusedlayer::server {
+
+using Clock = std::chrono::steady_clock;
+inline double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+class UnaryCall final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, grpc::CallbackServerContext* ctx,
+            const google::protobuf::Message* request, google::protobuf::Message* response);
+
+  bool Complete(absl::Status status);
+  // Work that has not been launched yet is dropped when this says so (deadline passed, cancelled).
+  absl::Status LaunchCheck() const;
+  double elapsed() const { return SecondsSince(start_); }
+
+  void OnCancel() override { cancelled_.store(true, std::memory_order_release); }
+  void OnDone() override;
+
+ private:
+  Metrics& metrics_;
+  const Method method_;
+  const int64_t max_send_bytes_;
+  grpc::CallbackServerContext* const ctx_;
+  google::protobuf::Message* const response_;
+  const Clock::time_point start_;
+  const uint64_t request_bytes_;
+  std::atomic<bool> cancelled_{false};
+};
+
+}  // namespace fusedlayer::server
