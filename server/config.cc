@@ -20,6 +20,15 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_message_bytes must be in [1024, 2^31 - 1], got ", max_message_bytes));
   }
+  if (max_batch_tokens < 0 || max_batch_tokens > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_batch_tokens must be in [0, 1048576], got ", max_batch_tokens));
+  }
+  // A minute is far beyond any useful batching delay; the bound keeps the conversion exact.
+  if (max_queue_delay_us < 0 || max_queue_delay_us > 60'000'000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_queue_delay_us must be in [0, 60000000], got ", max_queue_delay_us));
+  }
   if (queue_capacity < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--queue_capacity must be >= 1, got ", queue_capacity));
   }

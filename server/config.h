@@ -28,6 +28,10 @@ struct ServerConfig {
   int64_t max_tokens = int64_t{1} << 20;
   int64_t max_message_bytes = int64_t{1} << 30;
   int queue_capacity = 64;
+  // Dynamic batching (server/exec/executor.h): token budget of one launch (0: off) and how long the
+  // first request of a batch may wait for compatible ones (0: only those already queued).
+  int64_t max_batch_tokens = 256;
+  int64_t max_queue_delay_us = 0;
   int cpu_threads = 0;
   double drain_seconds = 30;
   double max_connection_age_seconds = 0;  // 0: connections never age out

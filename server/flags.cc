@@ -21,6 +21,11 @@ ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 20, "largest token count accepted; 
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
           "largest gRPC message received or sent, bytes (T=4096 at C=7168 needs ~470 MB)");
 ABSL_FLAG(int32_t, queue_capacity, 64, "device executor queue length; when full, RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_batch_tokens, 256,
+          "dynamic batching: compatible queued requests share one launch up to this many tokens (0: off)");
+ABSL_FLAG(int64_t, max_queue_delay_us, 0,
+          "dynamic batching: how long (microseconds) a request may wait for compatible ones to join its launch "
+          "(0: only requests already queued)");
 ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend worker threads (0 = all cores)");
 ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM/SIGINT, how long in-flight calls may take to finish");
 ABSL_FLAG(double, max_connection_age_seconds, 0,
@@ -64,6 +69,8 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
+  c.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  c.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
   c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   c.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);

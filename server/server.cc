@@ -48,7 +48,10 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     LogInfo("metrics on http://", cfg.metrics_address, "/metrics (port ", srv->metrics_port_, ")");
   }
 
-  srv->executor_ = std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity));
+  BatchingOptions batching;
+  batching.max_batch_tokens = cfg.max_batch_tokens;
+  batching.max_queue_delay = std::chrono::microseconds(cfg.max_queue_delay_us);
+  srv->executor_ = std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching);
   shadow::ShadowOptions shadow_options;
   shadow_options.sample_rate = cfg.shadow_sample_rate;
   shadow_options.queue_size = cfg.shadow_queue_size;

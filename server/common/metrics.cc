@@ -23,6 +23,9 @@ Histogram::BucketBoundaries OpBuckets() { return Geometric(1e-6, 4.0, 13); }
 Histogram::BucketBoundaries RequestBuckets() { return Geometric(1e-5, 4.0, 12); }
 // Queue wait: 1 us to ~4 s, x4 steps.
 Histogram::BucketBoundaries QueueBuckets() { return Geometric(1e-6, 4.0, 12); }
+// Requests per launch 1, 2, 4, ..., 1024; tokens per launch 1, 4, ..., 4^10 (~1M, --max_tokens).
+Histogram::BucketBoundaries BatchRequestBuckets() { return Geometric(1, 2.0, 11); }
+Histogram::BucketBoundaries BatchTokenBuckets() { return Geometric(1, 4.0, 11); }
 
 }  // namespace
 
@@ -128,6 +131,18 @@ Metrics::Metrics(std::string_view version, std::string_view backend, std::string
       .Add({{"version", std::string(version)}, {"backend", std::string(backend)}, {"arch", std::string(arch)}})
       .Set(1);
 
+  auto& batch_requests_family = prometheus::BuildHistogram()
+                                    .Name("fusedlayer_batch_requests")
+                                    .Help("Requests served by one op launch (dynamic batching; 1: alone)")
+                                    .Register(reg);
+  auto& batch_tokens_family = prometheus::BuildHistogram()
+                                  .Name("fusedlayer_batch_tokens")
+                                  .Help("Tokens computed by one op launch (dynamic batching)")
+                                  .Register(reg);
+  for (Op op : kAllOps) {
+    batch_requests_[static_cast<int>(op)] = &batch_requests_family.Add({{"op", OpName(op)}}, BatchRequestBuckets());
+    batch_tokens_[static_cast<int>(op)] = &batch_tokens_family.Add({{"op", OpName(op)}}, BatchTokenBuckets());
+  }
   for (Op op : kAllOps) {
     const int o = static_cast<int>(op);
     for (Path path : {Path::kFused, Path::kUnfused}) {
@@ -191,6 +206,11 @@ void Metrics::RecordRequest(Method method, grpc::StatusCode code, double seconds
   request_duration_[m]->Observe(seconds);
   request_bytes_[m]->Increment(static_cast<double>(request_bytes));
   response_bytes_[m]->Increment(static_cast<double>(response_bytes));
+}
+
+void Metrics::RecordBatch(Op op, size_t requests, int64_t tokens) {
+  batch_requests_[static_cast<int>(op)]->Observe(static_cast<double>(requests));
+  batch_tokens_[static_cast<int>(op)]->Observe(static_cast<double>(tokens));
 }
 
 }  // namespace fusedlayer::server

@@ -45,6 +45,8 @@ class Metrics {
                      uint64_t response_bytes);
   void InflightAdd(double delta) { inflight_->Increment(delta); }
   void ObserveQueue(double seconds) { queue_duration_->Observe(seconds); }
+  // One launch of `op` that served `requests` requests with `tokens` tokens in all (dynamic batching).
+  void RecordBatch(Op op, size_t requests, int64_t tokens);
   void SetResidentBytes(uint64_t bytes) { resident_bytes_->Set(static_cast<double>(bytes)); }
 
  private:
@@ -71,6 +73,8 @@ class Metrics {
   std::array<prometheus::Counter*, kNumMethods> response_bytes_{};
   prometheus::Gauge* inflight_;
   prometheus::Histogram* queue_duration_;
+  std::array<prometheus::Histogram*, 2> batch_requests_{};  // [op]
+  std::array<prometheus::Histogram*, 2> batch_tokens_{};    // [op]
   prometheus::Gauge* resident_bytes_;
 };
 

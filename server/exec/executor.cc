@@ -5,22 +5,34 @@
 #include "absl/strings/str_cat.h"
 
 namespace fusedlayer::server {
+namespace {
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
 
-Executor::Executor(size_t capacity) : capacity_(capacity) {
+Executor::Executor(size_t capacity, BatchingOptions batching) : capacity_(capacity), batching_(batching) {
   worker_ = std::thread([this] { Loop(); });
   worker_id_ = worker_.get_id();
 }
 
 Executor::~Executor() { Stop(); }
 
-absl::Status Executor::Submit(Task task) { return Enqueue(std::move(task), /*bounded=*/true); }
-absl::Status Executor::SubmitControl(Task task) { return Enqueue(std::move(task), /*bounded=*/false); }
+absl::Status Executor::Submit(Task task) {
+  return Enqueue(Item{std::move(task), nullptr, std::chrono::steady_clock::now(), /*bounded=*/true});
+}
+absl::Status Executor::SubmitBatchable(std::unique_ptr<BatchableTask> task) {
+  return Enqueue(Item{Task(), std::move(task), std::chrono::steady_clock::now(), /*bounded=*/true});
+}
+absl::Status Executor::SubmitControl(Task task) {
+  return Enqueue(Item{std::move(task), nullptr, std::chrono::steady_clock::now(), /*bounded=*/false});
+}
 
 absl::Status Executor::SubmitBackground(Task task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
-    background_.push_back(Item{std::move(task), std::chrono::steady_clock::now(), false});
+    background_.push_back(Item{std::move(task), nullptr, std::chrono::steady_clock::now(), false});
   }
   cv_.notify_one();
   return absl::OkStatus();
@@ -44,16 +56,16 @@ size_t Executor::background_queued() const {
   return background_.size();
 }
 
-absl::Status Executor::Enqueue(Task task, bool bounded) {
+absl::Status Executor::Enqueue(Item item) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
-    if (bounded && bounded_queued_ >= capacity_) {
+    if (item.bounded && bounded_queued_ >= capacity_) {
       return absl::ResourceExhaustedError(
           absl::StrCat("device queue full (", capacity_, " requests waiting; --queue_capacity); retry later"));
     }
-    queue_.push_back(Item{std::move(task), std::chrono::steady_clock::now(), bounded});
-    if (bounded) ++bounded_queued_;
+    if (item.bounded) ++bounded_queued_;
+    queue_.push_back(std::move(item));
   }
   cv_.notify_one();
   return absl::OkStatus();
@@ -84,10 +96,61 @@ void Executor::Loop() {
         return;  // stopping and drained (background tasks are dropped by Stop)
       }
     }
-    const double waited =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - item.enqueued).count();
-    std::move(item.task)(waited);
+    if (item.batchable) {
+      std::unique_lock<std::mutex> lock(mu_);
+      RunBatchable(std::move(item), lock);
+      continue;
+    }
+    std::move(item.task)(SecondsSince(item.enqueued));
   }
+}
+
+void Executor::TakeCompatible(std::vector<Item>& batch, int64_t& tokens) {
+  const BatchableTask& first = *batch.front().batchable;
+  for (auto it = queue_.begin(); it != queue_.end() && tokens < batching_.max_batch_tokens;) {
+    if (!it->bounded) break;  // a control task (upload, unload, warm-up) is a barrier
+    BatchableTask* candidate = it->batchable.get();
+    if (candidate == nullptr || !candidate->batchable() || !first.CompatibleWith(*candidate) ||
+        tokens + candidate->tokens() > batching_.max_batch_tokens) {
+      ++it;
+      continue;
+    }
+    tokens += candidate->tokens();
+    --bounded_queued_;
+    batch.push_back(std::move(*it));
+    it = queue_.erase(it);
+  }
+}
+
+void Executor::RunBatchable(Item first, std::unique_lock<std::mutex>& lock) {
+  std::vector<Item> items;
+  int64_t tokens = first.batchable->tokens();
+  const bool batching = first.batchable->batchable() && batching_.max_batch_tokens > 1;
+  const auto deadline = first.enqueued + batching_.max_queue_delay;
+  items.push_back(std::move(first));
+  if (batching) {
+    for (;;) {
+      TakeCompatible(items, tokens);
+      // The delay is spent only while the device would otherwise idle: other work waiting (a task
+      // that cannot join, or over the budget) ends it, so no request waits for another's batch.
+      if (tokens >= batching_.max_batch_tokens || stopping_ || !queue_.empty() ||
+          std::chrono::steady_clock::now() >= deadline) {
+        break;
+      }
+      // Woken by every Enqueue (and Stop): look again for arrivals until the deadline.
+      cv_.wait_until(lock, deadline);
+    }
+  }
+  lock.unlock();
+  std::vector<std::unique_ptr<BatchableTask>> batch;
+  std::vector<double> waited;
+  for (Item& item : items) {
+    waited.push_back(SecondsSince(item.enqueued));
+    batch.push_back(std::move(item.batchable));
+  }
+  BatchableTask::Run(batch, waited);
+  batch.clear();  // the tasks' destructors run outside the lock
+  lock.lock();
 }
 
 void Executor::Stop() {

@@ -13,26 +13,63 @@
 // behind background work (a running background task is not pre-empted: the most a serving task can
 // wait is one background task already started). The lane itself is unbounded here; its producer
 // (ShadowVerifier) bounds it. Stop() drops background tasks that have not started.
+//
+// Dynamic batching: a compute task may be a BatchableTask. When the worker takes one, it also takes
+// the compatible compute tasks waiting in the queue (in queue order, skipping incompatible ones,
+// never past a control task) while their tokens fit the budget (--max_batch_tokens), and with
+// --max_queue_delay_us > 0 it waits up to that long after the first one was queued for more to
+// arrive (Triton's max_queue_delay_microseconds; default 0: only what is already waiting, so no
+// request is delayed). The wait lasts only while nothing else is queued: any task that cannot join
+// ends it, so the delay never holds up other work. The batch runs as one launch
+// (BatchableTask::RunBatch).
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 
 namespace fusedlayer::server {
 
+// A compute task that dynamic batching may run in one launch with compatible queued tasks.
+class BatchableTask {
+ public:
+  virtual ~BatchableTask() = default;
+  // Tokens this task adds to a batch; a task that never batches returns false from batchable().
+  virtual int64_t tokens() const = 0;
+  virtual bool batchable() const = 0;
+  // True when `other` may share this task's launch (same op, weight set, stage, mode, path policy,
+  // optional tensors and flags).
+  virtual bool CompatibleWith(const BatchableTask& other) const = 0;
+  // Runs the batch: batch[0] is this task, the others follow in queue order; queue_seconds[i] is
+  // how long batch[i] waited. Called once per batch, on the worker.
+  static void Run(std::vector<std::unique_ptr<BatchableTask>>& batch, const std::vector<double>& queue_seconds) {
+    batch.front()->RunBatch(batch, queue_seconds);
+  }
+
+ private:
+  virtual void RunBatch(std::vector<std::unique_ptr<BatchableTask>>& batch, const std::vector<double>& queue_seconds) = 0;
+};
+
+struct BatchingOptions {
+  int64_t max_batch_tokens = 0;                 // token budget of one launch; <= 1: no batching
+  std::chrono::microseconds max_queue_delay{0};  // how long the first task of a batch may wait for more
+};
+
 class Executor {
  public:
   // A task gets the seconds it waited in the queue.
   using Task = absl::AnyInvocable<void(double queue_seconds) &&>;
 
-  explicit Executor(size_t capacity);
+  explicit Executor(size_t capacity, BatchingOptions batching = {});
   ~Executor();  // Stop()
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -40,6 +77,8 @@ class Executor {
   // Compute tasks: ResourceExhausted when `capacity` tasks are already waiting, Unavailable after
   // Stop(). On error the task is destroyed without running (the caller still owns the RPC).
   absl::Status Submit(Task task);
+  // A compute task that may be batched (bounded like Submit).
+  absl::Status SubmitBatchable(std::unique_ptr<BatchableTask> task);
   // Control tasks: not bounded by the capacity (Unavailable after Stop()).
   absl::Status SubmitControl(Task task);
   // Background tasks: run only when the main queue is empty (Unavailable after Stop()).
@@ -62,14 +101,22 @@ class Executor {
 
  private:
   struct Item {
-    Task task;
+    Task task;                                // set unless `batchable` is
+    std::unique_ptr<BatchableTask> batchable;
     std::chrono::steady_clock::time_point enqueued;
     bool bounded;
   };
-  absl::Status Enqueue(Task task, bool bounded);
+  absl::Status Enqueue(Item item);
+  // Moves the compatible batchable tasks waiting in the queue into `batch` while `tokens` stays
+  // within the budget (mu_ held).
+  void TakeCompatible(std::vector<Item>& batch, int64_t& tokens);
+  // Runs a batchable item together with what dynamic batching adds to it (mu_ held on entry and
+  // exit, released while the batch runs).
+  void RunBatchable(Item first, std::unique_lock<std::mutex>& lock);
   void Loop();
 
   const size_t capacity_;
+  const BatchingOptions batching_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;

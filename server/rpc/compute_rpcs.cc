@@ -1,10 +1,14 @@
-// The compute RPCs (MhcSeam, SwaNormQuant): inline on the gRPC thread, validate and decode the
-// request (rpc/proto_convert.h) and queue it; on the executor, the launch checks, the path choice
-// and run with fallback (exec/dispatcher.h), verify or shadow sampling, the report, the response.
-// What differs between the two ops is in rpc/op_traits.h.
+// The compute RPCs (MhcSeam, SwaNormQuant). Inline on the gRPC thread: validate and decode the
+// request (rpc/proto_convert.h) and queue it as a ComputeTask. On the executor: the launch checks,
+// dynamic batching with compatible queued requests (exec/executor.h, exec/batch_assembly.h), the
+// path choice and run with fallback (exec/dispatcher.h), verify or shadow sampling, each request's
+// own report, the response. What differs between the two ops is in rpc/op_traits.h.
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "exec/batch_assembly.h"
 #include "exec/dispatcher.h"
 #include "rpc/op_traits.h"
 #include "rpc/proto_convert.h"
@@ -22,29 +26,6 @@ absl::Status CheckPreference(v1::PathPreference p) {
   return absl::OkStatus();
 }
 
-// The executor-side half shared by both ops: launch checks, path choice, run with fallback,
-// metrics and the execution report. `support` and `run` are the op-specific parts. Returns the
-// path taken (and why, when unfused).
-template <typename SupportFn, typename RunFn>
-absl::StatusOr<PathDecision> ExecuteOnWorker(Op op, v1::PathPreference preference, const ServerConfig& config,
-                                             Metrics& metrics, const std::string& what, double queue_seconds,
-                                             SupportFn&& support, RunFn&& run, v1::ExecutionReport* report) {
-  absl::StatusOr<PathDecision> decision = ChoosePath(op, preference, config.fused_disabled(op), support);
-  if (!decision.ok()) return decision.status();
-  absl::StatusOr<DispatchOutcome> outcome =
-      RunWithFallback(op, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what, run);
-  if (!outcome.ok()) return outcome.status();
-  const PathDecision& d = outcome->decision;
-  metrics.RecordExecution(op, d.path, outcome->stats.kernel_seconds);
-  if (d.reason.has_value()) metrics.RecordFallback(op, *d.reason);
-  report->set_path(ToProto(d.path));
-  report->set_fallback_reason(d.reason.has_value() ? ToProto(*d.reason) : v1::FALLBACK_REASON_NONE);
-  report->set_fallback_detail(d.detail);
-  report->set_kernel_seconds(outcome->stats.kernel_seconds);
-  report->set_queue_seconds(queue_seconds);
-  return outcome->decision;
-}
-
 // verify = true on a request that ran unfused: there is no fused output to compare. The reason is
 // the same label the fallback metric uses.
 v1::Verification NotComparedUnfused(const PathDecision& decision) {
@@ -55,7 +36,155 @@ v1::Verification NotComparedUnfused(const PathDecision& decision) {
   return v;
 }
 
+bool SameAnswer(const FusedSupport& a, const FusedSupport& b) {
+  return a.supported == b.supported && (a.supported || a.reason == b.reason);
+}
+
 }  // namespace
+
+// One compute request on the executor. Alone or in a batch, it keeps its own messages and writes
+// its own report; a batch shares only the launch.
+template <typename Rpc>
+class FusedLayerService::ComputeTask final : public BatchableTask {
+ public:
+  ComputeTask(FusedLayerService& service, UnaryCall* call, typename Rpc::Messages* held,
+              const typename Rpc::Request* request, typename Rpc::Response* response,
+              std::shared_ptr<const WeightSet> set, typename Rpc::Call decoded)
+      : service_(service),
+        call_(call),
+        held_(held),
+        request_(request),
+        response_(response),
+        set_(std::move(set)),
+        decoded_(std::move(decoded)) {}
+
+  int64_t tokens() const override { return decoded_.args.tokens; }
+  // verify runs the unfused comparison in the same job (per request), and an empty request has
+  // nothing to share.
+  bool batchable() const override { return !request_->verify() && decoded_.args.tokens > 0; }
+  bool CompatibleWith(const BatchableTask& other) const override {
+    const auto* o = dynamic_cast<const ComputeTask*>(&other);
+    return o != nullptr && o->set_ == set_ && Rpc::SameBatch(*request_, *o->request_);
+  }
+
+ private:
+  void RunBatch(std::vector<std::unique_ptr<BatchableTask>>& batch, const std::vector<double>& queue_seconds) override;
+  // Path choice and run with fallback for `call` (one request's or a batch's).
+  absl::StatusOr<DispatchOutcome> Execute(const typename Rpc::Call& call, const std::string& what) const;
+  // Metrics, report, verify or shadow sampling, response: this request's part after the launch.
+  void Finish(const absl::StatusOr<DispatchOutcome>& ran, size_t batch_requests, int64_t batch_tokens);
+  std::string What() const {
+    return absl::StrCat("request ", response_->request_id(), " (weight set '", set_->name, "', ",
+                        Rpc::kTokensSymbol, " = ", decoded_.args.tokens, ")");
+  }
+
+  FusedLayerService& service_;
+  UnaryCall* const call_;
+  typename Rpc::Messages* const held_;
+  const typename Rpc::Request* const request_;
+  typename Rpc::Response* const response_;
+  const std::shared_ptr<const WeightSet> set_;
+  const typename Rpc::Call decoded_;
+  double queue_seconds_ = 0;
+};
+
+template <typename Rpc>
+absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(const typename Rpc::Call& call,
+                                                                             const std::string& what) const {
+  const typename Rpc::Prepared& part = *Rpc::Part(*set_);
+  Backend& backend = service_.backend_;
+  const v1::PathPreference preference = request_->path_preference();
+  absl::StatusOr<PathDecision> decision = ChoosePath(Rpc::kOp, preference, service_.config_.fused_disabled(Rpc::kOp),
+                                                     [&] { return Rpc::Support(backend, part, call); });
+  if (!decision.ok()) return decision.status();
+  return RunWithFallback(Rpc::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what,
+                         [&](Path path) { return Rpc::Run(backend, part, call, path); });
+}
+
+template <typename Rpc>
+void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<BatchableTask>>& batch,
+                                                   const std::vector<double>& queue_seconds) {
+  Metrics& metrics = service_.metrics_;
+  std::vector<ComputeTask*> live;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    auto* task = static_cast<ComputeTask*>(batch[i].get());
+    task->queue_seconds_ = queue_seconds[i];
+    metrics.ObserveQueue(queue_seconds[i]);
+    if (absl::Status s = task->call_->LaunchCheck(); !s.ok()) {
+      task->call_->Complete(std::move(s));  // expired or cancelled while queued: not launched
+      continue;
+    }
+    live.push_back(task);
+  }
+  if (live.size() > 1) {
+    const typename Rpc::Prepared& part = *Rpc::Part(*set_);
+    BatchAssembly assembly;
+    std::vector<const typename Rpc::Call*> calls;
+    for (const ComputeTask* task : live) calls.push_back(&task->decoded_);
+    const typename Rpc::Call batched = Rpc::Gather(assembly, calls, part);
+    // A batch must not change any request's path: the batched shape has to get the same
+    // fused-support answer as every request alone (e.g. --fused_max_tokens, workspace limits).
+    const FusedSupport batched_support = Rpc::Support(service_.backend_, part, batched);
+    bool same_path = true;
+    for (const ComputeTask* task : live) {
+      same_path = same_path && SameAnswer(batched_support, Rpc::Support(service_.backend_, part, task->decoded_));
+    }
+    if (same_path) {
+      const std::string what = absl::StrCat("a batch of ", live.size(), " requests from ", live.front()->What(),
+                                            ", ", Rpc::kTokensSymbol, " = ", batched.args.tokens, " in all");
+      absl::StatusOr<DispatchOutcome> ran = Execute(batched, what);
+      if (ran.ok()) {
+        assembly.Scatter();
+        metrics.RecordBatch(Rpc::kOp, live.size(), batched.args.tokens);
+        for (ComputeTask* task : live) task->Finish(ran, live.size(), batched.args.tokens);
+        return;
+      }
+      // The batch failed (e.g. out of device memory for its staging): each request alone may not.
+      LogWarning(what, " failed (", ran.status().ToString(), "); running its requests one by one");
+    }
+  }
+  for (ComputeTask* task : live) {
+    absl::StatusOr<DispatchOutcome> ran = task->Execute(task->decoded_, task->What());
+    metrics.RecordBatch(Rpc::kOp, 1, task->decoded_.args.tokens);
+    task->Finish(ran, 1, task->decoded_.args.tokens);
+  }
+}
+
+template <typename Rpc>
+void FusedLayerService::ComputeTask<Rpc>::Finish(const absl::StatusOr<DispatchOutcome>& ran, size_t batch_requests,
+                                                 int64_t batch_tokens) {
+  Metrics& metrics = service_.metrics_;
+  shadow::ShadowVerifier& shadow = service_.shadow_;
+  std::unique_ptr<shadow::ShadowVerifier::Job> shadow_job;
+  if (ran.ok()) {
+    const PathDecision& d = ran->decision;
+    metrics.RecordExecution(Rpc::kOp, d.path, ran->stats.kernel_seconds);
+    if (d.reason.has_value()) metrics.RecordFallback(Rpc::kOp, *d.reason);
+    v1::ExecutionReport* report = response_->mutable_report();
+    report->set_path(ToProto(d.path));
+    report->set_fallback_reason(d.reason.has_value() ? ToProto(*d.reason) : v1::FALLBACK_REASON_NONE);
+    report->set_fallback_detail(d.detail);
+    report->set_kernel_seconds(ran->stats.kernel_seconds);
+    report->set_queue_seconds(queue_seconds_);
+    report->set_batch_requests(static_cast<uint32_t>(batch_requests));
+    report->set_batch_tokens(batch_tokens);
+    if (request_->verify()) {
+      // Synchronous: the unfused run and the comparison happen in this job, before the response.
+      *response_->mutable_verification() =
+          d.path == Path::kFused ? Rpc::Verify(shadow, *set_, *request_, *response_) : NotComparedUnfused(d);
+    } else if (d.path == Path::kFused && decoded_.args.tokens > 0 && shadow.Sample()) {
+      // No copy: the job takes a reference to this call's messages (shadow/shared_messages.h).
+      // Only the report is written after this, before the response is sent; the job never reads it.
+      shadow_job = Rpc::Capture(shadow, set_, held_);
+    }
+    service_.FillReport(report, set_->name);
+    report->set_server_seconds(call_->elapsed());
+  }
+  // A response over the send limit is cleared and not sent: nothing to shadow-verify.
+  if (!call_->Complete(ran.status())) shadow_job.reset();
+  // After the response: the shadow run waits in the executor's background lane.
+  shadow.Submit(std::move(shadow_job));
+}
 
 grpc::ServerUnaryReactor* FusedLayerService::MhcSeam(grpc::CallbackServerContext* ctx,
                                                      const v1::MhcSeamRequest* request,
@@ -77,8 +206,7 @@ grpc::ServerUnaryReactor* FusedLayerService::SwaNormQuant(grpc::CallbackServerCo
   return call;
 }
 
-// Inline (on the gRPC thread): validate and decode. On the executor: launch checks, run, verify or
-// sample for shadow verification, report, respond.
+// Inline (on the gRPC thread): validate and decode, then queue the request on the device executor.
 template <typename Rpc>
 absl::Status FusedLayerService::StartCompute(UnaryCall* call, typename Rpc::Messages* held,
                                              const typename Rpc::Request* request, typename Rpc::Response* response) {
@@ -89,46 +217,11 @@ absl::Status FusedLayerService::StartCompute(UnaryCall* call, typename Rpc::Mess
     return absl::NotFoundError(
         absl::StrCat("weight set '", request->weight_set(), "' has no ", Rpc::kPartName, " part"));
   }
-  auto decoded = Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response);
+  absl::StatusOr<typename Rpc::Call> decoded = Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response);
   if (!decoded.ok()) return decoded.status();
   response->set_request_id(RequestId(request->request_id()));
-
-  return executor_.Submit([this, call, held, request, response, set = std::move(*set),
-                           decoded = std::move(*decoded)](double queue_seconds) {
-    metrics_.ObserveQueue(queue_seconds);
-    if (absl::Status s = call->LaunchCheck(); !s.ok()) {
-      call->Complete(std::move(s));
-      return;
-    }
-    const typename Rpc::Prepared& part = *Rpc::Part(*set);
-    const std::string what = absl::StrCat("request ", response->request_id(), " (weight set '", set->name, "', ",
-                                          Rpc::kTokensSymbol, " = ", decoded.args.tokens, ")");
-    v1::ExecutionReport* report = response->mutable_report();
-    absl::StatusOr<PathDecision> ran = ExecuteOnWorker(
-        Rpc::kOp, request->path_preference(), config_, metrics_, what, queue_seconds,
-        [&] { return Rpc::Support(backend_, part, decoded); },
-        [&](Path path) { return Rpc::Run(backend_, part, decoded, path); }, report);
-    std::unique_ptr<shadow::ShadowVerifier::Job> shadow_job;
-    if (ran.ok()) {
-      if (request->verify()) {
-        // Synchronous: the unfused run and the comparison happen in this job, before the response.
-        *response->mutable_verification() = ran->path == Path::kFused
-                                                ? Rpc::Verify(shadow_, *set, *request, *response)
-                                                : NotComparedUnfused(*ran);
-      } else if (ran->path == Path::kFused && decoded.args.tokens > 0 && shadow_.Sample()) {
-        // No copy: the job takes a reference to this call's messages (shadow/shared_messages.h).
-        // Only the report is written after this, before the response is sent; the job never
-        // reads it.
-        shadow_job = Rpc::Capture(shadow_, set, held);
-      }
-      FillReport(report, set->name);
-      report->set_server_seconds(call->elapsed());
-    }
-    // A response over the send limit is cleared and not sent: nothing to shadow-verify.
-    if (!call->Complete(ran.status())) shadow_job.reset();
-    // After the response: the shadow run waits in the executor's background lane.
-    shadow_.Submit(std::move(shadow_job));
-  });
+  return executor_.SubmitBatchable(std::make_unique<ComputeTask<Rpc>>(*this, call, held, request, response,
+                                                                      std::move(*set), std::move(*decoded)));
 }
 
 }  // namespace fusedlayer::server

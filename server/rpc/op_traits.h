@@ -6,8 +6,10 @@
 
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "config.h"
+#include "exec/batch_assembly.h"
 #include "exec/op_calls.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
@@ -23,6 +25,7 @@ struct MhcRpc {
   using Response = v1::MhcSeamResponse;
   using Messages = shadow::MhcMessages;
   using Prepared = PreparedMhcWeights;
+  using Call = MhcCall;
   static constexpr Op kOp = Op::kMhc;
   static constexpr const char* kPartName = "mHC";
   static constexpr const char* kTokensSymbol = "T";
@@ -45,6 +48,21 @@ struct MhcRpc {
                                                               std::shared_ptr<const WeightSet> set, Messages* held) {
     return shadow.CaptureMhc(std::move(set), held);
   }
+  // Dynamic batching: requests (of one weight set) that may share a launch. Everything that
+  // selects a kernel variant or an optional tensor must match; T may differ.
+  static bool SameBatch(const Request& a, const Request& b) {
+    return a.stage() == b.stage() && a.mode() == b.mode() && a.capture_aux() == b.capture_aux() &&
+           a.has_pre_mix() == b.has_pre_mix() && a.path_preference() == b.path_preference();
+  }
+  static MhcCall Gather(BatchAssembly& assembly, const std::vector<const MhcCall*>& calls, const Prepared&) {
+    std::vector<const MhcArgs*> args;
+    for (const MhcCall* c : calls) args.push_back(&c->args);
+    MhcCall batched;
+    batched.args = assembly.Gather(args);
+    batched.query = calls.front()->query;
+    batched.query.tokens = batched.args.tokens;
+    return batched;
+  }
 };
 
 struct SwaRpc {
@@ -52,6 +70,7 @@ struct SwaRpc {
   using Response = v1::SwaNormQuantResponse;
   using Messages = shadow::SwaMessages;
   using Prepared = PreparedSwaWeights;
+  using Call = SwaCall;
   static constexpr Op kOp = Op::kSwa;
   static constexpr const char* kPartName = "SWA";
   static constexpr const char* kTokensSymbol = "M";
@@ -73,6 +92,15 @@ struct SwaRpc {
   static std::unique_ptr<shadow::ShadowVerifier::Job> Capture(shadow::ShadowVerifier& shadow,
                                                               std::shared_ptr<const WeightSet> set, Messages* held) {
     return shadow.CaptureSwa(std::move(set), held);
+  }
+  static bool SameBatch(const Request& a, const Request& b) { return a.path_preference() == b.path_preference(); }
+  static SwaCall Gather(BatchAssembly& assembly, const std::vector<const SwaCall*>& calls, const Prepared& w) {
+    std::vector<const SwaArgs*> args;
+    for (const SwaCall* c : calls) args.push_back(&c->args);
+    SwaCall batched;
+    batched.args = assembly.Gather(args, w.params().scale_layout);
+    batched.query = SwaShapeQuery{batched.args.tokens};
+    return batched;
   }
 };
 

@@ -57,6 +57,9 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   // UNAVAILABLE while draining, OK otherwise.
   absl::Status AdmitDuringDrain() const;
   class LoadWeightsReactor;
+  // One compute request on the executor, alone or in a dynamic batch (rpc/compute_rpcs.cc).
+  template <typename Rpc>
+  class ComputeTask;
 
   // Validates and decodes a compute request, then queues its execution on the device executor.
   // `Rpc` is the op's traits (MhcRpc / SwaRpc in service.cc); `held` is the call's reference-counted
