@@ -1,7 +1,8 @@
 // unix: and unix-abstract: listen addresses end to end (docs/operations.md): both compute RPCs and
 // health over a unix socket, bit for bit the library's outputs; bearer tokens accepted over it as
 // over loopback; the socket file's lifecycle (stale ones replaced, live ones and other files
-// refused, removed at shutdown); fusedctl against it.
+// refused, removed at shutdown); fusedctl against it, `bench --echo_floor` included, whose echo
+// must carry exactly the real call's byte counts.
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -9,10 +10,12 @@
 
 #include <fstream>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
 #include "client/fusedlayer_client.h"
+#include "client/random_inputs.h"
 #include "gtest/gtest.h"
 #include "server_process.h"
 #include "server_test_env.h"
@@ -234,6 +237,88 @@ TEST_F(UnixSocketTest, BadUnixAddressesAreRefusedAtValidation) {
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kUnavailable) << s.status();
   EXPECT_NE(s.status().message().find("unix:"), std::string::npos) << s.status();
+}
+
+// ---- fusedctl, bench --echo_floor -----------------------------------------------------------------
+
+// The "echo bytes" line: request (server received), response (client received), and the call's.
+struct EchoBytes {
+  uint64_t echo_request = 0, echo_response = 0, call_request = 0, call_response = 0;
+};
+bool ParseEchoBytes(const std::string& out, EchoBytes* b) {
+  std::smatch m;
+  const std::regex re(
+      R"(echo bytes   request (\d+) B \(server received\), response (\d+) B \(client received\); call request (\d+) B, response (\d+) B)");
+  if (!std::regex_search(out, m, re)) return false;
+  b->echo_request = std::stoull(m[1]);
+  b->echo_response = std::stoull(m[2]);
+  b->call_request = std::stoull(m[3]);
+  b->call_response = std::stoull(m[4]);
+  return true;
+}
+
+void ExpectEchoFloorBlock(const std::string& out, uint64_t want_request_bytes) {
+  EchoBytes b;
+  ASSERT_TRUE(ParseEchoBytes(out, &b)) << out;
+  EXPECT_EQ(b.call_request, want_request_bytes) << out;
+  EXPECT_EQ(b.echo_request, b.call_request) << out;
+  EXPECT_EQ(b.echo_response, b.call_response) << out;
+  EXPECT_GT(b.call_response, b.call_request / 2) << out;  // a seam returns about what it receives
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(\necho         [1-9]\d* ok, 0 failed in [0-9.]+ s, [0-9.]+ req/s\n)")))
+      << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(\necho latency p50 \S+ \S+  p90 \S+ \S+  p99 \S+ \S+  max)"))) << out;
+  EXPECT_TRUE(std::regex_search(
+      out, std::regex(R"(\nvs floor     round trip / echo: p50 [0-9.]+x  p90 [0-9.]+x  p99 [0-9.]+x; req/s call / echo [0-9.]+x\n)")))
+      << out;
+}
+
+TEST_F(UnixSocketTest, FusedctlCommandsAndBenchEchoFloorOverUnixAndTcp) {
+  auto rng = MakeRng(4);
+  PackedWeightSet set = MakeWeightSet(rng, "ux/bench", MhcSetSpec{}, SwaSetSpec{});
+  auto ts = TestServer::Start(UnixConfig(), nullptr, {set});
+  ASSERT_NE(ts, nullptr);
+  const std::string unix_target = "unix:" + dir_ + "/fl.sock";
+  std::string out;
+  EXPECT_EQ(Fusedctl({}, {"--target=" + unix_target, "health"}, &out), 0) << out;
+  EXPECT_NE(out.find("SERVING"), std::string::npos) << out;
+  EXPECT_EQ(Fusedctl({}, {"--target=" + unix_target, "info"}, &out), 0) << out;
+  EXPECT_EQ(Fusedctl({}, {"--target=" + unix_target, "swa", "--weight_set=ux/bench", "--tokens=3"}, &out), 0) << out;
+
+  // The real request's size, computed here from the same spec the bench uses (sizes do not depend
+  // on the random values).
+  auto client = client::FusedLayerClient::Connect(unix_target);
+  ASSERT_TRUE(client.ok());
+  absl::StatusOr<v1::WeightSetInfo> info = (*client)->FindWeightSet("ux/bench");
+  ASSERT_TRUE(info.ok()) << info.status();
+  absl::StatusOr<v1::MhcSeamRequest> mhc_req = client::RandomMhcRequest(
+      info->mhc(), client::MhcRequestSpec{.weight_set = "ux/bench", .tokens = 6}, rng);
+  ASSERT_TRUE(mhc_req.ok());
+  const std::vector<std::string> bench = {"bench", "--op=mhc", "--weight_set=ux/bench", "--tokens=6",
+                                          "--concurrency=2", "--duration=0.3", "--echo_floor"};
+  std::vector<std::string> args = {"--target=" + unix_target};
+  args.insert(args.end(), bench.begin(), bench.end());
+  ASSERT_EQ(Fusedctl({}, args, &out), 0) << out;
+  EXPECT_NE(out.find("echo floor   bare gRPC echo over a unix socket (plaintext)"), std::string::npos) << out;
+  ExpectEchoFloorBlock(out, mhc_req->ByteSizeLong());
+
+  // The same over TCP loopback: a second server, the echo on 127.0.0.1.
+  auto tcp = TestServer::Start(TestConfig(), nullptr, {set});
+  ASSERT_NE(tcp, nullptr);
+  absl::StatusOr<v1::SwaNormQuantRequest> swa_req = client::RandomSwaRequest(
+      info->swa(), client::SwaRequestSpec{.weight_set = "ux/bench", .tokens = 4}, rng);
+  ASSERT_TRUE(swa_req.ok());
+  ASSERT_EQ(Fusedctl({}, {"--target=127.0.0.1:" + std::to_string(tcp->server().port()), "bench", "--op=swa",
+                          "--weight_set=ux/bench", "--tokens=4", "--concurrency=3", "--duration=0.3", "--echo_floor"},
+                     &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("echo floor   bare gRPC echo over 127.0.0.1 (plaintext)"), std::string::npos) << out;
+  ExpectEchoFloorBlock(out, swa_req->ByteSizeLong());
+
+  // Without the flag there is no floor block.
+  args.pop_back();
+  ASSERT_EQ(Fusedctl({}, args, &out), 0) << out;
+  EXPECT_EQ(out.find("echo"), std::string::npos) << out;
 }
 
 }  // namespace
