@@ -97,4 +97,46 @@ std::string BenchStats::Format(const RunInfo& info) const {
   return s;
 }
 
+namespace {
+
+// "123 B" when every call had the same size (the expected case), "120..123 B" otherwise.
+std::string ByteRange(uint64_t lo, uint64_t hi) {
+  return lo == hi ? absl::StrCat(lo, " B") : absl::StrCat(lo, "..", hi, " B");
+}
+
+std::string Ratio(double num, double den) { return den > 0 ? absl::StrFormat("%.2fx", num / den) : "n/a"; }
+
+}  // namespace
+
+std::string BenchStats::FormatEchoFloor(const BenchStats& call, const BenchStats& echo, const EchoFloorInfo& info) {
+  std::string s;
+  absl::StrAppend(&s, "echo floor   bare gRPC echo over ", info.transport,
+                  ", same channel options, same concurrency and duration\n");
+  absl::StrAppend(&s, "echo bytes   request ", ByteRange(info.echo_request_bytes_min, info.echo_request_bytes_max),
+                  " (server received), response ",
+                  ByteRange(info.echo_response_bytes_min, info.echo_response_bytes_max),
+                  " (client received); call request ", info.call_request_bytes, " B, response ",
+                  info.call_response_bytes, " B\n");
+  const double echo_t = info.echo_elapsed_seconds > 0 ? info.echo_elapsed_seconds : 1e-9;
+  const double call_t = info.call_elapsed_seconds > 0 ? info.call_elapsed_seconds : 1e-9;
+  const double echo_rps = double(echo.ok()) / echo_t, call_rps = double(call.ok()) / call_t;
+  absl::StrAppend(&s, absl::StrFormat("echo         %d ok, %d failed in %.3f s, %.1f req/s\n", echo.ok(), echo.failed(),
+                                      info.echo_elapsed_seconds, echo_rps));
+  for (const auto& [code, n] : echo.errors_) {
+    absl::StrAppend(&s, absl::StrFormat("echo error   %s: %d (first: %s)\n", absl::StatusCodeToString(code), n,
+                                        echo.first_error_.at(code)));
+  }
+  const LatencySummary e = SummarizeLatencies(echo.latencies_);
+  const LatencySummary c = SummarizeLatencies(call.latencies_);
+  if (e.count > 0) {
+    absl::StrAppend(&s, "echo latency p50 ", FormatSeconds(e.p50), "  p90 ", FormatSeconds(e.p90), "  p99 ",
+                    FormatSeconds(e.p99), "  max ", FormatSeconds(e.max), "  mean ", FormatSeconds(e.mean), "\n");
+  }
+  if (e.count > 0 && c.count > 0) {
+    absl::StrAppend(&s, "vs floor     round trip / echo: p50 ", Ratio(c.p50, e.p50), "  p90 ", Ratio(c.p90, e.p90),
+                    "  p99 ", Ratio(c.p99, e.p99), "; req/s call / echo ", Ratio(call_rps, echo_rps), "\n");
+  }
+  return s;
+}
+
 }  // namespace fusedlayer::client

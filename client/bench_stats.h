@@ -46,6 +46,19 @@ class BenchStats {
   };
   std::string Format(const RunInfo& info) const;
 
+  // The echo-floor block of `fusedctl bench --echo_floor`: the bare echo's throughput and latency
+  // next to the real call's (`call`, measured at the same concurrency), and round trip / echo.
+  struct EchoFloorInfo {
+    std::string transport;               // where the echo ran, e.g. "127.0.0.1 (plaintext)"
+    uint64_t call_request_bytes = 0;     // the real call's serialized request
+    uint64_t call_response_bytes = 0;    // ... and response (the probe's)
+    uint64_t echo_request_bytes_min = 0, echo_request_bytes_max = 0;    // as the echo server received them
+    uint64_t echo_response_bytes_min = 0, echo_response_bytes_max = 0;  // as the bench received them
+    double call_elapsed_seconds = 0;
+    double echo_elapsed_seconds = 0;
+  };
+  static std::string FormatEchoFloor(const BenchStats& call, const BenchStats& echo, const EchoFloorInfo& info);
+
  private:
   std::vector<double> latencies_;      // OK calls only
   std::vector<double> kernel_, server_, queue_;

@@ -103,10 +103,10 @@ const std::vector<CommandInfo>& Commands() {
        {"weight_set", "tokens", "row_stride", "path", "input", "output", "seed", "verify"}},
       {"bench",
        "bench --op=mhc|swa --weight_set=NAME --tokens=T --concurrency=N --duration=SECONDS [--path=...] "
-       "[--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S]",
+       "[--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S] [--echo_floor]",
        0,
        {"op", "weight_set", "tokens", "concurrency", "duration", "path", "mode", "stage", "no_pre_mix", "capture_aux",
-        "row_stride", "seed"}},
+        "row_stride", "seed", "echo_floor"}},
       {"soak",
        "soak --concurrency=N --duration=SECONDS [--warmup=SECONDS] [--server_pid=PID] [--max_rss_growth_mb=MB] "
        "[--seed=S]",

@@ -5,6 +5,12 @@
 // request is generated once and reused: generation of a large random request costs far more than
 // the call, and the server does not cache anything by content. Sharing one const request between
 // threads is safe: serialisation is const, and protobuf 3.21 caches sizes in a relaxed atomic.
+//
+// --echo_floor then runs the same closed loop against a bare gRPC echo of the same byte counts
+// (client/echo_floor.h) and prints it next to the real call: the transport floor of that row.
+#include <stdlib.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -14,10 +20,12 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/bench_stats.h"
 #include "client/cli_options.h"
+#include "client/echo_floor.h"
 #include "client/fusedctl_commands.h"
 #include "client/random_inputs.h"
 
@@ -67,6 +75,111 @@ class TypedCaller : public Caller {
   mutable std::atomic<uint64_t> last_response_bytes_{0};
 };
 
+// `concurrency` threads, each calling `call` back to back until `duration` has passed.
+struct ClosedLoopResult {
+  BenchStats stats;
+  double elapsed_seconds = 0;
+};
+ClosedLoopResult RunClosedLoop(int concurrency, absl::Duration duration, const std::function<CallOutcome()>& call) {
+  std::vector<BenchStats> per_thread(static_cast<size_t>(concurrency));
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(concurrency));
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point end = start + absl::ToChronoNanoseconds(duration);
+  for (int i = 0; i < concurrency; ++i) {
+    threads.emplace_back([&, i] {
+      BenchStats& stats = per_thread[size_t(i)];
+      // No call starts after `end`; a call in flight at `end` finishes (bounded by --deadline).
+      while (Clock::now() < end) stats.Add(call());
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  ClosedLoopResult r;
+  r.elapsed_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  for (const BenchStats& s : per_thread) r.stats.Merge(s);
+  return r;
+}
+
+// A scratch directory for the echo's unix socket, removed with everything in it at scope exit
+// (gRPC unlinks the socket at server shutdown; the rmdir is for the directory itself).
+class ScratchDir {
+ public:
+  ScratchDir() {
+    char tmpl[] = "/tmp/fusedctl-echo-floor-XXXXXX";
+    if (const char* d = ::mkdtemp(tmpl); d != nullptr) path_ = d;
+  }
+  ~ScratchDir() {
+    if (path_.empty()) return;
+    ::unlink((path_ + "/echo-floor.sock").c_str());
+    ::rmdir(path_.c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// The echo floor at the call's concurrency and duration; prints its block of output. An error when
+// the echo cannot start or any echo call failed (their codes are in the output).
+absl::Status RunEchoFloor(const FusedLayerClient& client, const CommandLine& cl, uint64_t request_bytes,
+                          uint64_t response_bytes, const ClosedLoopResult& call, std::ostream& out) {
+  ScratchDir scratch;
+  const std::string listen = EchoListenAddressFor(cl.target, scratch.path());
+  if (absl::StartsWith(listen, "unix:") && scratch.path().empty()) {
+    return absl::InternalError("echo floor: cannot create a scratch directory under /tmp for its socket");
+  }
+  const ClientOptions& options = client.options();
+  absl::StatusOr<std::unique_ptr<EchoFloorServer>> echo =
+      EchoFloorServer::Start(listen, response_bytes, options.max_message_bytes);
+  if (!echo.ok()) return echo.status();
+  // The same channel construction as the real one: same message limits, deadline and token header.
+  absl::StatusOr<std::unique_ptr<FusedLayerClient>> echo_channel = FusedLayerClient::Connect((*echo)->target(), options);
+  if (!echo_channel.ok()) return echo_channel.status();
+  const EchoFloorClient echo_client((*echo_channel)->channel(), request_bytes, options);
+
+  std::atomic<uint64_t> response_min{UINT64_MAX}, response_max{0};
+  auto echo_call = [&]() {
+    CallOutcome o;
+    const Clock::time_point t0 = Clock::now();
+    absl::StatusOr<uint64_t> got = echo_client.Call();
+    o.round_trip_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (!got.ok()) {
+      o.status = got.status();
+      return o;
+    }
+    for (uint64_t lo = response_min.load(); *got < lo && !response_min.compare_exchange_weak(lo, *got);) {
+    }
+    for (uint64_t hi = response_max.load(); *got > hi && !response_max.compare_exchange_weak(hi, *got);) {
+    }
+    return o;
+  };
+  // A probe first, as for the real call (and it opens the connection).
+  if (CallOutcome probe = echo_call(); !probe.status.ok()) {
+    return absl::Status(probe.status.code(), absl::StrCat("echo floor probe failed: ", probe.status.message()));
+  }
+  const ClosedLoopResult floor = RunClosedLoop(cl.concurrency, cl.duration, echo_call);
+
+  BenchStats::EchoFloorInfo info;
+  info.transport = absl::StartsWith(listen, "unix:")            ? "a unix socket (plaintext)"
+                   : absl::StartsWith(listen, "unix-abstract:") ? "an abstract unix socket (plaintext)"
+                                                                : "127.0.0.1 (plaintext)";
+  info.call_request_bytes = request_bytes;
+  info.call_response_bytes = response_bytes;
+  info.echo_request_bytes_min = (*echo)->min_request_bytes();
+  info.echo_request_bytes_max = (*echo)->max_request_bytes();
+  info.echo_response_bytes_min = response_min.load();
+  info.echo_response_bytes_max = response_max.load();
+  info.call_elapsed_seconds = call.elapsed_seconds;
+  info.echo_elapsed_seconds = floor.elapsed_seconds;
+  out << BenchStats::FormatEchoFloor(call.stats, floor.stats, info);
+  if (floor.stats.failed() > 0) {
+    return absl::Status(floor.stats.MostFrequentError(),
+                        absl::StrCat(floor.stats.failed(), " of ", floor.stats.failed() + floor.stats.ok(),
+                                     " echo-floor calls failed (codes in the echo error lines above)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
@@ -84,6 +197,13 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
   }
   absl::StatusOr<v1::PathPreference> path = ParsePathPreference(cl.path.empty() ? "auto" : cl.path);
   if (!path.ok()) return path.status();
+  if (cl.echo_floor && client.options().credentials != nullptr) {
+    // The echo server has no certificate the channel's CA would accept, and a plaintext floor under
+    // a TLS call would flatter the ratio.
+    return absl::InvalidArgumentError(
+        "--echo_floor measures plaintext channels only (unix sockets, loopback, tokens included); drop the --tls_* "
+        "flags for the floor run");
+  }
 
   absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
   if (!ws.ok()) return ws.status();
@@ -143,29 +263,20 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
     out.flush();
   }
 
-  std::vector<BenchStats> per_thread(size_t(cl.concurrency));
-  std::vector<std::thread> threads;
-  threads.reserve(size_t(cl.concurrency));
-  const Clock::time_point start = Clock::now();
-  const Clock::time_point end = start + absl::ToChronoNanoseconds(cl.duration);
-  for (int i = 0; i < cl.concurrency; ++i) {
-    threads.emplace_back([&, i] {
-      BenchStats& stats = per_thread[size_t(i)];
-      // No call starts after `end`; a call in flight at `end` finishes (bounded by --deadline).
-      while (Clock::now() < end) stats.Add(caller->Call());
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-
-  BenchStats total;
-  for (const BenchStats& s : per_thread) total.Merge(s);
+  const ClosedLoopResult measured = RunClosedLoop(cl.concurrency, cl.duration, [&] { return caller->Call(); });
+  const BenchStats& total = measured.stats;
   BenchStats::RunInfo info{.op = cl.op,
                            .tokens_per_request = cl.tokens,
                            .request_bytes = caller->RequestBytes(),
                            .response_bytes = response_bytes(),
-                           .elapsed_seconds = elapsed};
+                           .elapsed_seconds = measured.elapsed_seconds};
   out << total.Format(info);
+  out.flush();
+  if (cl.echo_floor) {
+    if (absl::Status s = RunEchoFloor(client, cl, info.request_bytes, info.response_bytes, measured, out); !s.ok()) {
+      return s;
+    }
+  }
   if (total.failed() > 0) {
     return absl::Status(total.MostFrequentError(),
                         absl::StrCat(total.failed(), " of ", total.failed() + total.ok(),

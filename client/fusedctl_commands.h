@@ -40,6 +40,7 @@ struct CommandLine {
   int max_rss_growth_mb = 64;                // soak
   std::string dump;                          // replay: a shadow mismatch dump (safetensors)
   bool verify = false;                       // seam, swa: request verify = true (shadow comparison)
+  bool echo_floor = false;                   // bench: also measure a bare gRPC echo of the same sizes
 };
 
 absl::Status RunInfo(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);

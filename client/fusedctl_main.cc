@@ -1,6 +1,6 @@
 // fusedctl: command-line client of the fusedlayer service.
 //
-//   fusedctl [--target=host:port] COMMAND [flags]
+//   fusedctl [--target=host:port|unix:/path/to.sock] COMMAND [flags]
 //
 // Exit status: 0 on success (health: only when SERVING), 1 on an error from the server or the
 // command, 2 on a usage error. Errors print one line: "fusedctl: error: CODE: message".
@@ -24,7 +24,8 @@
 #include "client/transport_credentials.h"
 
 // Global flags.
-ABSL_FLAG(std::string, target, "localhost:50051", "Server address, host:port (or any gRPC target URI)");
+ABSL_FLAG(std::string, target, "localhost:50051",
+          "Server address: host:port, unix:/path/to.sock, unix-abstract:NAME (or any gRPC target URI)");
 ABSL_FLAG(absl::Duration, deadline, absl::Seconds(60), "Deadline of each call (LoadWeights: max of this and 10m)");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30, "Largest message sent or received, bytes");
 // Transport security (docs/security.md). Any --tls_* flag switches the channel to TLS.
@@ -58,6 +59,10 @@ ABSL_FLAG(int64_t, server_pid, 0, "soak: server process id (same host) whose VmR
 ABSL_FLAG(bool, verify, false,
           "seam/swa: also run the unfused path on the server and return the fused-vs-unfused comparison");
 ABSL_FLAG(std::string, dump, "", "replay: a shadow-verification mismatch dump (safetensors, --shadow_dump_dir)");
+ABSL_FLAG(bool, echo_floor, false,
+          "bench: then run a bare gRPC echo of the same request/response sizes over the same channel options, "
+          "started in-process on loopback (a unix socket for unix targets), at the same concurrency and duration, "
+          "and print its latency and req/s next to the call's (the transport floor)");
 ABSL_FLAG(int32_t, max_rss_growth_mb, 64, "soak: fail when the server RSS grows by more than this, MiB");
 
 namespace {
@@ -71,7 +76,7 @@ constexpr int kExitReproduced = 3;  // replay: the fused-vs-unfused mismatch rep
 std::string Usage() {
   std::string s =
       "fusedctl: command-line client of the fusedlayer service.\n\n"
-      "usage: fusedctl [--target=host:port] [--deadline=60s] [--tls_ca=PEM [--tls_cert=PEM --tls_key=PEM]\n"
+      "usage: fusedctl [--target=host:port|unix:PATH] [--deadline=60s] [--tls_ca=PEM [--tls_cert=PEM --tls_key=PEM]\n"
       "                [--tls_server_name=NAME]] [--token_file=FILE | env FUSEDCTL_TOKEN] COMMAND [flags]\n\n"
       "commands:\n";
   for (const CommandInfo& c : Commands()) absl::StrAppend(&s, "  fusedctl ", c.usage, "\n");
@@ -137,6 +142,7 @@ int main(int argc, char** argv) {
   cl.max_rss_growth_mb = absl::GetFlag(FLAGS_max_rss_growth_mb);
   cl.dump = absl::GetFlag(FLAGS_dump);
   cl.verify = absl::GetFlag(FLAGS_verify);
+  cl.echo_floor = absl::GetFlag(FLAGS_echo_floor);
   if (cl.chunk_bytes <= 0) return UsageError("--chunk_bytes must be positive");
   if (cl.tokens < 0) return UsageError("--tokens must be >= 0");
   if (cl.row_stride < 0) return UsageError("--row_stride must be >= 0");

@@ -9,8 +9,41 @@ namespace fusedlayer::server {
 
 const char* OpName(Op op) { return op == Op::kMhc ? "mhc" : "swa"; }
 
+// gRPC's URI prefixes for unix domain sockets (chttp2_server.cc in gRPC 1.51).
+constexpr std::string_view kUnixPrefix = "unix:";
+constexpr std::string_view kUnixAbstractPrefix = "unix-abstract:";
+// sizeof(sockaddr_un::sun_path) on Linux. A path needs its terminating NUL in it, an abstract name
+// its leading NUL: either way at most 107 bytes (gRPC 1.51 refuses longer ones with a generic error).
+constexpr size_t kSunPathBytes = 108;
+
+ListenKind ListenKindOf(std::string_view address) {
+  if (address.substr(0, kUnixAbstractPrefix.size()) == kUnixAbstractPrefix) return ListenKind::kUnixAbstract;
+  if (address.substr(0, kUnixPrefix.size()) == kUnixPrefix) return ListenKind::kUnix;
+  return ListenKind::kTcp;
+}
+
+std::string UnixSocketPath(std::string_view address) {
+  if (ListenKindOf(address) != ListenKind::kUnix) return "";
+  return std::string(address.substr(kUnixPrefix.size()));
+}
+
 absl::Status ServerConfig::Validate() const {
   if (address.empty()) return absl::InvalidArgumentError("--address must not be empty");
+  if (const ListenKind kind = ListenKindOf(address); kind != ListenKind::kTcp) {
+    const bool abstract = kind == ListenKind::kUnixAbstract;
+    const size_t name_bytes = address.size() - (abstract ? kUnixAbstractPrefix : kUnixPrefix).size();
+    // gRPC would only say "cannot listen" (or truncate silently) for these.
+    if (name_bytes == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--address=", address, ": the ",
+                                                     abstract ? "abstract socket name" : "socket path", " is empty"));
+    }
+    if (name_bytes >= kSunPathBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("--address=", address, ": the ",
+                                                     abstract ? "abstract socket name" : "socket path", " is ",
+                                                     name_bytes, " bytes; a unix socket allows at most ",
+                                                     kSunPathBytes - 1));
+    }
+  }
   if (fused_max_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--fused_max_tokens must be >= 0, got ", fused_max_tokens));
   }

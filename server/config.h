@@ -16,7 +16,15 @@ enum class Op : uint8_t { kMhc = 0, kSwa = 1 };
 inline constexpr Op kAllOps[] = {Op::kMhc, Op::kSwa};
 const char* OpName(Op op);  // "mhc", "swa"
 
+// What --address names: a TCP host:port, a unix domain socket path ("unix:/run/fl.sock") or a
+// Linux abstract socket name ("unix-abstract:fusedlayer", no file).
+enum class ListenKind : uint8_t { kTcp, kUnix, kUnixAbstract };
+ListenKind ListenKindOf(std::string_view address);
+// The filesystem path of a unix: address ("unix:/run/fl.sock" -> "/run/fl.sock"); empty otherwise.
+std::string UnixSocketPath(std::string_view address);
+
 struct ServerConfig {
+  // host:port, unix:PATH or unix-abstract:NAME (see ListenKind).
   std::string address = "0.0.0.0:50051";
   std::string metrics_address = "0.0.0.0:9464";  // empty: no Exposer (metrics still collected)
   std::string backend = "auto";

@@ -6,7 +6,9 @@
 #include "absl/flags/flag.h"
 #include "common/log.h"
 
-ABSL_FLAG(std::string, address, "0.0.0.0:50051", "gRPC listen address (host:port)");
+ABSL_FLAG(std::string, address, "0.0.0.0:50051",
+          "gRPC listen address: host:port, unix:/path/to.sock (unix domain socket) or unix-abstract:NAME "
+          "(Linux abstract socket)");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9464",
           "Prometheus /metrics listen address (host:port); empty disables the HTTP endpoint");
 ABSL_FLAG(std::string, backend, "auto", "compute backend: auto (a GPU when present, else cpu), cpu, cuda, hip");

@@ -1,5 +1,13 @@
 #include "server.h"
 
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "auth/transport_security.h"
 #include "grpc/grpc.h"  // GRPC_ARG_* channel argument names
@@ -18,13 +26,62 @@ namespace fusedlayer::server {
 
 const char* ServerVersion() { return FUSEDLAYER_VERSION_STRING; }
 
+namespace {
+
+// Makes `path` free for a unix: listener. gRPC 1.51 unlinks whatever socket is at the path before
+// bind, a live one included, so a second server would silently take the socket of a running one;
+// and it fails with a bare "cannot listen" on any other file. So: nothing there, fine; a socket
+// nobody accepts on (a crashed server's leftover), removed; a socket someone serves on, or a file
+// that is not a socket, an error naming it.
+absl::Status PrepareUnixSocketPath(const std::string& address, const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::UnavailableError(
+        absl::StrCat("--address=", address, ": cannot stat ", path, ": ", std::strerror(errno)));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--address=", address, ": ", path, " exists and is not a socket (not removing it)"));
+  }
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path, path.data(), path.size());  // Validate() bounded the length
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket(AF_UNIX): ", std::strerror(errno)));
+  const bool live = ::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 0;
+  const int connect_errno = errno;
+  ::close(fd);
+  if (live) {
+    return absl::UnavailableError(
+        absl::StrCat("--address=", address, ": another process is accepting connections on ", path));
+  }
+  if (connect_errno != ECONNREFUSED) {
+    return absl::UnavailableError(absl::StrCat("--address=", address, ": cannot probe the existing socket ", path,
+                                               ": ", std::strerror(connect_errno)));
+  }
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return absl::UnavailableError(
+        absl::StrCat("--address=", address, ": cannot remove the stale socket ", path, ": ", std::strerror(errno)));
+  }
+  LogInfo("removed the stale socket ", path, " (no process accepted connections on it)");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     ServerConfig config, std::unique_ptr<Backend> backend,
     std::vector<std::pair<PackedWeightSet, std::string>> initial_sets) {
   if (absl::Status s = config.Validate(); !s.ok()) return s;
+  const ListenKind listen_kind = ListenKindOf(config.address);
   // Certificates and tokens are checked before any weight is loaded: a typo fails in milliseconds.
   absl::StatusOr<auth::ServerSecurity> security = auth::MakeServerSecurity(config);
   if (!security.ok()) return security.status();
+  // Likewise the socket path, before weights load for minutes.
+  if (listen_kind == ListenKind::kUnix) {
+    if (absl::Status s = PrepareUnixSocketPath(config.address, UnixSocketPath(config.address)); !s.ok()) return s;
+  }
   std::unique_ptr<FusedLayerServer> srv(new FusedLayerServer(std::move(config)));
   const ServerConfig& cfg = srv->config_;
   srv->backend_ = std::move(backend);
@@ -93,12 +150,18 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   }
   builder.RegisterService(srv->service_.get());
   srv->server_ = builder.BuildAndStart();
-  if (srv->server_ == nullptr || srv->port_ == 0) {
+  // BuildAndStart returns null when a port fails to bind. A TCP port of 0 after a "successful"
+  // start is gRPC's other failure signal; a unix socket has no port (gRPC reports 1 for it).
+  if (srv->server_ == nullptr || (listen_kind == ListenKind::kTcp && srv->port_ == 0)) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", cfg.address, " (--address)"));
   }
+  if (listen_kind != ListenKind::kTcp) srv->port_ = 0;
   srv->health_.Attach(srv->server_->GetHealthCheckService());
-  LogInfo("serving fusedlayer.v1.FusedLayer on ", cfg.address, " (port ", srv->port_, "), queue capacity ",
-          cfg.queue_capacity, ", max message ", cfg.max_message_bytes, " bytes");
+  const std::string where = listen_kind == ListenKind::kTcp ? absl::StrCat(" (port ", srv->port_, ")")
+                            : listen_kind == ListenKind::kUnix ? std::string(" (unix domain socket)")
+                                                               : std::string(" (abstract unix socket)");
+  LogInfo("serving fusedlayer.v1.FusedLayer on ", cfg.address, where, ", queue capacity ", cfg.queue_capacity,
+          ", max message ", cfg.max_message_bytes, " bytes");
   if (security->plaintext_open) {
     LogWarning("transport security: none (plaintext, no tokens): anyone who reaches ", cfg.address,
                " may call every RPC, LoadWeights and UnloadWeightSet included; see docs/security.md");

@@ -30,12 +30,15 @@ class FusedLayerServer {
   // Starts a server on `backend`: loads `initial_sets` (each built, warmed up and published; the
   // first failure aborts startup with its status), logs the per-op capability, starts gRPC on
   // config.address and the Exposer on config.metrics_address (when non-empty). A port of 0 in
-  // either address picks a free port (see port() / metrics_port()).
+  // either address picks a free port (see port() / metrics_port()). A unix: address replaces a
+  // stale socket file at its path (one nobody accepts on) and refuses a live socket or another
+  // file; gRPC removes the socket file again at shutdown.
   static absl::StatusOr<std::unique_ptr<FusedLayerServer>> Start(
       ServerConfig config, std::unique_ptr<Backend> backend,
       std::vector<std::pair<PackedWeightSet, std::string /*source*/>> initial_sets);
   ~FusedLayerServer();  // Shutdown(now)
 
+  // The TCP port gRPC listens on; 0 for unix: and unix-abstract: addresses (no port).
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
   Metrics& metrics() { return *metrics_; }

@@ -1,7 +1,10 @@
 // Unit tests of the client library and fusedctl helpers that need no server: tensor messages, the
 // random input generators, argument validation, percentile math, safetensors I/O, fp8 dequantized
-// summaries, bench aggregation and the client's local checks. The wire is covered end to end by the
-// service's e2e suites.
+// summaries, bench aggregation (the echo floor too, with its in-process echo server) and the client's
+// local checks. The wire is covered end to end by the service's e2e suites.
+#include <stdlib.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "client/bench_stats.h"
 #include "client/cli_options.h"
+#include "client/echo_floor.h"
 #include "client/fusedlayer_client.h"
 #include "client/latency_stats.h"
 #include "client/random_inputs.h"
@@ -630,6 +634,107 @@ TEST(BenchStatsTest, HitRateFallbacksErrorsAndMerge) {
   EXPECT_TRUE(absl::StrContains(text, "p50 2.000 ms")) << text;  // nearest rank of {1,2,3,4} ms
   EXPECT_EQ(BenchStats().FusedHitRate(), 0.0);
   EXPECT_EQ(BenchStats().MostFrequentError(), absl::StatusCode::kOk);
+}
+
+TEST(BenchStatsTest, EchoFloorBlockHasTheFieldsAndRatios) {
+  auto at = [](double sec) {
+    CallOutcome o;
+    o.round_trip_seconds = sec;
+    o.report.set_path(v1::EXECUTION_PATH_FUSED);
+    return o;
+  };
+  BenchStats call, echo;
+  for (double ms : {3.0, 4.0, 5.0, 6.0}) call.Add(at(ms * 1e-3));  // p50 4 ms (nearest rank)
+  for (double ms : {1.0, 2.0, 2.0, 8.0}) echo.Add(at(ms * 1e-3));  // p50 2 ms
+  echo.Add(CallOutcome{.status = absl::DeadlineExceededError("slow echo")});
+  BenchStats::EchoFloorInfo info{.transport = "127.0.0.1 (plaintext)",
+                                 .call_request_bytes = 1234,
+                                 .call_response_bytes = 5678,
+                                 .echo_request_bytes_min = 1234,
+                                 .echo_request_bytes_max = 1234,
+                                 .echo_response_bytes_min = 5678,
+                                 .echo_response_bytes_max = 5679,
+                                 .call_elapsed_seconds = 2.0,
+                                 .echo_elapsed_seconds = 1.0};
+  const std::string text = BenchStats::FormatEchoFloor(call, echo, info);
+  EXPECT_TRUE(absl::StrContains(text, "echo floor   bare gRPC echo over 127.0.0.1 (plaintext)")) << text;
+  EXPECT_TRUE(absl::StrContains(text, "echo bytes   request 1234 B (server received), response 5678..5679 B "
+                                      "(client received); call request 1234 B, response 5678 B")) << text;
+  EXPECT_TRUE(absl::StrContains(text, "echo         4 ok, 1 failed in 1.000 s, 4.0 req/s")) << text;
+  EXPECT_TRUE(absl::StrContains(text, "echo error   DEADLINE_EXCEEDED: 1 (first: slow echo)")) << text;
+  EXPECT_TRUE(absl::StrContains(text, "echo latency p50 2.000 ms  p90 8.000 ms  p99 8.000 ms  max 8.000 ms")) << text;
+  // p50 4/2, p90 6/8, p99 6/8; req/s (4 / 2 s) / (4 / 1 s).
+  EXPECT_TRUE(absl::StrContains(text, "vs floor     round trip / echo: p50 2.00x  p90 0.75x  p99 0.75x; req/s call / "
+                                      "echo 0.50x")) << text;
+  // No echo call succeeded: no latency or ratio line, the error still shown.
+  BenchStats none;
+  none.Add(CallOutcome{.status = absl::UnavailableError("down")});
+  const std::string empty = BenchStats::FormatEchoFloor(call, none, info);
+  EXPECT_FALSE(absl::StrContains(empty, "echo latency")) << empty;
+  EXPECT_FALSE(absl::StrContains(empty, "vs floor")) << empty;
+  EXPECT_TRUE(absl::StrContains(empty, "UNAVAILABLE: 1 (first: down)")) << empty;
+}
+
+// ---- bench --echo_floor: the echo server and client (in-process, loopback and unix socket) --------
+
+TEST(EchoFloor, AnswersWithTheResponseSizeAndCountsTheRequestBytes) {
+  char tmpl[] = "/tmp/fusedctl-echo-test-XXXXXX";
+  const char* dir = mkdtemp(tmpl);
+  ASSERT_NE(dir, nullptr);
+  for (const std::string& listen : {std::string("127.0.0.1:0"), std::string("unix:") + dir + "/echo.sock"}) {
+    SCOPED_TRACE(listen);
+    std::mt19937_64 rng = FreshRng();
+    const uint64_t response_bytes = (4 << 20) + rng() % 1000;  // past gRPC's 4 MiB receive default
+    absl::StatusOr<std::unique_ptr<EchoFloorServer>> server =
+        EchoFloorServer::Start(listen, response_bytes, int64_t{64} << 20);
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ((*server)->calls(), 0);
+    EXPECT_GT((*server)->min_request_bytes(), (*server)->max_request_bytes());  // none yet
+    ClientOptions options;
+    options.max_message_bytes = int64_t{64} << 20;
+    absl::StatusOr<std::unique_ptr<FusedLayerClient>> channel = FusedLayerClient::Connect((*server)->target(), options);
+    ASSERT_TRUE(channel.ok()) << channel.status();
+    const uint64_t big = (5 << 20) + rng() % 1000, small = rng() % 100;  // 5 MiB: past gRPC's 4 MiB default
+    for (uint64_t request_bytes : {big, small, big}) {
+      const EchoFloorClient echo((*channel)->channel(), request_bytes, options);
+      absl::StatusOr<uint64_t> got = echo.Call();
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(*got, response_bytes);
+    }
+    EXPECT_EQ((*server)->calls(), 3);
+    EXPECT_EQ((*server)->min_request_bytes(), small);
+    EXPECT_EQ((*server)->max_request_bytes(), big);
+
+    // The client's own message limit applies to the echo as to the real call.
+    ClientOptions tight;
+    tight.max_message_bytes = 4096;
+    absl::StatusOr<std::unique_ptr<FusedLayerClient>> tight_channel =
+        FusedLayerClient::Connect((*server)->target(), tight);
+    ASSERT_TRUE(tight_channel.ok());
+    EXPECT_EQ(EchoFloorClient((*tight_channel)->channel(), 5000, tight).Call().status().code(),
+              absl::StatusCode::kResourceExhausted);
+  }
+  rmdir(dir);
+}
+
+TEST(EchoFloor, ListensLikeTheTarget) {
+  EXPECT_EQ(EchoListenAddressFor("localhost:50051", "/tmp/d"), "127.0.0.1:0");
+  EXPECT_EQ(EchoListenAddressFor("dns:///fl.internal:443", "/tmp/d"), "127.0.0.1:0");
+  EXPECT_EQ(EchoListenAddressFor("unix:/run/fusedlayer.sock", "/tmp/d"), "unix:/tmp/d/echo-floor.sock");
+  const std::string a = EchoListenAddressFor("unix-abstract:fusedlayer", "/tmp/d");
+  EXPECT_TRUE(absl::StartsWith(a, "unix-abstract:fusedctl-echo-floor-")) << a;
+  EXPECT_NE(a, EchoListenAddressFor("unix-abstract:fusedlayer", "/tmp/d"));  // fresh per run
+}
+
+TEST(EchoFloor, FlagBelongsToBenchOnly) {
+  const CommandInfo* bench = FindCommand("bench");
+  const CommandInfo* seam = FindCommand("seam");
+  ASSERT_NE(bench, nullptr);
+  ASSERT_NE(seam, nullptr);
+  EXPECT_TRUE(CheckCommandLine(*bench, {"op", "weight_set", "tokens", "echo_floor"}, 0).ok());
+  const absl::Status s = CheckCommandLine(*seam, {"weight_set", "echo_floor"}, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(s.message(), "--echo_floor does not apply to 'seam'")) << s;
 }
 
 // ---- client library (local behaviour only) -------------------------------------------------------

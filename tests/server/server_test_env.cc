@@ -38,11 +38,15 @@ std::unique_ptr<Backend> CpuBackendFor(const server::ServerConfig& config) {
   return CreateCpuBackend(o);
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(int port, int max_message_bytes) {
+std::shared_ptr<grpc::Channel> MakeChannelTo(const std::string& target, int max_message_bytes) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(max_message_bytes);
   args.SetMaxSendMessageSize(max_message_bytes);
-  return grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(int port, int max_message_bytes) {
+  return MakeChannelTo("127.0.0.1:" + std::to_string(port), max_message_bytes);
 }
 
 std::unique_ptr<TestServer> TestServer::Start(server::ServerConfig config, std::unique_ptr<Backend> backend,
@@ -55,7 +59,10 @@ std::unique_ptr<TestServer> TestServer::Start(server::ServerConfig config, std::
   if (!started.ok()) return nullptr;
   auto ts = std::unique_ptr<TestServer>(new TestServer());
   ts->server_ = std::move(*started);
-  ts->channel_ = MakeChannel(ts->server_->port());
+  // A unix socket has no port: the channel dials the listen address itself (gRPC's syntax for both).
+  const std::string& address = ts->server_->config().address;
+  ts->channel_ = server::ListenKindOf(address) == server::ListenKind::kTcp ? MakeChannel(ts->server_->port())
+                                                                           : MakeChannelTo(address);
   ts->stub_ = v1::FusedLayer::NewStub(ts->channel_);
   return ts;
 }

@@ -25,7 +25,8 @@
 
 namespace fusedlayer::testing {
 
-// A config for tests: loopback, ephemeral ports, 2 CPU threads, defaults otherwise.
+// A config for tests: loopback, ephemeral ports, 2 CPU threads, defaults otherwise. Start() dials
+// config.address itself when it is a unix: or unix-abstract: address.
 server::ServerConfig TestConfig();
 
 // A CPU backend configured as the server would configure it from `config`.
@@ -53,6 +54,8 @@ class TestServer {
 
 // A channel to 127.0.0.1:port whose client-side limits are `max_message_bytes` both ways.
 std::shared_ptr<grpc::Channel> MakeChannel(int port, int max_message_bytes = 1 << 30);
+// The same to any gRPC target ("unix:/path", "unix-abstract:name", "host:port").
+std::shared_ptr<grpc::Channel> MakeChannelTo(const std::string& target, int max_message_bytes = 1 << 30);
 
 // HTTP GET of path on 127.0.0.1:port; returns the body (empty on failure, with a test failure).
 std::string HttpGet(int port, const std::string& path);
