@@ -215,7 +215,8 @@ absl::StatusOr<Comparison> ShadowVerifier::CompareMhcOnWorker(const WeightSet& s
              set.name, "'): ", ran.status().ToString());
     return ran.status();
   }
-  return CompareMhc(call->args.stage, call->args.mode, call->args.capture_aux, fused, *unfused);
+  return CompareMhc(set.mhc->params(), set.mhc_norm_weight, call->args.stage, call->args.mode, call->args.capture_aux,
+                    fused, *unfused);
 }
 
 absl::StatusOr<Comparison> ShadowVerifier::CompareSwaOnWorker(const WeightSet& set,

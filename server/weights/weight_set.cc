@@ -266,6 +266,10 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend
     w.base = *v;
     if (!(v = b.View("mhc.norm_weight", DType::kBF16, {C}, true)).ok()) return v.status();
     w.norm_weight = *v;
+    if (w.norm_weight.data != nullptr) {
+      const auto* g = static_cast<const uint16_t*>(w.norm_weight.data);
+      set->mhc_norm_weight.assign(g, g + C);
+    }
     absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> prepared = backend.PrepareMhc(p, w);
     if (!prepared.ok()) {
       return absl::Status(prepared.status().code(),

@@ -48,6 +48,9 @@ struct WeightSet {
   // SWA with wq_b: per row n of wq_b, max_k |dequant(wq_b)[n, k]| (from the host payload; the shadow
   // comparator's q_proj bound, server/shadow/compare.h). Empty without wq_b.
   std::vector<float> swa_wq_b_row_abs_max;
+  // mhc.norm_weight as bf16 bits [C] (a host copy; empty without one): the shadow comparator's
+  // normal-mode y bound scales with |g[c]| (server/shadow/compare.h).
+  std::vector<uint16_t> mhc_norm_weight;
 };
 
 // Validates `header` + `payload` and prepares the weights on `backend`. Status codes:

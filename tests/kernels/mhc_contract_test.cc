@@ -7,18 +7,27 @@
 //   - mixes: |got - ref| <= 1e-5 + 1e-4 |ref| against the fp64 reference, on every path.
 //   - shifted-mode y (and first/head y, which depend only on R' and given inputs): bitwise fused vs
 //     unfused; within 1 bf16 ulp of the reference.
-//   - normal-mode y: fused vs unfused within 1 ulp on >= 99.9% of elements and 2 ulp on all.
-//     Against the reference, which collapses with its own (fp64-derived) pre', within 2 ulp on
-//     >= 99.9%; every element within 2 ulp or within 1e-3 of the token's RMS of y. Why the second
-//     clause: where the collapse cancels to near zero, z's ulp is far below the precision that pre'
-//     (an fp32 value that legitimately differs from the fp64 one by ~1e-7 relative) carries into
-//     the sum, so ulp counts there say nothing; an absolute bound at the row's scale does.
+//   - normal-mode y, against the reference (the contract's rule, exactly): within 1 bf16 ulp on
+//     >= 99.9% of elements, and on every element
+//       |y[c] - ref.y[c]| <= 2 ulp(ref.y[c]) + rho |g[c]| (ulp(z[c]) + sum_j (1e-5 + 1e-4 pre'[j]) |R'[j][c]|)
+//     with z (the bf16 collapse), rho (the RMSNorm factor; 1 without a norm weight), pre' and R'
+//     those of the reference, g the norm weight (1 without one). Why: y collapses with the new pre
+//     mix, which the mixes tolerance lets differ from the reference's; that may flip z's single
+//     bf16 rounding (the ulp(z) term) or, where the terms pre'[j] R'[j][c] cancel, move z by many
+//     of its own ulps (the sum term), and RMSNorm scales both by rho |g|.
+//   - normal-mode y, fused vs unfused: "twice the bound". Element-wise: twice the allowance above
+//     (still with the reference's z, rho, pre', R'): the triangle inequality through ref. The
+//     fraction clause read the same way: each path is within 1 ulp of ref on >= 99.9%, so both are
+//     on >= 99.8% (their exceptions may be disjoint), where they are within 2 ulp of each other;
+//     so between paths: within 2 ulp on >= 99.8% of elements. Nothing tighter follows from the
+//     contract, and nothing looser is allowed.
 //   - aux: within 1 ulp of the reference and between paths.
 //   - Batch invariance and determinism: bitwise, every output.
 //   - Bad input: InvalidArgument (FailedPrecondition for an unsupported fused request) with every
 //     output still NaN-poisoned.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -298,30 +307,84 @@ MhcShapeQuery QueryOf(const Problem& p) {
   return f;
 }
 
-// Normal-mode y against the reference (see the header comment for why this shape of bound).
-::testing::AssertionResult NormalModeYCloseToRef(const std::vector<uint16_t>& got, const std::vector<uint16_t>& ref,
-                                                 int64_t C) {
-  if (got.size() != ref.size()) return ::testing::AssertionFailure() << "y: size mismatch";
-  const int64_t T = C ? int64_t(ref.size()) / C : 0;
-  size_t over2 = 0, bad = 0, first = 0;
+// ulp of a bf16 value: the spacing of bf16 numbers in its binade, 2^(e - 7) for |v| in [2^e, 2^(e+1));
+// the subnormal spacing 2^-133 below 2^-126.
+double Bf16Ulp(uint16_t v) {
+  const int biased = (v >> 7) & 0xff;
+  return std::ldexp(1.0, (biased == 0 ? 1 : biased) - 127 - 7);
+}
+
+// The contract's element-wise allowance for normal-mode y against the reference, per element [T, C]:
+//   2 ulp(ref.y[c]) + rho |g[c]| (ulp(z[c]) + sum_j (1e-5 + 1e-4 pre'[j]) |R'[j][c]|)
+// with z, rho, pre', R' of the reference and g the norm weight (1 without one).
+std::vector<double> NormalModeYAllowance(const Problem& p, const MhcRefOutputs& ref) {
+  const int n = p.hp.hc_mult;
+  const int64_t C = p.hp.hidden, T = p.in.tokens;
+  std::vector<double> allowance(size_t(T * C));
   for (int64_t t = 0; t < T; ++t) {
-    double ss = 0;
-    for (int64_t c = 0; c < C; ++c) ss += std::pow(double(Bf16ToFloat(ref[t * C + c])), 2);
-    const double abs_tol = 1e-3 * std::sqrt(ss / double(C));
+    const uint16_t* Rp = ref.new_residual.data() + t * n * C;
+    const double* pre = ref.new_pre_mix.data() + t * n;
     for (int64_t c = 0; c < C; ++c) {
-      const size_t i = size_t(t * C + c);
-      const int d = Bf16UlpDistance(got[i], ref[i]);
-      if (d > 2) {
-        ++over2;
-        const double diff = std::fabs(double(Bf16ToFloat(got[i])) - double(Bf16ToFloat(ref[i])));
-        if (!(diff <= abs_tol) && bad++ == 0) first = i;
+      double carried = Bf16Ulp(ref.z[t * C + c]);
+      for (int j = 0; j < n; ++j) {
+        carried += (1e-5 + 1e-4 * std::fabs(pre[j])) * std::fabs(double(Bf16ToFloat(Rp[j * C + c])));
       }
+      const double g = p.w.norm_weight.empty() ? 1.0 : std::fabs(double(Bf16ToFloat(p.w.norm_weight[c])));
+      allowance[size_t(t * C + c)] = 2 * Bf16Ulp(ref.y[t * C + c]) + ref.rho[t] * g * carried;
     }
   }
-  if (bad == 0 && double(over2) <= 1e-3 * double(got.size())) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "normal-mode y vs ref: " << over2 << " of " << got.size()
-                                       << " beyond 2 ulp, " << bad << " also beyond 1e-3 rms (first at " << first
-                                       << ")";
+  return allowance;
+}
+
+// The largest share of the element-wise allowance that normal-mode y used in this run, printed at
+// the end (the spec quotes the measured margin). "beyond 2 ulp": over the elements more than 2 ulp
+// away, where only the cancellation-aware part of the allowance can admit them.
+struct AllowanceUse {
+  double all = 0, beyond_two_ulp = 0;
+  int max_ulp = 0;
+  int64_t C_of_beyond = 0, C_of_max = 0;  // the hidden size where each maximum was seen
+};
+AllowanceUse g_vs_ref_use, g_between_paths_use;
+
+// Normal-mode y within `scale` x the element-wise allowance on every element, and within
+// `frac_ulp` ulp on at least `fraction` of them (scale 1, 1 ulp, 99.9% against the reference;
+// scale 2, 2 ulp, 99.8% between paths: see the header comment).
+::testing::AssertionResult NormalModeYWithinContract(const char* what, const std::vector<uint16_t>& got,
+                                                     const std::vector<uint16_t>& want,
+                                                     const std::vector<double>& allowance, double scale,
+                                                     int frac_ulp, double fraction, int64_t C, AllowanceUse& use) {
+  if (got.size() != want.size() || got.size() != allowance.size()) {
+    return ::testing::AssertionFailure() << what << ": size mismatch";
+  }
+  size_t over_frac = 0, bad = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const int d = Bf16UlpDistance(got[i], want[i]);
+    if (d > frac_ulp) ++over_frac;
+    const double diff = std::fabs(double(Bf16ToFloat(got[i])) - double(Bf16ToFloat(want[i])));
+    const double bound = scale * allowance[i];
+    // NaN in got (an unwritten, poisoned element) fails the comparison.
+    if (!(diff <= bound) && bad++ == 0) first = i;
+    const double used = diff / bound;
+    if (used > use.all) use.all = used;
+    if (d > 2 && used > use.beyond_two_ulp) {
+      use.beyond_two_ulp = used;
+      use.C_of_beyond = C;
+    }
+    if (d > use.max_ulp) {
+      use.max_ulp = d;
+      use.C_of_max = C;
+    }
+  }
+  const double allowed = (1.0 - fraction) * double(got.size());
+  if (bad == 0 && double(over_frac) <= allowed) return ::testing::AssertionSuccess();
+  auto f = ::testing::AssertionFailure();
+  f << what << ": " << bad << " of " << got.size() << " beyond " << scale << " x the element-wise allowance";
+  if (bad) {
+    f << " (first at " << first << ": got " << Bf16ToFloat(got[first]) << ", want " << Bf16ToFloat(want[first])
+      << ", allowance " << scale * allowance[first] << ")";
+  }
+  f << "; " << over_frac << " beyond " << frac_ulp << " ulp (allowed " << allowed << ")";
+  return f;
 }
 
 void ExpectMatchesReference(const Problem& p, const MhcRefOutputs& ref, const Outputs& got) {
@@ -332,17 +395,20 @@ void ExpectMatchesReference(const Problem& p, const MhcRefOutputs& ref, const Ou
     EXPECT_TRUE(MixesClose("new_comb_mix", got.comb, ref.new_comb_mix));
   }
   if (p.in.mode == MhcMode::kNormal) {
-    EXPECT_TRUE(NormalModeYCloseToRef(got.y, ref.y, p.hp.hidden));
+    EXPECT_TRUE(NormalModeYWithinContract("normal-mode y vs ref", got.y, ref.y, NormalModeYAllowance(p, ref), 1, 1,
+                                          0.999, p.hp.hidden, g_vs_ref_use));
   } else {
     EXPECT_TRUE(UlpClose("y", got.y, ref.y, 1));
   }
   if (p.in.capture_aux) EXPECT_TRUE(UlpClose("aux", got.aux, ref.aux, 1));
 }
 
-void ExpectPathsAgree(const Problem& p, const Outputs& fused, const Outputs& unfused) {
+void ExpectPathsAgree(const Problem& p, const MhcRefOutputs& ref, const Outputs& fused, const Outputs& unfused) {
   EXPECT_TRUE(BitwiseEqual("new_residual fused vs unfused", fused.new_residual, unfused.new_residual));
   if (p.in.mode == MhcMode::kNormal) {
-    EXPECT_TRUE(UlpClose("normal-mode y fused vs unfused", fused.y, unfused.y, 2, 1, 0.999));
+    EXPECT_TRUE(NormalModeYWithinContract("normal-mode y fused vs unfused", fused.y, unfused.y,
+                                          NormalModeYAllowance(p, ref), 2, 2, 0.998, p.hp.hidden,
+                                          g_between_paths_use));
   } else {
     EXPECT_TRUE(BitwiseEqual("y fused vs unfused", fused.y, unfused.y));
   }
@@ -415,7 +481,7 @@ class MhcContractTest : public ::testing::TestWithParam<std::string> {
       if (fused.ok()) {
         SCOPED_TRACE("fused");
         ExpectMatchesReference(p, ref, *fused);
-        ExpectPathsAgree(p, *fused, *unfused);
+        ExpectPathsAgree(p, ref, *fused, *unfused);
       }
     } else {
       EXPECT_FALSE(sup.detail.empty());
@@ -840,6 +906,21 @@ TEST(MhcCpuGemmForms, Avx512FormMatchesGenericFormBitwise) {
     }
   }
 }
+
+// Prints the largest share of the normal-mode y allowance used over the whole run.
+class AllowanceReport : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    for (auto [name, u] : {std::pair<const char*, const AllowanceUse*>{"vs ref", &g_vs_ref_use},
+                           {"fused vs unfused", &g_between_paths_use}}) {
+      std::printf("normal-mode y %s: largest share of the allowance used %.4g%% (over elements > 2 ulp away: "
+                  "%.4g%%, C = %lld); largest distance %d ulp (C = %lld)\n",
+                  name, 100 * u->all, 100 * u->beyond_two_ulp, static_cast<long long>(u->C_of_beyond), u->max_ulp,
+                  static_cast<long long>(u->C_of_max));
+    }
+  }
+};
+const auto* const g_allowance_report = ::testing::AddGlobalTestEnvironment(new AllowanceReport);
 
 INSTANTIATE_TEST_SUITE_P(Backends, MhcContractTest, ::testing::ValuesIn(AvailableBackends()),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });

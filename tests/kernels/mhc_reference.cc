@@ -85,12 +85,12 @@ Mix MixToken(const MhcHyperParams& hp, const MhcRefWeights& w, const uint16_t* R
   return m;
 }
 
-// y = RMSNorm_g(Collapse(R', coef)) for one token; coef == nullptr selects stream 0.
-void CollapseNormToken(const MhcHyperParams& hp, const MhcRefWeights& w, const uint16_t* Rp, const float* coef,
-                       uint16_t* y) {
+// y = RMSNorm_g(Collapse(R', coef)) for one token; coef == nullptr selects stream 0. Also returns
+// the collapse z [C] and the norm factor rho (1 without a norm weight, where y = z).
+double CollapseNormToken(const MhcHyperParams& hp, const MhcRefWeights& w, const uint16_t* Rp, const float* coef,
+                         uint16_t* z, uint16_t* y) {
   const int n = hp.hc_mult;
   const int64_t C = hp.hidden;
-  std::vector<uint16_t> z(C);
   for (int64_t c = 0; c < C; ++c) {
     if (coef == nullptr) {
       z[c] = Rp[c];
@@ -102,8 +102,8 @@ void CollapseNormToken(const MhcHyperParams& hp, const MhcRefWeights& w, const u
     }
   }
   if (w.norm_weight.empty()) {
-    std::copy(z.begin(), z.end(), y);
-    return;
+    std::copy(z, z + C, y);
+    return 1.0;
   }
   double ss = 0;
   for (int64_t c = 0; c < C; ++c) {
@@ -114,6 +114,7 @@ void CollapseNormToken(const MhcHyperParams& hp, const MhcRefWeights& w, const u
   for (int64_t c = 0; c < C; ++c) {
     y[c] = DoubleToBf16((double(Bf16ToFloat(z[c])) * rho) * double(Bf16ToFloat(w.norm_weight[c])));
   }
+  return rho;
 }
 
 }  // namespace
@@ -124,6 +125,8 @@ MhcRefOutputs MhcReference(const MhcHyperParams& hp, const MhcRefWeights& w, con
   MhcRefOutputs out;
   out.new_residual.resize(T * K);
   out.y.resize(T * C);
+  out.z.resize(T * C);
+  out.rho.resize(T);
   const bool has_mixes = in.stage != MhcStage::kHead;
   if (has_mixes) {
     out.new_pre_mix.resize(T * n);
@@ -164,7 +167,7 @@ MhcRefOutputs MhcReference(const MhcHyperParams& hp, const MhcRefWeights& w, con
     } else if (in.stage != MhcStage::kFirst && !in.pre_mix.empty()) {
       coef = in.pre_mix.data() + t * n;
     }
-    CollapseNormToken(hp, w, Rp, coef, out.y.data() + t * C);
+    out.rho[t] = CollapseNormToken(hp, w, Rp, coef, out.z.data() + t * C, out.y.data() + t * C);
     if (in.capture_aux) {
       for (int64_t c = 0; c < C; ++c) {
         double s = 0;

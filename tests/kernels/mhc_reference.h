@@ -6,6 +6,8 @@
 //     (pre_mix or the fp32 pre' output), so it is computed that way too.
 //   - Sums of squares, the mixes GEMM, sigmoids, Sinkhorn, RMSNorm statistics and the final
 //     products are double; the mixes are returned unrounded (double) for tolerance checks.
+//   - The intermediates of y (the bf16 collapse z and the RMSNorm factor rho) are returned too:
+//     the normal-mode y tolerance is written in terms of them (spec "Equality and tolerance").
 #pragma once
 
 #include <cstdint>
@@ -40,6 +42,8 @@ struct MhcRefOutputs {
   std::vector<double> new_post_mix;    // [T, n]
   std::vector<double> new_comb_mix;    // [T, n, n]
   std::vector<uint16_t> y;             // [T, C]
+  std::vector<uint16_t> z;             // [T, C] the collapse bf16(sum_j p[j] R'[j][c]) that y normalises
+  std::vector<double> rho;             // [T]    1 / sqrt(mean(z^2) + norm_eps); 1 without a norm weight
   std::vector<uint16_t> aux;           // [T, C] when capture_aux
 };
 

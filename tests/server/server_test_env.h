@@ -132,6 +132,8 @@ class Reference {
   // response message (tensors only) for comparison.
   v1::MhcSeamResponse RunMhc(const v1::MhcSeamRequest& request, Path path);
   v1::SwaNormQuantResponse RunSwa(const v1::SwaNormQuantRequest& request, Path path);
+  // The weight set as the server builds it (hyper-parameters, host copies such as the norm weight).
+  const server::WeightSet& set() const { return *set_; }
 
  private:
   std::unique_ptr<Backend> backend_;
