@@ -56,9 +56,13 @@ class ServerProcess:
             self.proc.wait()
 
 
+# The session server's receive limit; test_client.py sends one request above it.
+SERVER_MAX_MESSAGE_BYTES = 16 << 20
+
+
 @pytest.fixture(scope="session")
 def server():
-    s = ServerProcess()
+    s = ServerProcess(extra_args=[f"--max_message_bytes={SERVER_MAX_MESSAGE_BYTES}"])
     yield s
     s.stop()
 

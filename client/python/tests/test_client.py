@@ -9,6 +9,7 @@ import pytest
 
 import fusedlayer
 from fusedlayer import reference
+from conftest import SERVER_MAX_MESSAGE_BYTES
 from helpers import bf16_random, load_mhc_set, mhc_weights, seam_inputs
 
 DEMO_SETS = {"v41-flash/demo": 5120, "v4-pro/demo": 7168}
@@ -253,6 +254,14 @@ def test_unavailable_when_nothing_listens():
         with pytest.raises(fusedlayer.Unavailable) as e:
             c.server_info()
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_resource_exhausted_over_the_server_message_limit(client, rng):
+    T = SERVER_MAX_MESSAGE_BYTES // (4 * 7168 * 2) + 1  # the residual alone is over the limit
+    with pytest.raises(fusedlayer.ResourceExhausted) as e:
+        client.mhc_seam("v4-pro/demo", **seam_inputs(rng, T, 4, 7168))
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client.server_info().backend == "cpu"  # the server goes on serving
 
 
 def test_resource_exhausted_over_the_client_message_limit(server, rng):
