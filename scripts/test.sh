@@ -75,10 +75,12 @@ cmake --build "$BUILD" -j"$JOBS"
 
 step "tests"
 ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS"
+TIMES+=("cpu build + tests (and GPU compile checks): $((SECONDS - T0)) s")
 
 step "Python client: install (README), pytest against real servers, examples/whole_model.py"
+T_PY=$SECONDS
 "$ROOT/scripts/test-python.sh" "$BUILD"
-TIMES+=("cpu build + tests (and GPU compile checks): $((SECONDS - T0)) s")
+TIMES+=("python client install + pytest + example: $((SECONDS - T_PY)) s")
 
 if [ "${FUSEDLAYER_SKIP_SANITIZERS:-0}" = 1 ]; then
   step "sanitizer and fuzz stages SKIPPED (FUSEDLAYER_SKIP_SANITIZERS=1; CI runs them)"
