@@ -7,13 +7,13 @@ are the classes of fusedlayer.errors.
 
 import ipaddress
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import grpc
 import numpy as np
-from google.protobuf import json_format
 
 from . import dtypes, errors, weights
 from ._health.v1 import health_pb2
@@ -70,7 +70,7 @@ class Verification:
     compared: bool
     reason: str
     mismatch: bool
-    outputs: List[dict]
+    outputs: List[dict]  # per output: output, mismatch, max_abs_diff, max_ulp_distance, ..., rule, detail
 
 
 @dataclass
@@ -109,7 +109,9 @@ class OpCapability:
 @dataclass
 class WeightSetInfo:
     name: str
-    mhc: Optional[dict]      # effective hyper-parameters (defaults filled in), None without an mHC part
+    # Effective hyper-parameters (defaults filled in) with the manifest's keys and enum spellings, so
+    # they can be passed back as load_weights(mhc=..., swa=...); None without that part.
+    mhc: Optional[dict]
     swa: Optional[dict]
     resident_bytes: int
     source: str
@@ -218,15 +220,23 @@ def _capability(c):
                         reason=_enum_suffix(pb.FallbackReason, c.reason, "FALLBACK_REASON_"), detail=c.detail)
 
 
-def _config_dict(msg):
-    return json_format.MessageToDict(msg, preserving_proto_field_name=True, including_default_value_fields=True,
-                                     use_integers_for_enums=False)
+def _plain_dict(msg):
+    """Every field of a flat message as Python values; enums by their manifest name ("ue8m0")."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.enum_type is not None:
+            # Fp8Format.FP8_FORMAT_E4M3FN -> "e4m3fn": the spelling of the manifest's keys (docs/weights.md).
+            prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", f.enum_type.name).upper() + "_"
+            value = f.enum_type.values_by_number[value].name[len(prefix):].lower()
+        out[f.name] = value
+    return out
 
 
 def _weight_set_info(w):
     return WeightSetInfo(
-        name=w.name, mhc=_config_dict(w.mhc) if w.HasField("mhc") else None,
-        swa=_config_dict(w.swa) if w.HasField("swa") else None, resident_bytes=w.resident_bytes, source=w.source,
+        name=w.name, mhc=_plain_dict(w.mhc) if w.HasField("mhc") else None,
+        swa=_plain_dict(w.swa) if w.HasField("swa") else None, resident_bytes=w.resident_bytes, source=w.source,
         sha256=w.sha256, has_norm_weight=w.has_norm_weight, wq_b_rows=w.wq_b_rows,
         wq_b_implementation=w.wq_b_implementation, capabilities={c.op: _capability(c) for c in w.capabilities})
 
@@ -236,7 +246,7 @@ def _verification(response):
         return None
     v = response.verification
     return Verification(compared=v.compared, reason=v.reason, mismatch=v.mismatch,
-                        outputs=[json_format.MessageToDict(o, preserving_proto_field_name=True) for o in v.outputs])
+                        outputs=[_plain_dict(o) for o in v.outputs])
 
 
 class Client:

@@ -36,11 +36,14 @@ def test_list_weight_sets_has_the_demo_sets(client):
     for name, C in DEMO_SETS.items():
         s = sets[name]
         assert s.source == "demo"
-        assert int(s.mhc["hidden"]) == C and s.mhc["hc_mult"] == 4
+        assert s.mhc["hidden"] == C and s.mhc["hc_mult"] == 4 and s.mhc["sinkhorn_iters"] == 20
         assert s.swa is not None and s.has_norm_weight
         assert s.capabilities["mhc"].fused_available and s.capabilities["mhc"].reason == "none"
     assert sets["v41-flash/demo"].wq_b_rows == 1024
-    assert sets["v4-pro/demo"].swa["scale_format"] == "SCALE_FORMAT_UE8M0"
+    assert sets["v4-pro/demo"].swa["scale_format"] == "ue8m0"
+    assert sets["v4-pro/demo"].swa["scale_layout"] == "column_major_tma"
+    assert sets["v41-flash/demo"].swa == {"q_rank": 1280, "head_dim": 512, "eps": pytest.approx(1e-6),
+                                          "fp8_format": "e4m3fn", "scale_format": "fp32", "scale_layout": "row_major"}
 
 
 @pytest.mark.parametrize("weight_set", sorted(DEMO_SETS))
@@ -88,7 +91,9 @@ def test_seam_stages_and_options(client, rng):
 def test_seam_verify(client, rng):
     r = client.mhc_seam("v41-flash/demo", **seam_inputs(rng, 4, 4, 5120), verify=True)
     assert r.verification.compared and not r.verification.mismatch
-    assert {o["output"] for o in r.verification.outputs} >= {"new_residual", "y"}
+    outputs = {o["output"]: o for o in r.verification.outputs}
+    assert set(outputs) >= {"new_residual", "y"}
+    assert outputs["new_residual"]["max_ulp_distance"] == 0 and outputs["new_residual"]["rule"] == "bitwise"
     r = client.mhc_seam("v41-flash/demo", **seam_inputs(rng, 4, 4, 5120), verify=True, path="force_unfused")
     assert not r.verification.compared and "client_forced_unfused" in r.verification.reason
 

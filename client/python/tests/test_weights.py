@@ -28,10 +28,13 @@ def test_arrays_round_trip_load_list_unload(client, rng):
     [info] = client.load_weights(tensors, name="py-test/both", mhc=dict(hc_mult=n, hidden=C, sinkhorn_iters=7),
                                  swa=dict(q_rank=Q, head_dim=D, scale_format="ue8m0"), replace=True)
     assert info.name == "py-test/both" and info.source == "rpc" and info.resident_bytes > 0
-    assert info.mhc["sinkhorn_iters"] == 7 and info.swa["scale_format"] == "SCALE_FORMAT_UE8M0"
+    assert info.mhc["sinkhorn_iters"] == 7 and info.swa["scale_format"] == "ue8m0"
     assert info.wq_b_rows == N and info.has_norm_weight
     listed = {s.name: s for s in client.list_weight_sets()}
     assert listed["py-test/both"].sha256 == info.sha256
+    # The reported configs read back as load_weights arguments: same set, same digest.
+    [again] = client.load_weights(tensors, name="py-test/both", mhc=info.mhc, swa=info.swa, replace=True)
+    assert again.sha256 == info.sha256 and again.mhc == info.mhc and again.swa == info.swa
     # The loaded values are the ones sent: the seam matches the reference computed from our arrays.
     inputs = seam_inputs(rng, 6, n, C)
     reference.check_seam(client.mhc_seam("py-test/both", **inputs),
