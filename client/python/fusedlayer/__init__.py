@@ -8,6 +8,12 @@
 README "Python client" documents installation; docs/python-client.md the API.
 """
 
+try:
+    from .v1 import fusedlayer_pb2 as _generated  # noqa: F401  (written by setup.py at install time)
+except ImportError as e:
+    raise ImportError("fusedlayer's generated gRPC stubs are missing: install the package (README, 'Python "
+                      "client') instead of importing it from the client/python source folder") from e
+
 from .client import (Client, ExecutionReport, MhcSeamResult, OpCapability, ServerInfo, SwaNormQuantResult, Tls,
                      TRANSPORTS, Verification, WeightSetInfo, read_token_file, target_is_local)
 from .dtypes import E4M3FN, E4M3FNUZ, bf16_to_float32, float32_to_bf16, fp8_to_float32, round_to_bf16
