@@ -111,6 +111,15 @@ def test_shifted_seam_against_fp64_reference(client, rng):
             got = client.mhc_seam("py-test/ref", **inputs, stage=stage, path=path)
             assert got.report.path == ("fused" if path == "auto" else "unfused")
             reference.check_seam(got, ref)
+    # Normal mode (V4): y collapses with the new pre mix; the contract's element-wise bound.
+    for stage in ("seam", "first"):
+        inputs = {**seam_inputs(rng, 33, n, C), "pre_mix": None}
+        if stage == "first":
+            inputs = {"x": inputs["x"]}
+        ref = reference.mhc_seam(w, **inputs, stage=stage, mode="normal", hc_mult=n, **hyper)
+        for path in ("auto", "force_unfused"):
+            got = client.mhc_seam("py-test/ref", **inputs, stage=stage, mode="normal", path=path)
+            reference.check_seam(got, ref, mode="normal")
     # Without a pre_mix the collapse selects stream 0.
     inputs = {**seam_inputs(rng, 9, n, C), "pre_mix": None}
     reference.check_seam(client.mhc_seam("py-test/ref", **inputs),
