@@ -198,6 +198,20 @@ def test_require_fused_raises_with_the_reason(client, rng):
         client.unload_weight_set(name)
 
 
+def test_require_fused_swa(client, rng):
+    Q, D = 128, 96  # head_dim not a multiple of the CPU fused kv tile (64)
+    ones = fusedlayer.float32_to_bf16(np.ones(Q + D, np.float32))
+    client.load_weights({"swa.q_norm": ones[:Q], "swa.kv_norm": ones[Q:]}, name="py-test/d96",
+                        swa=dict(q_rank=Q, head_dim=D), replace=True)
+    qr_kv = bf16_random(rng, (4, Q + D))
+    auto = client.swa_norm_quant("py-test/d96", qr_kv)
+    assert auto.report.path == "unfused" and auto.report.fallback_reason == "hidden_size_unsupported"
+    with pytest.raises(fusedlayer.FusedUnavailable) as e:
+        client.swa_norm_quant("py-test/d96", qr_kv, path="require_fused")
+    assert e.value.reason == "hidden_size_unsupported" and "head_dim" in e.value.detail
+    client.unload_weight_set("py-test/d96")
+
+
 def test_invalid_arguments(client, rng):
     inputs = seam_inputs(rng, 2, 4, 5120)
     bad_width = {**inputs, "x": bf16_random(rng, (2, 5000))}
