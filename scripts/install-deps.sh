@@ -21,6 +21,10 @@ PACKAGES=(
   libasan8 libubsan1 libtsan2 clang-14 clang libclang-rt-14-dev
   # throwaway certificates of the security tests
   openssl
+  # Python client (client/python; scripts/test-python.sh): runtime, offline build (setuptools, wheel,
+  # venv with its bundled pip; stubs from protoc + grpc_python_plugin above), tests and example
+  python3-grpcio python3-protobuf python3-numpy python3-setuptools python3-wheel python3-venv python3-pip
+  python3-pytest
 )
 
 SUDO=""

@@ -8,7 +8,9 @@
 #    compile and link only, since neither GPU exists on a CI machine,
 # 3. builds the CPU build (library, server, client, tests, benchmarks) and runs every test with ctest:
 #    kernel contract suites, weight/manifest tests, end-to-end gRPC tests, metrics lint
-#    (promtool), deployment checks and the real-Prometheus integration test,
+#    (promtool), deployment checks and the real-Prometheus integration test; then the Python client
+#    (scripts/test-python.sh): installed as the README says, its pytest suite against real servers,
+#    and examples/whole_model.py,
 # 4. sanitizers (scripts/sanitize.sh): the WHOLE test suite again, built with ASan+UBSan (GCC) and run
 #    with ctest (leaks are failures); the concurrency tests built with ThreadSanitizer and run,
 # 5. fuzzing (scripts/fuzz.sh): the libFuzzer targets (clang, ASan+UBSan) for request validation,
@@ -74,6 +76,11 @@ cmake --build "$BUILD" -j"$JOBS"
 step "tests"
 ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS"
 TIMES+=("cpu build + tests (and GPU compile checks): $((SECONDS - T0)) s")
+
+step "Python client: install (README), pytest against real servers, examples/whole_model.py"
+T_PY=$SECONDS
+"$ROOT/scripts/test-python.sh" "$BUILD"
+TIMES+=("python client install + pytest + example: $((SECONDS - T_PY)) s")
 
 if [ "${FUSEDLAYER_SKIP_SANITIZERS:-0}" = 1 ]; then
   step "sanitizer and fuzz stages SKIPPED (FUSEDLAYER_SKIP_SANITIZERS=1; CI runs them)"

@@ -1,0 +1,106 @@
+"""Exceptions raised by fusedlayer.Client: one class per gRPC status code the service returns.
+
+Every exception keeps the gRPC ``code`` (a ``grpc.StatusCode``) and the server's ``message``, so
+callers can branch on the class (``except fusedlayer.NotFound``) or on ``err.code``. The codes and
+their meaning are listed at the top of proto/fusedlayer/v1/fusedlayer.proto.
+"""
+
+import re
+
+import grpc
+
+
+class FusedLayerError(Exception):
+    """Base class: a call failed with a non-OK gRPC status."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class InvalidArgument(FusedLayerError):
+    """Bad dtype, shape, byte length, missing tensor or hyper-parameter."""
+
+
+class NotFound(FusedLayerError):
+    """Unknown weight set, or the set has no part for this op."""
+
+
+class AlreadyExists(FusedLayerError):
+    """LoadWeights of a name that is loaded, without replace=True."""
+
+
+class FailedPrecondition(FusedLayerError):
+    """The request cannot run in the server's current state."""
+
+
+class FusedUnavailable(FailedPrecondition):
+    """path="require_fused" and the fused path cannot run (or failed).
+
+    ``reason`` is the fallback reason's name as in ExecutionReport / metrics (e.g.
+    "hc_mult_unsupported"), ``detail`` the server's explanation.
+    """
+
+    def __init__(self, code, message, reason, detail):
+        super().__init__(code, message)
+        self.reason = reason
+        self.detail = detail
+
+
+class ResourceExhausted(FusedLayerError):
+    """Message over the size limit, executor queue full, or device/host out of memory (retryable)."""
+
+
+class DeadlineExceeded(FusedLayerError):
+    """The deadline passed before the op was launched."""
+
+
+class DataLoss(FusedLayerError):
+    """LoadWeights checksum mismatch or truncated stream."""
+
+
+class Unavailable(FusedLayerError):
+    """Server unreachable, draining, TLS handshake failed, or op not warmed up yet."""
+
+
+class Unauthenticated(FusedLayerError):
+    """No bearer token, or one the server does not know."""
+
+
+class PermissionDenied(FusedLayerError):
+    """A known token without the method's right (compute / admin)."""
+
+
+class Internal(FusedLayerError):
+    """A kernel failed on both paths: a server bug."""
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.DATA_LOSS: DataLoss,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.INTERNAL: Internal,
+}
+
+# server/dispatcher.cc: "REQUIRE_FUSED: the fused mhc path cannot run (hc_mult_unsupported): <detail>"
+# (or "... path failed (fused_kernel_error): <detail>").
+_REQUIRE_FUSED = re.compile(r"^REQUIRE_FUSED: the fused \w+ path (?:cannot run|failed) \(([a-z_]+)\): (.*)$", re.S)
+
+
+def from_rpc_error(err):
+    """grpc.RpcError -> the matching FusedLayerError subclass."""
+    code = err.code()
+    message = err.details() or ""
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        m = _REQUIRE_FUSED.match(message)
+        if m:
+            return FusedUnavailable(code, message, reason=m.group(1), detail=m.group(2))
+    return _BY_CODE.get(code, FusedLayerError)(code, message)

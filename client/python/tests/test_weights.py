@@ -1,0 +1,143 @@
+"""load_weights (arrays and manifests) + list + unload round trips against a real server."""
+
+import json
+
+import numpy as np
+import pytest
+
+import fusedlayer
+from fusedlayer import reference
+from conftest import ServerProcess
+from helpers import bf16_random, mhc_weights, seam_inputs
+
+
+def _wq_b(rng, N, Q):
+    """fp8 e4m3fn codes (never the NaN codes 0x7f / 0xff) and fp32 block scales."""
+    codes = rng.integers(0, 256, (N, Q), dtype=np.uint16).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C
+    return codes, rng.uniform(1e-3, 1e-2, (N // 128, Q // 128)).astype(np.float32)
+
+
+def test_arrays_round_trip_load_list_unload(client, rng):
+    n, C, Q, D, N = 4, 128, 256, 64, 128
+    tensors = mhc_weights(rng, n, C)
+    wq_b, wq_b_scale = _wq_b(rng, N, Q)
+    tensors.update({"swa.q_norm": fusedlayer.float32_to_bf16(rng.uniform(0.5, 1.5, Q).astype(np.float32)),
+                    "swa.kv_norm": fusedlayer.float32_to_bf16(rng.uniform(0.5, 1.5, D).astype(np.float32)),
+                    "swa.wq_b": wq_b, "swa.wq_b_scale": wq_b_scale})
+    [info] = client.load_weights(tensors, name="py-test/both", mhc=dict(hc_mult=n, hidden=C, sinkhorn_iters=7),
+                                 swa=dict(q_rank=Q, head_dim=D, scale_format="ue8m0"), replace=True)
+    assert info.name == "py-test/both" and info.source == "rpc" and info.resident_bytes > 0
+    assert info.mhc["sinkhorn_iters"] == 7 and info.swa["scale_format"] == "ue8m0"
+    assert info.wq_b_rows == N and info.has_norm_weight
+    listed = {s.name: s for s in client.list_weight_sets()}
+    assert listed["py-test/both"].sha256 == info.sha256
+    # The reported configs read back as load_weights arguments: same set, same digest.
+    [again] = client.load_weights(tensors, name="py-test/both", mhc=info.mhc, swa=info.swa, replace=True)
+    assert again.sha256 == info.sha256 and again.mhc == info.mhc and again.swa == info.swa
+    # The loaded values are the ones sent: the seam matches the reference computed from our arrays.
+    inputs = seam_inputs(rng, 6, n, C)
+    reference.check_seam(client.mhc_seam("py-test/both", **inputs),
+                         reference.mhc_seam(tensors, **inputs, hc_mult=n, sinkhorn_iters=7))
+    swa = client.swa_norm_quant("py-test/both", bf16_random(rng, (3, Q + D)))
+    assert swa.q_proj.shape == (3, N)
+    assert client.unload_weight_set("py-test/both") > 0
+    assert "py-test/both" not in {s.name for s in client.list_weight_sets()}
+    with pytest.raises(fusedlayer.NotFound):
+        client.mhc_seam("py-test/both", **inputs)
+
+
+def test_manifest_round_trip_with_checkpoint_dtypes(client, rng, tmp_path):
+    """A manifest of safetensors files in checkpoint dtypes (F16 / BF16 fp32 tensors, F8_E8M0 scales,
+    an F32 norm weight holding bf16 values), converted exactly on the client side."""
+    n, C, Q, D, N = 4, 64, 128, 64, 128
+    w = mhc_weights(rng, n, C)
+    fn16 = w["mhc.fn"].astype(np.float16)
+    wq_b, _ = _wq_b(rng, N, Q)
+    e8m0 = rng.integers(110, 125, (N // 128, Q // 128), dtype=np.uint16).astype(np.uint8)
+    fusedlayer.write_safetensors(tmp_path / "layer0.safetensors", {
+        "layers.0.hc_attn_fn": ("F16", fn16),
+        "layers.0.hc_attn_scale": ("F32", w["mhc.scale"]),
+        "layers.0.hc_attn_base": ("BF16", fusedlayer.float32_to_bf16(w["mhc.base"])),
+        "layers.0.attn_norm.weight": ("F32", fusedlayer.bf16_to_float32(w["mhc.norm_weight"])),
+        "layers.0.attn.q_norm.weight": ("BF16", fusedlayer.float32_to_bf16(np.ones(Q, np.float32))),
+        "layers.0.attn.kv_norm.weight": ("BF16", fusedlayer.float32_to_bf16(np.ones(D, np.float32))),
+        "layers.0.attn.wq_b.weight": ("F8_E4M3", wq_b),
+        "layers.0.attn.wq_b.scale": ("F8_E8M0", e8m0),
+        "unrelated.tensor": ("F32", np.zeros(3, np.float32)),
+    })
+    manifest = {"weight_sets": [{
+        "name": "py-test/L0/attn",
+        "mhc": {"hc_mult": n, "hidden": C, "norm_eps": 1e-20},
+        "swa": {"q_rank": Q, "head_dim": D},
+        "tensors": {
+            "mhc.fn": {"file": "layer0.safetensors", "tensor": "layers.0.hc_attn_fn"},
+            "mhc.scale": {"file": "layer0.safetensors", "tensor": "layers.0.hc_attn_scale"},
+            "mhc.base": {"file": "layer0.safetensors", "tensor": "layers.0.hc_attn_base"},
+            "mhc.norm_weight": {"file": "layer0.safetensors", "tensor": "layers.0.attn_norm.weight"},
+            "swa.q_norm": {"file": "layer0.safetensors", "tensor": "layers.0.attn.q_norm.weight"},
+            "swa.kv_norm": {"file": "layer0.safetensors", "tensor": "layers.0.attn.kv_norm.weight"},
+            "swa.wq_b": {"file": "layer0.safetensors", "tensor": "layers.0.attn.wq_b.weight"},
+            "swa.wq_b_scale": {"file": "layer0.safetensors", "tensor": "layers.0.attn.wq_b.scale"}}}]}
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(manifest))
+    [info] = client.load_weights(str(path), replace=True)
+    assert info.name == "py-test/L0/attn" and info.wq_b_rows == N
+    # The server's own manifest loader (C++, --weights_manifest), given the same files, packs the same
+    # payload: same conversions, same layout, same digest.
+    [packed] = fusedlayer.pack_manifest(str(path))
+    assert packed.header.sha256 == info.sha256
+    other = ServerProcess(extra_args=[f"--weights_manifest={path}"], demo_weights=False)
+    try:
+        with fusedlayer.Client(other.target) as c:
+            [server_loaded] = c.list_weight_sets()
+    finally:
+        other.stop()
+    assert server_loaded.source.startswith("manifest:")
+    assert server_loaded.sha256 == info.sha256
+    used = {"mhc.fn": fn16.astype(np.float32), "mhc.scale": w["mhc.scale"],
+            "mhc.base": fusedlayer.round_to_bf16(w["mhc.base"]), "mhc.norm_weight": w["mhc.norm_weight"]}
+    inputs = seam_inputs(rng, 5, n, C)
+    reference.check_seam(client.mhc_seam("py-test/L0/attn", **inputs),
+                         reference.mhc_seam(used, **inputs, hc_mult=n, norm_eps=1e-20))
+    client.unload_weight_set("py-test/L0/attn")
+
+
+def test_manifest_errors_are_clear(tmp_path, rng):
+    fusedlayer.write_safetensors(tmp_path / "w.safetensors", {
+        "norm": ("F32", np.array([1.0, 1.0 + 2.0 ** -10], np.float32)),  # not a bf16 value
+        "e8": ("F8_E8M0", np.array([0xFF], np.uint8))})
+
+    def manifest(**entry):
+        p = tmp_path / "m.json"
+        p.write_text(json.dumps({"weight_sets": [{"name": "s", "mhc": {"hc_mult": 1, "hidden": 2}, **entry}]}))
+        return str(p)
+
+    ref = {"file": "w.safetensors", "tensor": "norm"}
+    with pytest.raises(ValueError, match="not a bf16 value"):
+        fusedlayer.pack_manifest(manifest(tensors={"mhc.norm_weight": ref}))
+    with pytest.raises(ValueError, match="0xFF"):
+        fusedlayer.pack_manifest(manifest(tensors={"mhc.scale": {"file": "w.safetensors", "tensor": "e8"}}))
+    with pytest.raises(FileNotFoundError, match="missing"):
+        fusedlayer.pack_manifest(manifest(tensors={"mhc.fn": {"file": "w.safetensors", "tensor": "missing"}}))
+    with pytest.raises(FileNotFoundError):
+        fusedlayer.pack_manifest(manifest(tensors={"mhc.fn": {"file": "nope.safetensors", "tensor": "x"}}))
+    with pytest.raises(ValueError, match="unknown tensor name"):
+        fusedlayer.pack_manifest(manifest(tensors={"mhc.typo": ref}))
+    with pytest.raises(ValueError, match="unknown key"):
+        fusedlayer.pack_manifest(manifest(tensors={}, extra=1))
+    p = tmp_path / "dup.json"
+    p.write_text('{"weight_sets": [], "weight_sets": []}')
+    with pytest.raises(ValueError, match="duplicate key"):
+        fusedlayer.pack_manifest(str(p))
+
+
+def test_array_errors_are_caught_before_sending(rng):
+    with pytest.raises(TypeError, match="uint16"):
+        fusedlayer.pack_arrays("s", {"mhc.norm_weight": np.ones(4, np.float32)}, mhc=dict(hc_mult=1, hidden=4))
+    with pytest.raises(ValueError, match="unknown tensor name"):
+        fusedlayer.pack_arrays("s", {"mhc.weights": np.ones(4, np.float32)}, mhc=dict(hc_mult=1, hidden=4))
+    with pytest.raises(ValueError, match="unknown mhc key"):
+        fusedlayer.pack_arrays("s", {}, mhc=dict(hc_mult=1, hidden=4, hc_mul=4))
+    with pytest.raises(ValueError, match="hidden is required"):
+        fusedlayer.pack_arrays("s", {}, mhc=dict(hc_mult=1))

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The Python client stage of scripts/test.sh: installs client/python the way the README documents
+# (a venv with Debian's packages visible, pip offline) into a throwaway folder, runs its pytest suite
+# against real fusedlayer_server processes and runs examples/whole_model.py on the CPU backend.
+#
+#   scripts/test-python.sh [BUILD_DIR]        (default build/; needs BUILD_DIR/server/fusedlayer_server)
+#
+# Runs with Debian's /usr/bin/python3 on purpose: a pyenv python3 on PATH lacks python3-grpcio,
+# python3-protobuf, python3-numpy and python3-pytest. Any failure (pytest exit 5, "no tests
+# collected", included) stops the script with a non-zero exit.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="$(cd "${1:-$ROOT/build}" && pwd)"  # absolute: the tests run from another folder
+SERVER="$BUILD/server/fusedlayer_server"
+[ -x "$SERVER" ] || { echo "test-python: no server binary at $SERVER" >&2; exit 1; }
+
+VENV="$(mktemp -d)/venv"
+trap 'rm -rf "$(dirname "$VENV")"' EXIT
+export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# The README's install command, verbatim apart from the venv's location.
+/usr/bin/python3 -m venv --system-site-packages "$VENV"
+"$VENV/bin/python" -m pip install --no-index --no-build-isolation "$ROOT/client/python"
+
+# Run from outside the source tree so `import fusedlayer` can only find the installed package
+# (the source folder lacks the generated stubs).
+cd "$(dirname "$VENV")"
+rc=0
+FUSEDLAYER_SERVER="$SERVER" "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$ROOT/client/python/tests" || rc=$?
+if [ "$rc" -ne 0 ]; then
+  [ "$rc" -eq 5 ] && echo "test-python: pytest collected no tests" >&2
+  echo "test-python: pytest failed (exit $rc)" >&2
+  exit 1
+fi
+
+"$VENV/bin/python" "$ROOT/examples/whole_model.py" --server="$SERVER"
+"$VENV/bin/python" "$ROOT/examples/whole_model.py" --server="$SERVER" --via_manifest --layers=2 --hidden=96
