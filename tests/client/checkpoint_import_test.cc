@@ -27,6 +27,7 @@
 #include "fusedlayer/numeric.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/server_test_env.h"
 #include "test_util.h"
 #include "weights/manifest.h"
 #include "weights/safetensors_writer.h"
@@ -553,6 +554,106 @@ TEST(ImportCheckpoint, ConfigAndFolderErrors) {
   s = ImportInto(dir.path());
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
   EXPECT_THAT(s.message(), HasSubstr("gone.safetensors"));
+}
+
+// ---- into a real server -------------------------------------------------------------------------
+
+// The imported sets load into an in-process server (BuildWeightSet on its CPU backend, published in
+// its store), and V4's head works as the header promises: a normal-mode seam with `head` gives
+// new_pre_mix = σ(α·r·(R'·hc_head_fn) + b) + hc_eps, checked against an fp64 reference computed
+// from the hc_head tensors this test wrote (not from the importer's head file), within the
+// contract's mixes tolerance (spec/mhc.md: 1e-5 + 1e-4·|ref|); new_residual bitwise per Post.
+TEST(ImportCheckpoint, ImportedSetsServeAndV4HeadMatchesHcHead) {
+  auto rng = testing::MakeRng(915);
+  CheckpointSpec spec;
+  spec.names = Names::kDeepSeek;
+  const Checkpoint ck = MakeCheckpoint(rng, spec);
+  TempDir dir;
+  WriteCheckpoint(ck, dir.path(), ConfigJson(spec));
+  CheckpointImportOptions options;
+  options.checkpoint_dir = dir.path();
+  options.output_path = dir.Path("m.json");
+  absl::StatusOr<CheckpointImportResult> result = ImportCheckpoint(options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  absl::StatusOr<std::vector<PackedWeightSet>> sets = server::LoadManifest(result->manifest_path);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  std::map<std::string, std::string> sha;
+  for (const PackedWeightSet& s : *sets) sha[s.first.name()] = s.first.sha256();
+  auto ts = testing::TestServer::Start(testing::TestConfig(), nullptr, *std::move(sets));
+  ASSERT_NE(ts, nullptr);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::ListWeightSetsResponse list;
+    ASSERT_TRUE(ts->stub().ListWeightSets(&ctx, {}, &list).ok());
+    std::set<std::string> listed;
+    for (const v1::WeightSetInfo& info : list.weight_sets()) {
+      listed.insert(info.name());
+      EXPECT_EQ(info.sha256(), sha[info.name()]) << info.name();
+      EXPECT_TRUE(info.has_norm_weight()) << info.name();
+      EXPECT_EQ(info.wq_b_rows(), info.name().find("/attn") != std::string::npos ? spec.N : 0) << info.name();
+    }
+    EXPECT_EQ(listed, std::set<std::string>(result->set_names.begin(), result->set_names.end()));
+  }
+
+  const int64_t T = 5, n = spec.n, C = spec.C, K = n * C;
+  const std::vector<uint16_t> x = testing::RandomBf16(rng, size_t(T * C));
+  const std::vector<uint16_t> residual = testing::RandomBf16(rng, size_t(T * K));
+  const std::vector<float> post = testing::RandomFloat(rng, size_t(T * n), 0.1f, 2.0f);
+  const std::vector<float> comb = testing::RandomFloat(rng, size_t(T * n * n), 0.05f, 1.0f);
+  v1::MhcSeamRequest req;
+  req.set_weight_set("head");
+  req.set_stage(v1::MHC_STAGE_SEAM);
+  req.set_mode(v1::MHC_MODE_NORMAL);
+  *req.mutable_x() = testing::MakeTensorOf(DType::kBF16, {T, C}, x);
+  *req.mutable_residual() = testing::MakeTensorOf(DType::kBF16, {T, n, C}, residual);
+  *req.mutable_post_mix() = testing::MakeTensorOf(DType::kFP32, {T, n}, post);
+  *req.mutable_comb_mix() = testing::MakeTensorOf(DType::kFP32, {T, n, n}, comb);
+  v1::MhcSeamResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  const grpc::Status st = ts->stub().MhcSeam(&ctx, req, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+
+  auto f32 = [&](const std::string& name) {
+    const std::string& b = ck.tensors.at(name).expected;
+    std::vector<float> v(b.size() / 4);
+    std::memcpy(v.data(), b.data(), b.size());
+    return v;
+  };
+  const std::vector<float> head_fn = f32("hc_head_fn"), head_base = f32("hc_head_base"), head_scale = f32("hc_head_scale");
+  ASSERT_EQ(resp.new_residual().data().size(), size_t(T * K) * 2);
+  ASSERT_EQ(resp.new_pre_mix().data().size(), size_t(T * n) * 4);
+  std::vector<uint16_t> got_r(static_cast<size_t>(T * K));
+  std::memcpy(got_r.data(), resp.new_residual().data().data(), got_r.size() * 2);
+  std::vector<float> got_pre(static_cast<size_t>(T * n));
+  std::memcpy(got_pre.data(), resp.new_pre_mix().data().data(), got_pre.size() * 4);
+  for (int64_t t = 0; t < T; ++t) {
+    // Post, in the contract's order: v = x·post[j], then fma over the source streams, one rounding.
+    std::vector<float> r_new(static_cast<size_t>(K));
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t c = 0; c < C; ++c) {
+        float v = Bf16ToFloat(x[size_t(t * C + c)]) * post[size_t(t * n + j)];
+        for (int64_t i = 0; i < n; ++i) {
+          v = std::fma(Bf16ToFloat(residual[size_t((t * n + i) * C + c)]), comb[size_t((t * n + i) * n + j)], v);
+        }
+        const uint16_t b = FloatToBf16(v);
+        ASSERT_EQ(got_r[size_t((t * n + j) * C + c)], b) << "new_residual t " << t << " j " << j << " c " << c;
+        r_new[size_t(j * C + c)] = Bf16ToFloat(b);
+      }
+    }
+    double sum_sq = 0;
+    for (float v : r_new) sum_sq += double(v) * v;
+    const double r = 1.0 / std::sqrt(sum_sq / double(K) + 1e-20);  // rms_norm_eps of ConfigJson
+    for (int64_t j = 0; j < n; ++j) {
+      double dot = 0;
+      for (int64_t k = 0; k < K; ++k) dot += double(r_new[size_t(k)]) * head_fn[size_t(j * K + k)];
+      const double a = double(head_scale[0]) * r * dot + head_base[size_t(j)];
+      const double ref = 1.0 / (1.0 + std::exp(-a)) + double(float(1e-6));  // + hc_eps
+      EXPECT_LE(std::abs(double(got_pre[size_t(t * n + j)]) - ref), 1e-5 + 1e-4 * std::abs(ref))
+          << "new_pre_mix t " << t << " j " << j;
+    }
+  }
 }
 
 // ---- the fusedctl binary ----------------------------------------------------------------------
