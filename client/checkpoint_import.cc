@@ -399,6 +399,10 @@ absl::StatusOr<CheckpointImportResult> ImportCheckpoint(const CheckpointImportOp
   const fs::path manifest_path = fs::absolute(options.output_path, ec);
   if (ec) return absl::InvalidArgumentError(absl::StrCat("--output=", options.output_path, ": ", ec.message()));
   result.manifest_path = manifest_path.string();
+  if (!fs::is_directory(manifest_path.parent_path(), ec)) {
+    return absl::NotFoundError(absl::StrCat("--output=", options.output_path, ": folder ",
+                                            manifest_path.parent_path().string(), " does not exist"));
+  }
   ManifestBuilder builder(ckpt, manifest_path.parent_path());
 
   // The service's wq_b is block-scaled FP8 with 128x128 blocks (spec/swa.md); other layouts (V4.1's

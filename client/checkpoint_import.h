@@ -60,7 +60,7 @@ struct CheckpointImportResult {
 };
 
 // Writes the manifest (and the head file). Errors name the file, the tensor or the config key:
-//   NOT_FOUND         DIR, config.json, the index, a shard, or a tensor the seams need
+//   NOT_FOUND         DIR, config.json, the index, a shard, a tensor the seams need, or OUTPUT's folder
 //   INVALID_ARGUMENT  malformed JSON, a config key missing or of the wrong type, --layers past the
 //                     model, an unknown layout (the first tensor no dialect places), a tensor whose
 //                     dtype or shape is not the one the config implies

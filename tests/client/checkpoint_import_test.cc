@@ -549,6 +549,20 @@ TEST(ImportCheckpoint, ConfigAndFolderErrors) {
   s = ImportInto(dir.path());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 
+  // --output in a folder that does not exist: nothing is written.
+  {
+    auto rng = testing::MakeRng(916);
+    CheckpointSpec ok_spec;
+    TempDir ok;
+    WriteCheckpoint(MakeCheckpoint(rng, ok_spec), ok.path(), ConfigJson(ok_spec));
+    CheckpointImportOptions options;
+    options.checkpoint_dir = ok.path();
+    options.output_path = ok.Path("no/such/dir/m.json");
+    s = ImportCheckpoint(options).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+    EXPECT_THAT(s.message(), HasSubstr(ok.Path("no/such/dir") + " does not exist"));
+  }
+
   // A shard the index names but the folder lacks.
   WriteFile(dir.Path("model.safetensors.index.json"), R"({"weight_map": {"layers.0.hc_attn_fn": "gone.safetensors"}})");
   s = ImportInto(dir.path());
