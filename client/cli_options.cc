@@ -113,6 +113,11 @@ const std::vector<CommandInfo>& Commands() {
        0,
        {"concurrency", "duration", "warmup", "server_pid", "max_rss_growth_mb", "seed"}},
       {"replay", "replay --dump=FILE (a shadow mismatch dump; exit 3 when the mismatch reproduces)", 0, {"dump"}},
+      {"import-checkpoint",
+       "import-checkpoint DIR [--output=manifest.json] [--layers=A-B] (a DeepSeek-V4/V4.1 folder -> a manifest; "
+       "no server)",
+       1,
+       {"output", "layers"}},
   };
   return kCommands;
 }

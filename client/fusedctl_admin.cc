@@ -114,20 +114,25 @@ absl::Status RunUnload(const FusedLayerClient& client, const CommandLine& cl, st
 }
 
 absl::Status RunLoad(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
-  absl::StatusOr<std::vector<PackedWeights>> sets = PackManifest(cl.args.at(0));
-  if (!sets.ok()) return sets.status();
-  if (sets->empty()) return absl::InvalidArgumentError(absl::StrCat(cl.args.at(0), " lists no weight sets"));
   const size_t chunk = cl.chunk_bytes > 0 ? size_t(cl.chunk_bytes) : kDefaultChunkBytes;
-  for (PackedWeights& set : *sets) {
-    set.header.set_replace(cl.replace);
-    const std::string name = set.header.name();
-    absl::StatusOr<v1::WeightSetInfo> info = client.LoadWeights(set.header, set.payload, chunk);
-    if (!info.ok()) {
-      return absl::Status(info.status().code(), absl::StrCat("loading \"", name, "\": ", info.status().message()));
-    }
-    out << "loaded " << name << " (" << FormatBytes(double(set.payload.size())) << " payload)\n";
-    PrintWeightSet(*info, out);
-  }
+  size_t count = 0;
+  // One set's payload at a time: a whole checkpoint (fusedctl import-checkpoint) can be GiBs.
+  absl::Status status = ForEachManifestSet(
+      cl.args.at(0),
+      [&](PackedWeights set) -> absl::Status {
+        set.header.set_replace(cl.replace);
+        const std::string name = set.header.name();
+        absl::StatusOr<v1::WeightSetInfo> info = client.LoadWeights(set.header, set.payload, chunk);
+        if (!info.ok()) {
+          return absl::Status(info.status().code(), absl::StrCat("loading \"", name, "\": ", info.status().message()));
+        }
+        out << "loaded " << name << " (" << FormatBytes(double(set.payload.size())) << " payload)\n";
+        PrintWeightSet(*info, out);
+        return absl::OkStatus();
+      },
+      &count);
+  if (!status.ok()) return status;
+  if (count == 0) return absl::InvalidArgumentError(absl::StrCat(cl.args.at(0), " lists no weight sets"));
   return absl::OkStatus();
 }
 

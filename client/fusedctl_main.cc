@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "client/checkpoint_import.h"
 #include "client/cli_options.h"
 #include "client/fusedctl_commands.h"
 #include "client/fusedlayer_client.h"
@@ -48,7 +49,10 @@ ABSL_FLAG(bool, no_pre_mix, false, "seam/bench: omit pre_mix (shifted: collapse 
 ABSL_FLAG(bool, capture_aux, false, "seam/bench: also return aux (seam stage)");
 ABSL_FLAG(std::string, path, "", "seam/swa/bench: auto (default) | require_fused | force_unfused");
 ABSL_FLAG(std::string, input, "", "seam/swa: safetensors file with the request tensors (named as the fields)");
-ABSL_FLAG(std::string, output, "", "seam/swa: write the response tensors to this safetensors file");
+ABSL_FLAG(std::string, output, "",
+          "seam/swa: write the response tensors to this safetensors file; import-checkpoint: the manifest to write "
+          "(default manifest.json)");
+ABSL_FLAG(std::string, layers, "", "import-checkpoint: only layers A-B (inclusive) or A (default: all, with head)");
 ABSL_FLAG(int64_t, row_stride, 0, "swa/bench: qr_kv row stride in elements (0 = Q + D)");
 ABSL_FLAG(std::string, op, "", "bench: mhc | swa");
 ABSL_FLAG(int32_t, concurrency, 1, "bench: concurrent callers");
@@ -89,6 +93,34 @@ int UsageError(const std::string& message) {
   return kExitUsage;
 }
 
+// fusedctl import-checkpoint DIR [--output=FILE] [--layers=A-B]: prints the sets written and any
+// notes (what was left out and why); exit 1 with one error line when the folder cannot be imported.
+int RunImportCheckpoint(const std::string& dir) {
+  CheckpointImportOptions options;
+  options.checkpoint_dir = dir;
+  if (const std::string output = absl::GetFlag(FLAGS_output); !output.empty()) options.output_path = output;
+  if (const std::string layers = absl::GetFlag(FLAGS_layers); !layers.empty()) {
+    absl::StatusOr<LayerRange> range = ParseLayerRange(layers);
+    if (!range.ok()) return UsageError(std::string(range.status().message()));
+    options.layers = *range;
+  }
+  absl::StatusOr<CheckpointImportResult> result = ImportCheckpoint(options);
+  if (!result.ok()) {
+    std::cerr << ErrorLine(result.status()) << "\n";
+    return kExitError;
+  }
+  std::cout << "wrote " << result->manifest_path << ": " << result->set_names.size() << " weight sets ("
+            << result->dialect << " tensor names)";
+  if (!result->set_names.empty()) {
+    std::cout << ", " << result->set_names.front() << " .. " << result->set_names.back();
+  }
+  std::cout << "\n";
+  if (!result->head_tensors_path.empty()) std::cout << "wrote " << result->head_tensors_path << " (head set)\n";
+  for (const std::string& note : result->notes) std::cout << "note: " << note << "\n";
+  std::cout << "load it with: fusedctl load " << result->manifest_path << "  (or --weights_manifest)\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -111,6 +143,9 @@ int main(int argc, char** argv) {
   if (absl::Status s = CheckCommandLine(*command, specified, cl.args.size()); !s.ok()) {
     return UsageError(std::string(s.message()));
   }
+
+  // import-checkpoint works on local files only: no channel, no TLS or token flags involved.
+  if (command->name == "import-checkpoint") return RunImportCheckpoint(cl.args.at(0));
 
   cl.target = absl::GetFlag(FLAGS_target);
   cl.service = absl::GetFlag(FLAGS_service);

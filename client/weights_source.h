@@ -3,10 +3,10 @@
 // client and the server's --weights_manifest read manifests identically.
 #pragma once
 
+#include <functional>
 #include <string>
-#include <vector>
 
-#include "absl/status/statusor.h"
+#include "absl/status/status.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 
 namespace fusedlayer::client {
@@ -16,7 +16,11 @@ struct PackedWeights {
   std::string payload;
 };
 
-// Every weight set of the manifest at `path`, in manifest order.
-absl::StatusOr<std::vector<PackedWeights>> PackManifest(const std::string& path);
+// Calls `each` with every weight set of the manifest at `path`, in manifest order, reading one
+// set's tensors at a time (server::ManifestReader): a whole checkpoint's manifest is uploaded
+// without holding every payload in memory. Stops at the first error, from the manifest or from
+// `each`. *count (if given) is the number of sets the manifest lists.
+absl::Status ForEachManifestSet(const std::string& path, const std::function<absl::Status(PackedWeights)>& each,
+                                size_t* count = nullptr);
 
 }  // namespace fusedlayer::client

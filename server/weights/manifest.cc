@@ -250,10 +250,25 @@ absl::StatusOr<PackedWeightSet> LoadSet(const json& j, const std::string& manife
 
 }  // namespace
 
-absl::StatusOr<std::vector<PackedWeightSet>> LoadManifestFromString(std::string_view json_text,
-                                                                    const std::string& base_dir,
-                                                                    std::string_view source) {
-  const std::string where = absl::StrCat("manifest ", AbslView(source));
+struct ManifestReader::Impl {
+  json doc;                          // the parsed manifest
+  std::string where;                 // "manifest <source>"
+  std::string base_dir;
+  std::vector<std::string> names;    // of the weight sets, in manifest order
+  FileCache files;
+};
+
+ManifestReader::ManifestReader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ManifestReader::ManifestReader(ManifestReader&&) noexcept = default;
+ManifestReader& ManifestReader::operator=(ManifestReader&&) noexcept = default;
+ManifestReader::~ManifestReader() = default;
+
+absl::StatusOr<ManifestReader> ManifestReader::FromString(std::string_view json_text, const std::string& base_dir,
+                                                          std::string_view source) {
+  auto impl = std::make_unique<Impl>();
+  impl->where = absl::StrCat("manifest ", AbslView(source));
+  impl->base_dir = base_dir;
+  const std::string& where = impl->where;
   absl::StatusOr<json> doc = json_internal::ParseStrictJson(json_text, where);
   if (!doc.ok()) return doc.status();
   if (!doc->is_object()) return Bad(where, "must be a JSON object");
@@ -261,28 +276,60 @@ absl::StatusOr<std::vector<PackedWeightSet>> LoadManifestFromString(std::string_
   if (!doc->contains("weight_sets") || !(*doc)["weight_sets"].is_array()) {
     return Bad(where, "needs a \"weight_sets\" array");
   }
-  std::vector<PackedWeightSet> out;
-  std::set<std::string> names;
-  FileCache files;
+  std::set<std::string> seen;
   for (const json& j : (*doc)["weight_sets"]) {
-    absl::StatusOr<PackedWeightSet> set = LoadSet(j, where, base_dir, files);
-    if (!set.ok()) return set.status();
-    if (!names.insert(set->first.name()).second) {
-      return Bad(where, absl::StrCat("weight set ", Quote(set->first.name()), " is defined twice"));
-    }
-    out.push_back(std::move(*set));
+    if (!j.is_object()) return Bad(where, "each entry of \"weight_sets\" must be an object");
+    if (!j.contains("name") || !j["name"].is_string()) return Bad(where, "a weight set lacks a string \"name\"");
+    const std::string name = j["name"].get<std::string>();
+    if (!seen.insert(name).second) return Bad(where, absl::StrCat("weight set ", Quote(name), " is defined twice"));
+    impl->names.push_back(name);
   }
-  return out;
+  impl->doc = *std::move(doc);
+  return ManifestReader(std::move(impl));
 }
 
-absl::StatusOr<std::vector<PackedWeightSet>> LoadManifest(const std::string& path) {
+absl::StatusOr<ManifestReader> ManifestReader::Open(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) return absl::NotFoundError(absl::StrCat("cannot open manifest ", path));
   std::ostringstream text;
   text << f.rdbuf();
   if (f.bad()) return absl::InternalError(absl::StrCat("cannot read manifest ", path));
   const std::filesystem::path p(path);
-  return LoadManifestFromString(text.str(), p.parent_path().string(), path);
+  return FromString(text.str(), p.parent_path().string(), path);
+}
+
+size_t ManifestReader::size() const { return impl_->names.size(); }
+
+const std::string& ManifestReader::name(size_t i) const { return impl_->names.at(i); }
+
+absl::StatusOr<PackedWeightSet> ManifestReader::Load(size_t i) {
+  return LoadSet(impl_->doc["weight_sets"].at(i), impl_->where, impl_->base_dir, impl_->files);
+}
+
+namespace {
+
+absl::StatusOr<std::vector<PackedWeightSet>> LoadEverySet(absl::StatusOr<ManifestReader> reader) {
+  if (!reader.ok()) return reader.status();
+  std::vector<PackedWeightSet> out;
+  out.reserve(reader->size());
+  for (size_t i = 0; i < reader->size(); ++i) {
+    absl::StatusOr<PackedWeightSet> set = reader->Load(i);
+    if (!set.ok()) return set.status();
+    out.push_back(*std::move(set));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PackedWeightSet>> LoadManifestFromString(std::string_view json_text,
+                                                                    const std::string& base_dir,
+                                                                    std::string_view source) {
+  return LoadEverySet(ManifestReader::FromString(json_text, base_dir, source));
+}
+
+absl::StatusOr<std::vector<PackedWeightSet>> LoadManifest(const std::string& path) {
+  return LoadEverySet(ManifestReader::Open(path));
 }
 
 }  // namespace fusedlayer::server

@@ -31,6 +31,7 @@
 // (NOT_FOUND, DATA_LOSS, INVALID_ARGUMENT) come through, prefixed with the manifest and set names.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,6 +46,34 @@ namespace fusedlayer::server {
 // header.payload_bytes and header.sha256 are filled. BuildWeightSet's `source` for these sets is,
 // by convention, "manifest:" + path.
 absl::StatusOr<std::vector<PackedWeightSet>> LoadManifest(const std::string& path);
+
+// A manifest whose weight sets are read one at a time, so a caller that uploads or builds each set
+// before the next (fusedctl load, a whole checkpoint's manifest) never holds every payload at once.
+// Open checks the document's outline (an object with a "weight_sets" array of objects, each with a
+// string "name", no name twice); Load(i) parses set i and reads only its tensors, with exactly the
+// checks and messages of LoadManifest (which is Open + Load of every set). Safetensors files are
+// opened (header only) the first time a set names them and stay open for the reader's lifetime.
+class ManifestReader {
+ public:
+  static absl::StatusOr<ManifestReader> Open(const std::string& path);
+  // From the manifest's text; relative file names resolve against `base_dir`, `source` names the
+  // manifest in messages.
+  static absl::StatusOr<ManifestReader> FromString(std::string_view json_text, const std::string& base_dir,
+                                                   std::string_view source);
+  ManifestReader(ManifestReader&&) noexcept;
+  ManifestReader& operator=(ManifestReader&&) noexcept;
+  ~ManifestReader();
+
+  size_t size() const;
+  const std::string& name(size_t i) const;  // i < size()
+  // Reads weight set i (i < size()).
+  absl::StatusOr<PackedWeightSet> Load(size_t i);
+
+ private:
+  struct Impl;
+  explicit ManifestReader(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
 
 // Same, from the manifest's text; relative file names resolve against `base_dir`, and `source`
 // names the manifest in messages.

@@ -666,6 +666,36 @@ TEST(ManifestTest, ErrorsGiveDocumentedStatus) {
   EXPECT_THAT(r.status().message(), HasSubstr("layer3.safetensors"));
 }
 
+// ManifestReader reads one set at a time: a set whose file is gone does not stop the sets before
+// it, and reading set i gives the bytes LoadManifest gives for set i.
+TEST(ManifestTest, ReaderLoadsOneSetAtATime) {
+  auto rng = MakeRng(61);
+  ManifestFixture fx;
+  WriteFixture(rng, fx);
+  absl::StatusOr<std::vector<PackedWeightSet>> all = LoadManifest(fx.manifest_path);
+  ASSERT_TRUE(all.ok()) << all.status();
+  // Set 0 reads attn/layer3_attn.safetensors, set 1 does not: without that file only set 0 fails.
+  stdfs::remove(fx.dir.Path("attn/layer3_attn.safetensors"));
+  absl::StatusOr<ManifestReader> reader = ManifestReader::Open(fx.manifest_path);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  ASSERT_EQ(reader->size(), 2u);
+  EXPECT_EQ(reader->name(0), "v41/L3/ffn");
+  EXPECT_EQ(reader->name(1), "v41/L3/mhc-only");
+  absl::StatusOr<PackedWeightSet> second = reader->Load(1);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->second, (*all)[1].second);
+  EXPECT_EQ(second->first.SerializeAsString(), (*all)[1].first.SerializeAsString());
+  absl::StatusOr<PackedWeightSet> first = reader->Load(0);
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kNotFound) << first.status();
+  EXPECT_THAT(first.status().message(), HasSubstr("layer3_attn.safetensors"));
+  EXPECT_THAT(first.status().message(), HasSubstr("v41/L3/ffn"));
+  // The outline is checked at Open: a duplicate name fails before any tensor is read.
+  absl::StatusOr<ManifestReader> dup = ManifestReader::FromString(
+      R"({"weight_sets": [{"name": "a", "tensors": {}}, {"name": "a", "tensors": {}}]})", fx.dir.path(), "d.json");
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(dup.status().message(), HasSubstr("\"a\" is defined twice"));
+}
+
 // Checkpoint dtypes that convert exactly (dtype_conversion.h): F16 / BF16 / F8_E8M0 to the F32
 // tensors, F32 / F16 holding bf16 values to the BF16 tensors. Expected values come from the
 // compiler's _Float16 and from ldexp, not from the converter.
