@@ -21,6 +21,11 @@ PACKAGES=(
   libasan8 libubsan1 libtsan2 clang-14 clang libclang-rt-14-dev
   # throwaway certificates of the security tests
   openssl
+  # image test (scripts/test-image.sh): podman builds and runs the CPU image when no Docker engine
+  # answers; runc for hosts where crun refuses the cgroup layout; mmdebstrap makes the debian:12 base
+  # image from Debian packages (no registry needed); uidmap, slirp4netns and fuse-overlayfs for
+  # rootless podman
+  podman runc mmdebstrap uidmap slirp4netns fuse-overlayfs
 )
 
 SUDO=""
