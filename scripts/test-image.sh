@@ -24,8 +24,8 @@
 #     fails when FUSEDLAYER_ADDRESS names a port nothing listens on (it can fail);
 #   - through the published port: gRPC health SERVING (whole server, fusedlayer.mhc, fusedlayer.swa),
 #     the weight set loaded from the manifest in the read-only mount (ListWeightSets source), an mHC
-#     seam and an SWA call answered;
-#   - /metrics lists the fallback counters (every op) and counted the two calls;
+#     seam and an SWA call answered on the fused path (--path=require_fused);
+#   - /metrics lists the fallback counters (every op) and counted the two fused calls;
 #   - stop (SIGTERM) drains: exit code 0 and the server's "shut down cleanly" log line.
 # Everything it made (containers, the image it built and its intermediate layers, temp dirs) is
 # removed on exit, also on failure. Needs fusedctl on the host: $BUILD_DIR/client/fusedctl (default
@@ -341,10 +341,11 @@ if ! grep -q 'image-test/small' "$TMP/list.txt" || ! grep -q 'manifest:/weights/
   cat "$TMP/list.txt" >&2; fail "weight set image-test/small from manifest:/weights/manifest.json not listed"
 fi
 ok "weight set image-test/small loaded from manifest:/weights/manifest.json"
-timeout 30 "$FUSEDCTL" --target="$TARGET" --deadline=20s seam --weight_set=image-test/small --tokens=8 \
+# require_fused: the image's CPU backend must run the fused kernels (FAILED_PRECONDITION otherwise).
+timeout 30 "$FUSEDCTL" --target="$TARGET" --deadline=20s seam --weight_set=image-test/small --tokens=8 --path=require_fused \
   > "$TMP/seam.txt" 2>&1 || { cat "$TMP/seam.txt" >&2; fail "mHC seam call failed"; }
 ok "mHC seam: $(head -n 1 "$TMP/seam.txt")"
-timeout 30 "$FUSEDCTL" --target="$TARGET" --deadline=20s swa --weight_set=image-test/small --tokens=8 \
+timeout 30 "$FUSEDCTL" --target="$TARGET" --deadline=20s swa --weight_set=image-test/small --tokens=8 --path=require_fused \
   > "$TMP/swa.txt" 2>&1 || { cat "$TMP/swa.txt" >&2; fail "SWA call failed"; }
 ok "SWA: $(head -n 1 "$TMP/swa.txt")"
 
@@ -353,10 +354,10 @@ curl -fsS --max-time 10 "http://127.0.0.1:$METRICS_PORT/metrics" > "$TMP/metrics
 for op in mhc swa; do
   n="$(grep -c "^fusedlayer_op_fallbacks_total{.*op=\"$op\"" "$TMP/metrics.txt" || true)"
   [ "$n" -gt 0 ] || fail "/metrics has no fusedlayer_op_fallbacks_total series for op=$op"
-  # The call above ran: the executions of the op (either path) sum to at least 1.
-  execs="$(awk -v op="$op" '$1 ~ /^fusedlayer_op_executions_total\{/ && index($1, "op=\"" op "\"") {s += $2} END {print s + 0}' "$TMP/metrics.txt")"
-  awk -v e="$execs" 'BEGIN {exit !(e >= 1)}' || fail "fusedlayer_op_executions_total{op=$op} sums to $execs after one call"
-  ok "op=$op: $n fallback counter series, $execs execution(s)"
+  # The call above ran on the fused path (the server's warm-up calls may add more).
+  execs="$(awk -v op="$op" '$1 ~ /^fusedlayer_op_executions_total\{/ && index($1, "op=\"" op "\"") && index($1, "path=\"fused\"") {s += $2} END {print s + 0}' "$TMP/metrics.txt")"
+  awk -v e="$execs" 'BEGIN {exit !(e >= 1)}' || fail "fusedlayer_op_executions_total{op=$op,path=fused} is $execs after one call"
+  ok "op=$op: $n fallback counter series, $execs fused execution(s)"
 done
 
 step "stop: SIGTERM drains, exit 0"

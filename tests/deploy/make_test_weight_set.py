@@ -3,7 +3,7 @@
 
     make_test_weight_set.py DIR NAME [--file_prefix=PREFIX]
 
-DIR/manifest.json names one set NAME with an mHC part (hc_mult 2, hidden 64) and an SWA part
+DIR/manifest.json names one set NAME with an mHC part (hc_mult 4, hidden 64) and an SWA part
 (q_rank 128, head_dim 64, no wq_b); the tensors are in DIR/weights.safetensors with fresh random
 values (the seed is printed). Manifest `file` entries are PREFIX + "weights.safetensors" (default:
 relative, resolved against the manifest's directory), so the files can be mounted elsewhere.
@@ -16,7 +16,8 @@ import random
 import struct
 import sys
 
-HC_MULT, HIDDEN, Q_RANK, HEAD_DIM = 2, 64, 128, 64
+# hc_mult 4: the CPU fused mHC kernel is specialised for it (other values run unfused).
+HC_MULT, HIDDEN, Q_RANK, HEAD_DIM = 4, 64, 128, 64
 
 
 def bf16_bytes(values):
