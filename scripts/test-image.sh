@@ -300,7 +300,7 @@ ok "image HEALTHCHECK healthy on port $GRPC_PORT (not the default 50051)"
 if ! published_answers; then
   # Some hosts cannot forward published ports (no bridge/NAT for containers): host networking.
   echo "  the published port $GRPC_PORT does not answer: falling back to --network=host"
-  "${E[@]}" rm -f "$C" > /dev/null
+  "${E[@]}" rm -f "$C" > /dev/null 2>&1
   NET=host
   C="$RUN_ID-server-hostnet"
   start_container "$C" host
