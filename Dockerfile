@@ -7,13 +7,26 @@
 #   docker build -t fusedlayer:0.1.0-cpu --target cpu .                  CPU-only image (Debian 12)
 #
 # Run (GPU): docker run --rm --gpus 1 -p 50051:50051 -p 9464:9464 fusedlayer:0.1.0 --demo_weights
+# Test (CPU image, built and started by CI): scripts/test-image.sh
 #
-# The base images are pinned by tag here; tags of nvidia/cuda are re-pushed and old ones removed,
-# so production builds should pin them by digest (nvidia/cuda:13.0.0-devel-ubuntu24.04@sha256:...)
-# or mirror them. Ubuntu 24.04 and Debian 12 ship the same stack (gRPC 1.51, protobuf 3.21,
-# Abseil 20220623, prometheus-cpp 1.0); both images build against the distribution packages.
+# The base images are build arguments, pinned by tag by default; tags of nvidia/cuda are re-pushed
+# and old ones removed, so production builds should pin them by digest or use a mirror:
+#   --build-arg CUDA_DEVEL_IMAGE=nvidia/cuda:13.0.0-devel-ubuntu24.04@sha256:...
+#   --build-arg CUDA_RUNTIME_IMAGE=mirror.example.com/nvidia/cuda:13.0.0-runtime-ubuntu24.04
+#   --build-arg DEBIAN_IMAGE=debian:12@sha256:...
+# CUDA_VERSION must name the CUDA release of the two CUDA images (the runtime stage checks the
+# libcublasLt soname of that major version). Ubuntu 24.04 and Debian 12 ship the same stack (gRPC
+# 1.51, protobuf 3.21, Abseil 20220623, prometheus-cpp 1.0); both images build against the
+# distribution packages.
+#
+# Listen address: the environment variable FUSEDLAYER_ADDRESS (default 0.0.0.0:50051), read by
+# the entrypoint (scripts/container-entrypoint.sh, which refuses an --address flag) and by the
+# HEALTHCHECK, so the health probe follows the port: docker run -e FUSEDLAYER_ADDRESS=0.0.0.0:6000 ...
 
 ARG CUDA_VERSION=13.0.0
+ARG DEBIAN_IMAGE=debian:12
+ARG CUDA_DEVEL_IMAGE=nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04
+ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04
 # Build dependencies, the same Debian/Ubuntu package names in both build stages (each stage
 # re-declares the ARG to see this default). grpc-proto is added by the CPU stage only (see below).
 ARG BUILD_PACKAGES="cmake ninja-build g++ pkg-config \
@@ -23,7 +36,7 @@ ARG BUILD_PACKAGES="cmake ninja-build g++ pkg-config \
 # ---------------------------------------------------------------------------------------------
 # CPU-only image: Debian 12, -DFUSEDLAYER_CUDA=OFF.
 # ---------------------------------------------------------------------------------------------
-FROM debian:12 AS cpu-build
+FROM ${DEBIAN_IMAGE} AS cpu-build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG BUILD_PACKAGES
 RUN apt-get update \
@@ -40,7 +53,7 @@ RUN cmake -S . -B /build -G Ninja \
  && install -D -m 0755 /build/server/fusedlayer_server /out/fusedlayer_server \
  && install -D -m 0755 /build/client/fusedctl /out/fusedctl
 
-FROM debian:12 AS cpu
+FROM ${DEBIAN_IMAGE} AS cpu
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # Runtime libraries only (Debian 12 names): gRPC 1.51 (libgrpc++1.51 also carries
 # libgrpc++_reflection), protobuf 3.21, prometheus-cpp 1.0 (pull = civetweb exposer), Abseil.
@@ -54,21 +67,25 @@ RUN apt-get update \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin fusedlayer
 COPY --from=cpu-build /out/fusedlayer_server /out/fusedctl /usr/local/bin/
+COPY scripts/container-entrypoint.sh /usr/local/bin/fusedlayer-entrypoint
 # Fail the build, not the first start, when a shared library is missing from the list above.
 RUN ! ldd /usr/local/bin/fusedlayer_server /usr/local/bin/fusedctl | grep 'not found'
 USER 10001:10001
+# The gRPC listen address of the entrypoint and the HEALTHCHECK (see the top of this file). The
+# HEALTHCHECK probes 127.0.0.1, so keep the host 0.0.0.0, [::] or 127.0.0.1.
+ENV FUSEDLAYER_ADDRESS=0.0.0.0:50051
 # 50051: gRPC (fusedlayer.v1.FusedLayer, grpc.health.v1, reflection); 9464: Prometheus /metrics.
 EXPOSE 50051 9464
 # Checks the overall health entry: SERVING from start until the SIGTERM drain begins.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
-  CMD ["fusedctl", "health", "--target=127.0.0.1:50051", "--deadline=2s"]
+  CMD ["/bin/sh", "-c", "exec fusedctl health --target=\"127.0.0.1:${FUSEDLAYER_ADDRESS##*:}\" --deadline=2s"]
 # SIGTERM starts the drain (--drain_seconds); give `docker stop -t` / stop_grace_period more than that.
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["fusedlayer_server"]
-# Defaults, overridden by the arguments of `docker run IMAGE ...`: listen on all interfaces
+ENTRYPOINT ["fusedlayer-entrypoint"]
+# Defaults, overridden by the arguments of `docker run IMAGE ...`: metrics on all interfaces
 # (the container's network namespace), CPU backend. Weights: add
 # --demo_weights or --weights_manifest=/path/manifest.json (mount the files read-only).
-CMD ["--address=0.0.0.0:50051", "--metrics_address=0.0.0.0:9464", "--backend=cpu"]
+CMD ["--metrics_address=0.0.0.0:9464", "--backend=cpu"]
 
 # ---------------------------------------------------------------------------------------------
 # CUDA image: build in the CUDA devel image, run in the CUDA runtime image (Ubuntu 24.04).
@@ -76,12 +93,12 @@ CMD ["--address=0.0.0.0:50051", "--metrics_address=0.0.0.0:9464", "--backend=cpu
 # fusedctl compiles grpc/health/v1/health.proto from Debian's grpc-proto package, which Ubuntu
 # 24.04 does not ship (package listings show it for Debian bullseye/bookworm and Ubuntu jammy
 # only). The .proto files are architecture-independent text: take them from Debian 12.
-FROM debian:12 AS grpc-proto
+FROM ${DEBIAN_IMAGE} AS grpc-proto
 RUN apt-get update \
  && apt-get install -y --no-install-recommends grpc-proto \
  && rm -rf /var/lib/apt/lists/*
 
-FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS cuda-build
+FROM ${CUDA_DEVEL_IMAGE} AS cuda-build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # CMAKE_CUDA_ARCHITECTURES syntax: "90a" (H100/H200, wgmma/TMA kernels), "90a;100a", ...
 ARG CUDA_ARCHS="90a"
@@ -100,7 +117,7 @@ RUN cmake -S . -B /build -G Ninja \
  && install -D -m 0755 /build/server/fusedlayer_server /out/fusedlayer_server \
  && install -D -m 0755 /build/client/fusedctl /out/fusedctl
 
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04 AS cuda
+FROM ${CUDA_RUNTIME_IMAGE} AS cuda
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # Runtime libraries only (Ubuntu 24.04 noble, universe; t64 names after the 64-bit time_t
 # transition). libgrpc++1.51t64 pulls libgrpc29t64; libprometheus-cpp-pull1.0 pulls civetweb.
@@ -114,6 +131,7 @@ RUN apt-get update \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin fusedlayer
 COPY --from=cuda-build /out/fusedlayer_server /out/fusedctl /usr/local/bin/
+COPY scripts/container-entrypoint.sh /usr/local/bin/fusedlayer-entrypoint
 # Every shared library must resolve, except the driver (libcuda.so.1), which the NVIDIA
 # Container Toolkit mounts at run time.
 RUN ! ldd /usr/local/bin/fusedlayer_server /usr/local/bin/fusedctl | grep 'not found' | grep -v 'libcuda\.so\.1'
@@ -124,12 +142,13 @@ RUN ldconfig -p | grep -q "libcublasLt\.so\.${CUDA_VERSION%%.*} "
 # compute: CUDA; utility: nvidia-smi / NVML inside the container for debugging.
 ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 10001:10001
+ENV FUSEDLAYER_ADDRESS=0.0.0.0:50051
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
-  CMD ["fusedctl", "health", "--target=127.0.0.1:50051", "--deadline=2s"]
+  CMD ["/bin/sh", "-c", "exec fusedctl health --target=\"127.0.0.1:${FUSEDLAYER_ADDRESS##*:}\" --deadline=2s"]
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["fusedlayer_server"]
+ENTRYPOINT ["fusedlayer-entrypoint"]
 # --backend=auto: the CUDA backend when a GPU is visible, else the CPU backend (logged loudly,
 # and fusedlayer_build_info / fusedlayer_fused_kernel_available show it). Deployments that must
 # not run without a GPU pass --backend=cuda (deploy/k8s does).
-CMD ["--address=0.0.0.0:50051", "--metrics_address=0.0.0.0:9464", "--backend=auto"]
+CMD ["--metrics_address=0.0.0.0:9464", "--backend=auto"]

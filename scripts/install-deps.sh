@@ -25,6 +25,11 @@ PACKAGES=(
   # venv with its bundled pip; stubs from protoc + grpc_python_plugin above), tests and example
   python3-grpcio python3-protobuf python3-numpy python3-setuptools python3-wheel python3-venv python3-pip
   python3-pytest
+  # image test (scripts/test-image.sh): podman builds and runs the CPU image when no Docker engine
+  # answers; runc for hosts where crun refuses the cgroup layout; mmdebstrap makes the debian:12 base
+  # image from Debian packages (no registry needed); uidmap, slirp4netns and fuse-overlayfs for
+  # rootless podman
+  podman runc mmdebstrap uidmap slirp4netns fuse-overlayfs
 )
 
 SUDO=""

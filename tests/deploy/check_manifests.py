@@ -9,6 +9,12 @@
                                    recording rule into OUT.yml for `promtool check rules`
     check_manifests.py dockerfile  the Dockerfile's stages and runtime contract (no Docker engine
                                    or hadolint here: structure only)
+    check_manifests.py runtime-libs STAGE BUILD_DIR
+                                   every shared library (readelf NEEDED) of BUILD_DIR's
+                                   fusedlayer_server and fusedctl comes from the runtime stage
+                                   STAGE's package list (cuda: Debian name or its Ubuntu t64 name),
+                                   the base image, or the CUDA base image of CUDA_VERSION; the
+                                   dlopen()ed cuBLASLt matches CUDA_VERSION and the stage checks it
     check_manifests.py probes      prints the shell commands of the Kubernetes readinessProbe and the
                                    Dockerfile HEALTHCHECKs, one a line, to run against a test server
     check_manifests.py flags       prints every fusedlayer_server flag name used by the Dockerfile,
@@ -37,6 +43,9 @@ METRICS_PORT = 9464
 API_HEALTH = "fusedlayer.v1.FusedLayer"
 OP_HEALTH = ("fusedlayer.mhc", "fusedlayer.swa")
 SCRAPE_JOB = "fusedlayer"
+# The images' listen address: read by the entrypoint and by the HEALTHCHECK (Dockerfile).
+ADDRESS_ENV = "FUSEDLAYER_ADDRESS"
+ENTRYPOINT_SCRIPT = ROOT / "scripts/container-entrypoint.sh"
 
 errors = []
 
@@ -146,10 +155,13 @@ def check_k8s():
     ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
     if ports.get("grpc") != GRPC_PORT or ports.get("metrics") != METRICS_PORT:
         fail(where, f"container ports {ports} != grpc {GRPC_PORT}, metrics {METRICS_PORT}")
-    addr = flag_value(args, "address")
+    # The image's entrypoint takes the listen address from FUSEDLAYER_ADDRESS and refuses --address.
+    if flag_value(args, "address") is not None:
+        fail(where, "--address in args: the image refuses it; set the env FUSEDLAYER_ADDRESS")
+    addr = {e.get("name"): e.get("value") for e in c.get("env", [])}.get(ADDRESS_ENV)
     maddr = flag_value(args, "metrics_address")
     if addr is None or not addr.endswith(f":{GRPC_PORT}"):
-        fail(where, f"--address={addr} does not listen on {GRPC_PORT}")
+        fail(where, f"env {ADDRESS_ENV}={addr} does not listen on {GRPC_PORT}")
     if maddr is None or not maddr.endswith(f":{METRICS_PORT}"):
         fail(where, f"--metrics_address={maddr} does not listen on {METRICS_PORT}")
 
@@ -242,9 +254,128 @@ def check_k8s():
         fail(rel(ppath), "maxUnavailable would allow evicting every replica")
 
 
+# The Compose specification's keys this file may use (a subset: a typo or an unsupported key fails).
+COMPOSE_TOP_KEYS = {"name", "services", "volumes", "networks", "configs", "secrets"}
+COMPOSE_SERVICE_KEYS = {
+    "build", "image", "command", "entrypoint", "environment", "env_file", "ports", "expose", "volumes",
+    "tmpfs", "deploy", "depends_on", "restart", "read_only", "cap_drop", "cap_add", "security_opt",
+    "stop_grace_period", "stop_signal", "healthcheck", "user", "networks", "labels", "logging", "ulimits",
+    "init", "working_dir", "container_name", "profiles", "shm_size", "mem_limit", "cpus", "gpus",
+}
+COMPOSE_BUILD_KEYS = {"context", "dockerfile", "target", "args", "labels", "cache_from", "network", "pull"}
+# ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, ${VAR?error}, ${VAR:+x}; $$ is a literal $.
+COMPOSE_INTERPOLATION = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?:(?::?[-?+])[^}]*)?\}")
+
+
+def compose_port(spec):
+    """[IP:]HOST:CONTAINER[/tcp|udp] or CONTAINER -> (host port or None, container port), else None."""
+    m = re.fullmatch(r"(?:(?:(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:]+\]):)?(\d+):)?(\d+)(?:/(tcp|udp))?", str(spec))
+    if not m:
+        return None
+    host, cont = (int(m.group(2)) if m.group(2) else None), int(m.group(3))
+    if not 1 <= cont <= 65535 or (host is not None and not 1 <= host <= 65535):
+        return None
+    return host, cont
+
+
+def check_compose_structure(doc, where):
+    """What `docker compose config` would reject, plus references to files, stages and volumes."""
+    if not isinstance(doc, dict):
+        fail(where, "not a mapping")
+        return
+    for key in doc:
+        if key not in COMPOSE_TOP_KEYS and not str(key).startswith("x-"):
+            fail(where, f"unknown top-level key {key!r}")
+    for bad in re.findall(r"\$\{[^}]*\}", COMPOSE.read_text()):
+        if not COMPOSE_INTERPOLATION.fullmatch(bad):
+            fail(where, f"malformed interpolation {bad}")
+    svcs = doc.get("services")
+    if not isinstance(svcs, dict) or not svcs:
+        fail(where, "no services")
+        return
+    named_volumes = set((doc.get("volumes") or {}).keys())
+    used_volumes = set()
+    stages = {s[0] for s in dockerfile_stages((ROOT / "Dockerfile").read_text())}
+    dockerfile_args = set(re.findall(r"^ARG ([A-Za-z_][A-Za-z0-9_]*)", (ROOT / "Dockerfile").read_text(), re.M))
+    for name, svc in svcs.items():
+        w = f"{where}: service {name}"
+        if not isinstance(svc, dict):
+            fail(w, "not a mapping")
+            continue
+        for key in svc:
+            if key not in COMPOSE_SERVICE_KEYS:
+                fail(w, f"unknown key {key!r}")
+        if "image" not in svc and "build" not in svc:
+            fail(w, "neither image nor build")
+        if "image" in svc and not re.fullmatch(r"[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9._-]+)?(@sha256:[0-9a-f]{64})?",
+                                               str(svc["image"])):
+            fail(w, f"image {svc['image']!r} is not a valid reference")
+        build = svc.get("build")
+        if build is not None:
+            build = {"context": build} if isinstance(build, str) else build
+            for key in build:
+                if key not in COMPOSE_BUILD_KEYS:
+                    fail(w, f"unknown build key {key!r}")
+            ctx = (DEPLOY / build.get("context", ".")).resolve()
+            dockerfile = ctx / build.get("dockerfile", "Dockerfile")
+            if not ctx.is_dir():
+                fail(w, f"build context {build.get('context')} does not exist")
+            elif not dockerfile.is_file():
+                fail(w, f"build dockerfile {dockerfile} does not exist")
+            elif dockerfile == ROOT / "Dockerfile":
+                if "target" in build and build["target"] not in stages:
+                    fail(w, f"build target {build['target']!r} is not a Dockerfile stage {sorted(stages)}")
+                for arg in (build.get("args") or {}):
+                    if arg not in dockerfile_args:
+                        fail(w, f"build arg {arg} is not an ARG of the Dockerfile")
+        for key in ("command", "entrypoint", "cap_drop", "cap_add", "security_opt", "tmpfs", "expose", "ports", "volumes"):
+            if key in svc and not isinstance(svc[key], list):
+                fail(w, f"{key} must be a list")
+        for p in svc.get("ports", []) or []:
+            if compose_port(p) is None:
+                fail(w, f"port {p!r} is not [IP:]HOST:CONTAINER[/proto]")
+        for p in svc.get("expose", []) or []:
+            if compose_port(p) is None or compose_port(p)[0] is not None:
+                fail(w, f"expose {p!r} is not a container port")
+        env = svc.get("environment", {})
+        if isinstance(env, list):
+            if not all(isinstance(e, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(=.*)?", e) for e in env):
+                fail(w, "environment entries must be NAME or NAME=value")
+        elif not isinstance(env, dict) or not all(isinstance(v, (str, int, float, bool)) or v is None for v in env.values()):
+            fail(w, "environment must be a mapping of scalars or a list")
+        for vol in svc.get("volumes", []) or []:
+            parts = str(vol).split(":")
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")) \
+                    or not parts[1].startswith("/"):
+                fail(w, f"volume {vol!r} is not SOURCE:/container/path[:ro|rw]")
+                continue
+            src = parts[0]
+            if src.startswith((".", "/")):
+                if not (DEPLOY / src).exists():
+                    fail(w, f"bind mount source {src} does not exist")
+            else:
+                used_volumes.add(src)
+                if src not in named_volumes:
+                    fail(w, f"named volume {src} is not declared under the top-level volumes")
+        deps = svc.get("depends_on", [])
+        for dep in (deps if isinstance(deps, list) else list(deps)):
+            if dep not in svcs:
+                fail(w, f"depends_on {dep!r}, which is not a service")
+            elif dep == name:
+                fail(w, "depends on itself")
+        grace = svc.get("stop_grace_period")
+        if grace is not None and not re.fullmatch(r"(\d+(\.\d+)?(us|ms|s|m|h))+", str(grace)):
+            fail(w, f"stop_grace_period {grace!r} is not a duration")
+    for vol in named_volumes - used_volumes:
+        fail(where, f"top-level volume {vol} is used by no service")
+
+
 def check_compose():
     where = rel(COMPOSE)
     doc = yaml.safe_load(COMPOSE.read_text())
+    check_compose_structure(doc, where)
+    if not isinstance(doc, dict) or not isinstance(doc.get("services"), dict):
+        return
     svcs = doc.get("services", {})
     for name in ("fusedlayer", "prometheus", "grafana"):
         if name not in svcs:
@@ -257,6 +388,15 @@ def check_compose():
         fail(where, "fusedlayer command must load --demo_weights")
     if not (flag_value(cmd, "metrics_address") or "").endswith(f":{METRICS_PORT}"):
         fail(where, f"fusedlayer --metrics_address must listen on {METRICS_PORT}")
+    # The listen address goes through the environment (the image's entrypoint refuses --address).
+    if flag_value(cmd, "address") is not None:
+        fail(where, "fusedlayer command passes --address: the image refuses it; set environment FUSEDLAYER_ADDRESS")
+    env = fl.get("environment", {})
+    env = dict(e.split("=", 1) for e in env if "=" in e) if isinstance(env, list) else env
+    if not str(env.get(ADDRESS_ENV, "")).endswith(f":{GRPC_PORT}"):
+        fail(where, f"fusedlayer environment {ADDRESS_ENV} must listen on {GRPC_PORT}")
+    if not any((compose_port(p) or (0, 0))[1] == GRPC_PORT for p in fl.get("ports", [])):
+        fail(where, f"fusedlayer does not publish the gRPC port {GRPC_PORT}")
     devs = fl.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
     if not any(d.get("driver") == "nvidia" and d.get("count") == 1 and "gpu" in d.get("capabilities", []) for d in devs):
         fail(where, "fusedlayer must reserve one nvidia GPU (deploy.resources.reservations.devices)")
@@ -375,9 +515,17 @@ def check_dockerfile():
     text = (ROOT / "Dockerfile").read_text()
     stages = dockerfile_stages(text)
     names = [s[0] for s in stages]
-    want = {"cpu-build": "debian:12", "cpu": "debian:12",
-            "cuda-build": "nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04",
-            "cuda": "nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04"}
+    # Every base image is a build argument (a mirror or a digest-pinned base can be used) whose
+    # default is the tag the images are tested with.
+    want = {"cpu-build": "${DEBIAN_IMAGE}", "cpu": "${DEBIAN_IMAGE}", "grpc-proto": "${DEBIAN_IMAGE}",
+            "cuda-build": "${CUDA_DEVEL_IMAGE}", "cuda": "${CUDA_RUNTIME_IMAGE}"}
+    arg_defaults = {"DEBIAN_IMAGE": "debian:12",
+                    "CUDA_DEVEL_IMAGE": "nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04",
+                    "CUDA_RUNTIME_IMAGE": "nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04"}
+    preamble = text.split("\nFROM ", 1)[0]
+    for arg, default in arg_defaults.items():
+        if not re.search(rf"^ARG {re.escape(arg)}={re.escape(default)}$", preamble, re.M):
+            fail(where, f"global ARG {arg}={default} (before the first FROM) missing")
     for name, base in want.items():
         if name not in names:
             fail(where, f"no stage {name!r}")
@@ -414,16 +562,150 @@ def check_dockerfile():
             fail(where, f"stage {name!r}: USER must be a numeric non-root uid (runAsNonRoot can verify it)")
         if get("EXPOSE") != [f"{GRPC_PORT} {METRICS_PORT}"]:
             fail(where, f"stage {name!r}: EXPOSE {get('EXPOSE')} != {GRPC_PORT} {METRICS_PORT}")
-        hc = " ".join(get("HEALTHCHECK"))
-        if f'"fusedctl", "health", "--target=127.0.0.1:{GRPC_PORT}"' not in hc:
-            fail(where, f"stage {name!r}: HEALTHCHECK must run fusedctl health on 127.0.0.1:{GRPC_PORT}")
-        if get("ENTRYPOINT") != ['["fusedlayer_server"]']:
-            fail(where, f"stage {name!r}: ENTRYPOINT must be [\"fusedlayer_server\"]")
+        # The HEALTHCHECK and the entrypoint read the same variable, so the probe follows the port.
+        if f"{ADDRESS_ENV}=0.0.0.0:{GRPC_PORT}" not in get("ENV"):
+            fail(where, f"stage {name!r}: no ENV {ADDRESS_ENV}=0.0.0.0:{GRPC_PORT}")
+        hc = get("HEALTHCHECK")
+        hc_cmd = re.search(r"\bCMD (\[.*\])$", hc[-1]) if hc else None
+        want_hc = ["/bin/sh", "-c", f'exec fusedctl health --target="127.0.0.1:${{{ADDRESS_ENV}##*:}}" --deadline=2s']
+        if not hc_cmd or json.loads(hc_cmd.group(1)) != want_hc:
+            fail(where, f"stage {name!r}: HEALTHCHECK CMD must be {json.dumps(want_hc)} "
+                        f"(fusedctl health on the port of {ADDRESS_ENV})")
+        if get("ENTRYPOINT") != ['["fusedlayer-entrypoint"]']:
+            fail(where, f"stage {name!r}: ENTRYPOINT must be [\"fusedlayer-entrypoint\"]")
+        if "scripts/container-entrypoint.sh /usr/local/bin/fusedlayer-entrypoint" not in get("COPY"):
+            fail(where, f"stage {name!r}: does not install scripts/container-entrypoint.sh as fusedlayer-entrypoint")
+        if any("--address=" in c for c in get("CMD")):
+            fail(where, f"stage {name!r}: CMD passes --address, which the entrypoint refuses")
         runs = " ".join(get("RUN"))
         if "ldd /usr/local/bin/fusedlayer_server /usr/local/bin/fusedctl" not in runs:
             fail(where, f"stage {name!r}: no build-time ldd check of the binaries")
         if "-dev" in re.sub(r"/dev/\S*", "", runs):
             fail(where, f"stage {name!r}: installs a -dev package into a runtime image")
+
+
+# Provided by every Debian/Ubuntu base image (apt itself needs them), so never in a stage's list.
+BASE_IMAGE_PACKAGES = {"libc6", "libgcc-s1", "libstdc++6"}
+# Shared libraries of the CUDA toolkit: the CUDA runtime base image provides them (cudart, cuBLAS,
+# ...) or the NVIDIA Container Toolkit mounts them at run time (libcuda.so.1, the driver).
+CUDA_LIB = re.compile(r"lib(cuda|cudart|cublas|cublasLt|nvrtc|nvJitLink|cufft|curand|cusparse|cusolver|nvToolsExt)\.so(\.\d+)*")
+# Every dlopen() in the sources and the library it loads; a new dlopen fails the check until its
+# library is added to the runtime stages and here.
+DLOPENED = {"kernels/gpu/cublaslt_loader.cc": "libcublasLt.so.<CUBLAS_VER_MAJOR>"}
+
+
+def stage_apt_packages(stage_body):
+    """Package names of the `apt-get install` in a stage's RUN instructions."""
+    pkgs = []
+    for instr, arg in stage_body:
+        if instr != "RUN":
+            continue
+        for m in re.finditer(r"apt-get install ((?:(?!&&).)*)", arg):
+            pkgs += [t for t in m.group(1).split() if not t.startswith("-") and "$" not in t]
+    return pkgs
+
+
+def needed_sonames(binary):
+    import subprocess
+    out = subprocess.run(["readelf", "-d", str(binary)], check=True, capture_output=True, text=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
+def host_package_of(soname):
+    """The Debian package that installed soname on this host (via ldconfig's cache), or None."""
+    import os
+    import subprocess
+    cache = subprocess.run(["/sbin/ldconfig", "-p"], check=True, capture_output=True, text=True).stdout
+    paths = re.findall(rf"^\s+{re.escape(soname)} \(.*?\) => (\S+)$", cache, re.M)
+    for path in paths:
+        cands = {path, os.path.realpath(path)}
+        cands |= {c.replace("/usr/lib/", "/lib/", 1) for c in cands if c.startswith("/usr/lib/")}
+        cands |= {c.replace("/lib/", "/usr/lib/", 1) for c in cands if c.startswith("/lib/")}
+        for c in sorted(cands):
+            r = subprocess.run(["dpkg", "-S", c], capture_output=True, text=True)
+            if r.returncode == 0:
+                return r.stdout.split(":", 1)[0].strip()
+    return None
+
+
+def check_runtime_libs(stage, build_dir):
+    """Every shared library the binaries of BUILD_DIR need comes from the runtime stage's package
+    list (Debian name, or its Ubuntu 24.04 `t64` name in the CUDA stage), the base image, or (CUDA
+    stage) the CUDA base image of CUDA_VERSION; every dlopen()ed library is checked in the stage."""
+    where = "Dockerfile"
+    text = (ROOT / "Dockerfile").read_text()
+    stages = {s[0]: s[2] for s in dockerfile_stages(text)}
+    if stage not in stages:
+        fail(where, f"no stage {stage!r}")
+        return
+    body = stages[stage]
+    listed = set(stage_apt_packages(body))
+    if not listed:
+        fail(where, f"stage {stage!r} installs no packages")
+    build_dir = pathlib.Path(build_dir)
+    binaries = [build_dir / "server/fusedlayer_server", build_dir / "client/fusedctl"]
+    cuda_major = re.search(r"^ARG CUDA_VERSION=(\d+)\.", text, re.M).group(1)
+    checked = 0
+    for binary in binaries:
+        if not binary.is_file():
+            fail(rel(binary) if binary.is_relative_to(ROOT) else str(binary), "missing (build it first)")
+            continue
+        for so in needed_sonames(binary):
+            checked += 1
+            what = f"stage {stage!r}: {binary.name} needs {so}"
+            if CUDA_LIB.fullmatch(so):
+                if stage != "cuda":
+                    fail(where, f"{what}, a CUDA library, in a non-CUDA image")
+                elif so == "libcuda.so.1":
+                    if "grep -v 'libcuda\\.so\\.1'" not in " ".join(a for i, a in body if i == "RUN"):
+                        fail(where, f"{what} (the driver): the stage's ldd check must exempt it")
+                elif so.startswith("libcublasLt"):
+                    fail(where, f"{what}: cuBLASLt must stay dlopen()ed (kernels/gpu/cublaslt_loader.cc), not linked")
+                elif not re.fullmatch(rf"lib\w+\.so\.{cuda_major}(\.\d+)*", so):
+                    fail(where, f"{what}: not of CUDA {cuda_major} (ARG CUDA_VERSION), so the CUDA runtime image lacks it")
+                continue
+            pkg = host_package_of(so)
+            if pkg is None:
+                fail(where, f"{what}: no Debian package on this host provides it (cannot map it to a package)")
+            elif pkg in BASE_IMAGE_PACKAGES:
+                continue
+            elif not (pkg in listed or (stage == "cuda" and f"{pkg}t64" in listed)):
+                alt = f" or {pkg}t64 (Ubuntu 24.04)" if stage == "cuda" else ""
+                fail(where, f"{what} (Debian package {pkg}): {pkg}{alt} is not in the stage's apt-get install list")
+    # dlopen(): every call in the sources is one this check knows, and its library is checked in the stage.
+    for src in sorted(p for d in ("kernels", "server", "client") for p in (ROOT / d).rglob("*")
+                      if p.suffix in (".cc", ".cu", ".h", ".cuh") and "dlopen(" in p.read_text(errors="replace")):
+        if rel(src) not in DLOPENED:
+            fail(rel(src), "calls dlopen(): add its library to the runtime stages and to DLOPENED in this check")
+    if stage == "cuda":
+        loader = (ROOT / "kernels/gpu/cublaslt_loader.cc").read_text()
+        if 'StrCat("libcublasLt.so.", CUBLAS_VER_MAJOR)' not in loader:
+            fail("kernels/gpu/cublaslt_loader.cc", "no longer dlopens libcublasLt.so.<CUBLAS_VER_MAJOR>: update this check")
+        header = cublas_header(build_dir)
+        major = re.search(r"^#define CUBLAS_VER_MAJOR (\d+)", header.read_text(), re.M).group(1) if header else None
+        if major is None:
+            fail(str(build_dir), "cannot find cublas_api.h of the CUDA toolkit the build used (CMakeCache.txt)")
+        elif major != cuda_major:
+            fail(where, f"the build dlopens libcublasLt.so.{major} but ARG CUDA_VERSION is {cuda_major}.x")
+        if 'ldconfig -p | grep -q "libcublasLt\\.so\\.${CUDA_VERSION%%.*} "' not in " ".join(a for i, a in body if i == "RUN"):
+            fail(where, "stage 'cuda' does not check (ldconfig -p) that libcublasLt.so.<CUDA major> is present")
+    return checked
+
+
+def cublas_header(build_dir):
+    """cublas_api.h of the toolkit in BUILD_DIR's CMakeCache.txt (CUDAToolkit_INCLUDE_DIR or nvcc)."""
+    cache = (pathlib.Path(build_dir) / "CMakeCache.txt")
+    if not cache.is_file():
+        return None
+    text = cache.read_text()
+    dirs = re.findall(r"^CUDAToolkit_INCLUDE_DIR(?::\w+)?=(.+)$", text, re.M)
+    dirs += [str(pathlib.Path(n).parent.parent / "include")
+             for n in re.findall(r"^CMAKE_CUDA_COMPILER(?::\w+)?=(.+)$", text, re.M)]
+    for d in dirs:
+        h = pathlib.Path(d.strip()) / "cublas_api.h"
+        if h.is_file():
+            return h
+    return None
 
 
 def print_probes():
@@ -434,6 +716,7 @@ def print_probes():
     if cmd[:2] != ["/bin/sh", "-c"]:
         raise SystemExit("readinessProbe is not /bin/sh -c")
     print(" ".join(cmd[2].split()))
+    # They read FUSEDLAYER_ADDRESS: run them with it set to the test server's address.
     for m in re.finditer(r'HEALTHCHECK .*?CMD (\[.*?\])', re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())):
         print(shlex.join(json.loads(m.group(1))))
 
@@ -448,6 +731,8 @@ def print_flags():
         names.add(arg)
     for m in re.finditer(r'^CMD \[(.*)\]', (ROOT / "Dockerfile").read_text(), re.M):
         names.update(json.loads("[" + m.group(1) + "]"))
+    # The images' entrypoint adds --address=$FUSEDLAYER_ADDRESS.
+    names.update(re.findall(r"(?<![\w-])(--[a-z_]+)=", ENTRYPOINT_SCRIPT.read_text()))
     for n in sorted({a.split("=", 1)[0][2:] for a in names if a.startswith("--")}):
         print(n)
 
@@ -475,6 +760,11 @@ def main(argv):
         check_dockerfile()
         if not errors:
             print("OK: Dockerfile stages, base images, build options and runtime contract")
+    elif cmd == "runtime-libs" and len(argv) == 4:
+        n = check_runtime_libs(argv[2], argv[3])
+        if not errors:
+            print(f"OK: the {n} NEEDED entries of the binaries in {argv[3]} come from the package list of stage {argv[2]!r}, "
+                  "its base image or the CUDA base image; dlopen()ed libraries checked")
     elif cmd == "probes":
         print_probes()
     elif cmd == "flags":

@@ -41,7 +41,7 @@ step "PrometheusRule carries the same rules as deploy/prometheus/fusedlayer-rule
 step "Kubernetes manifests cross-reference (selectors, ports, probes, drain, hardening)"
 "$PYTHON" tests/deploy/check_manifests.py k8s
 
-step "docker-compose wiring (GPU reservation, mounts, scrape target, grace period)"
+step "docker-compose: structure (keys, ports, volumes, build target/args, depends_on) and wiring (GPU, mounts, scrape target, grace period)"
 "$PYTHON" tests/deploy/check_manifests.py compose
 
 step "Dockerfile structure (stages, bases, build options, non-root, ports, healthcheck; not built here)"
@@ -51,7 +51,7 @@ step "Grafana dashboard parses; every PromQL target parses (as recording rules)"
 "$PYTHON" tests/deploy/check_manifests.py dashboard "$TMP/dashboard-rules.yml"
 "$PROMTOOL" check rules "$TMP/dashboard-rules.yml"
 
-step "shellcheck tests/deploy/*.sh"
-shellcheck tests/deploy/*.sh
+step "shellcheck tests/deploy/*.sh, the image test and the images' entrypoint"
+shellcheck tests/deploy/*.sh scripts/test-image.sh scripts/container-entrypoint.sh
 
 printf '\nOK: all static deployment checks passed\n'

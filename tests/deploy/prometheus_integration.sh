@@ -158,13 +158,14 @@ step "start fusedlayer_server --demo_weights --backend=$BACKEND --shadow_sample_
 start_server --shadow_sample_rate=1
 
 step "the Kubernetes readinessProbe and the image HEALTHCHECK commands pass on the warm server"
-# Run as written in deploy/k8s/deployment.yaml and the Dockerfile, with fusedctl from PATH and the
-# in-container address 127.0.0.1:50051 replaced by the test server's.
+# Run as written in deploy/k8s/deployment.yaml and the Dockerfile, with fusedctl from PATH, the
+# in-container address 127.0.0.1:50051 replaced by the test server's, and FUSEDLAYER_ADDRESS (the
+# listen address the image HEALTHCHECK reads) set to the test server's.
 mkdir -p "$TMP/bin"
 ln -s "$FUSEDCTL" "$TMP/bin/fusedctl"
 while read -r probe; do
   probe="${probe//127.0.0.1:50051/$TARGET}"
-  if ! PATH="$TMP/bin:$PATH" timeout 10 /bin/sh -c "$probe" >> "$TMP/fusedctl.log" 2>&1; then
+  if ! FUSEDLAYER_ADDRESS="$TARGET" PATH="$TMP/bin:$PATH" timeout 10 /bin/sh -c "$probe" >> "$TMP/fusedctl.log" 2>&1; then
     echo "FAIL: probe command failed: $probe" >&2; exit 1
   fi
   echo "  ok: $probe"
