@@ -631,102 +631,15 @@ TEST_F(GpuMhcTest, BatchInvariance) {
     }
 }
 
-// The fused path's one-launch mode (shifted mode, decode sizes: the whole seam in one cooperative
-// kernel) against its two-launch mode, and batch invariance across the dispatch boundary between
-// them (which depends on T and on how many CTAs the device holds at once): every token's outputs
-// are the same bits in one-launch batches, two-launch batches and the other mode at the same T.
-TEST_F(GpuMhcTest, OneLaunchMatchesTwoLaunchAcrossTheBoundary) {
-  struct Restore {
-    bool was = MhcOneLaunchEnabled();
-    ~Restore() { SetMhcOneLaunchEnabled(was); }
-  } restore;
-  std::vector<Case> cases;
-  for (int64_t C : {int64_t(7168), int64_t(128), int64_t(1024)}) {
-    const int64_t T = C == 7168 ? 600 : (C == 1024 ? 1200 : 9000);  // above the one-launch limit
-    for (int variant = 0; variant < (C == 1024 ? 1 : 5); ++variant) {
-      Case c;
-      c.C = C;
-      c.T = T;
-      c.mode = MhcMode::kShifted;
-      if (variant == 0) c.aux = true;
-      if (variant == 1) { c.has_pre = false; c.has_g = false; c.iters = 10; }
-      if (variant == 2) c.stage = MhcStage::kHead;
-      if (variant == 3) { c.stage = MhcStage::kHead; c.has_pre = false; }
-      if (variant == 4) c.stage = MhcStage::kFirst;
-      cases.push_back(c);
-    }
-  }
-  for (const Case& c : cases) {
-    SCOPED_TRACE(Name(c));
-    auto rng = MakeRng(uint64_t(c.C * 3 + c.T));
-    const Weights w = MakeWeights(c, rng);
-    const Inputs in = MakeInputs(c, rng);
-    auto gw = Prepare(w);
-    ASSERT_NE(gw, nullptr);
-    ASSERT_TRUE(FusedOk(*gw, c));
-    SetMhcOneLaunchEnabled(false);
-    Runner full(c, in, *ctx_);
-    const Outputs two = full.Run(*gw, Path::kFused);
-    SetMhcOneLaunchEnabled(true);  // at this T the dispatch still picks two launches (grid too large)
-    const Outputs dispatched = full.Run(*gw, Path::kFused);
-    ExpectSameBits(dispatched.nr, two.nr, "full batch new_residual");
-    ExpectSameBits(dispatched.y, two.y, "full batch y");
-    ExpectSameBits(dispatched.pre, two.pre, "full batch new_pre_mix");
-    ExpectSameBits(dispatched.comb, two.comb, "full batch new_comb_mix");
-    // Subsets of several sizes (one token; 16, 64, 112 and 200 tokens from the back, strided):
-    // each in both modes, against the full two-launch batch.
-    std::vector<std::vector<int64_t>> subsets = {{41}};
-    for (int64_t count : {int64_t(16), int64_t(64), int64_t(112), int64_t(200)}) {
-      std::vector<int64_t> idx;
-      for (int64_t i = 0; i < count; ++i) idx.push_back(c.T - 1 - (i * 3) % c.T);
-      subsets.push_back(idx);
-    }
-    for (const auto& idx : subsets) {
-      Case cs = c;
-      cs.T = int64_t(idx.size());
-      Runner sub(cs, Gather(c, in, idx), *ctx_);
-      for (bool one : {true, false}) {
-        SCOPED_TRACE(std::string(one ? "one-launch enabled" : "two launches") + ", T = " + std::to_string(cs.T));
-        SetMhcOneLaunchEnabled(one);
-        const Outputs o = sub.Run(*gw, Path::kFused);
-        const int n = c.n;
-        for (size_t i = 0; i < idx.size(); ++i) {
-          const int64_t t = idx[i];
-          auto slice = [&](const auto& v, int64_t per, int64_t row) {
-            using V = typename std::decay_t<decltype(v)>::value_type;
-            return std::vector<V>(v.begin() + row * per, v.begin() + (row + 1) * per);
-          };
-          ExpectSameBits(slice(o.nr, n * c.C, i), slice(two.nr, n * c.C, t), "new_residual");
-          ExpectSameBits(slice(o.y, c.C, i), slice(two.y, c.C, t), "y");
-          if (c.aux) ExpectSameBits(slice(o.aux, c.C, i), slice(two.aux, c.C, t), "aux");
-          if (c.stage != MhcStage::kHead) {
-            ExpectSameBits(slice(o.pre, n, i), slice(two.pre, n, t), "new_pre_mix");
-            ExpectSameBits(slice(o.post, n, i), slice(two.post, n, t), "new_post_mix");
-            ExpectSameBits(slice(o.comb, n * n, i), slice(two.comb, n * n, t), "new_comb_mix");
-          }
-        }
-      }
-    }
-  }
-}
-
-// A captured graph replays to the same bits as the eager launch.
-// The fused path runs both with and without its one-launch mode (whose per-tile barrier counters
-// must be back at zero after every launch for the replays to work).
+// A captured graph replays to the same bits as the eager launch, on both paths and in both modes.
 TEST_F(GpuMhcTest, GraphReplayMatchesEager) {
-  struct Restore {
-    bool was = MhcOneLaunchEnabled();
-    ~Restore() { SetMhcOneLaunchEnabled(was); }
-  } restore;
-  for (int variant = 0; variant < 3; ++variant)
+  for (Path p : {Path::kFused, Path::kUnfused})
     for (MhcMode mode : {MhcMode::kShifted, MhcMode::kNormal}) {
-      const Path p = variant == 1 ? Path::kUnfused : Path::kFused;
-      SetMhcOneLaunchEnabled(variant == 2);
       Case c;
       c.C = 5120;
       c.T = 64;
       c.mode = mode;
-      SCOPED_TRACE(Name(c) + "_" + PathName(p) + (variant == 2 ? "_one_launch" : ""));
+      SCOPED_TRACE(Name(c) + "_" + PathName(p));
       auto rng = MakeRng(7);
       const Weights w = MakeWeights(c, rng);
       const Inputs in = MakeInputs(c, rng);
