@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "swa_gpu.h"
 #include "swa_kernels.h"
+#include "swa_quant_check.h"
 #include "test_util.h"
 
 namespace fusedlayer::testing {
