@@ -191,7 +191,6 @@ double ProjectionRef(const Problem& pb, const Outputs& o, int64_t m, int64_t n) 
   return ref;
 }
 
-
 // fp32 scale of a group whose amax is `amax` (the contract: IEEE division by MAX).
 float Fp32ScaleFor(float amax, Fp8Format fmt) { return amax / (fmt == Fp8Format::kE4M3FN ? 448.0f : 240.0f); }
 
