@@ -11,9 +11,7 @@
 // plus the small mixes in/out (about 200 B per token) and fn read once (96*C*4 bytes per call).
 // Inputs are pseudo-random bf16 (never zero, with outliers), generated on the device.
 //
-// Paths: fused (as dispatched by default: pass + finalize), unfused, and for T <= 1024 also fused
-// with the one-launch mode switched on ("fused1": one cooperative kernel where the grid fits,
-// SetMhcOneLaunchEnabled).
+// Paths: fused (pass + finalize) and unfused, timed back to back in the same process.
 //
 // usage: bench_mhc_gpu [--quick] [--csv FILE] [--C c] [--T t] [--once]
 #include <algorithm>
@@ -121,7 +119,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   gpu::GpuContext& ctx = **ctx_or;
-  const bool one_launch_default = gpu::MhcOneLaunchEnabled();
   std::printf("device: %s (%s, %d SMs, L2 %zu MB)\n", ctx.name.c_str(), ctx.arch.c_str(), ctx.sm_count,
               ctx.l2_bytes >> 20);
   FILE* csv = csv_path ? std::fopen(csv_path, "w") : nullptr;
@@ -136,8 +133,7 @@ int main(int argc, char** argv) {
                                   : std::vector<int64_t>{1, 16, 64, 128, 1024, 4096, 16384};
   if (only_c) Cs = {only_c};
   if (only_t) Ts = {only_t};
-  std::printf("%6s %6s %10s %10s %10s %10s %10s %8s\n", "C", "T", "fused_us", "unfused_us", "fused1_us", "floor_us",
-              "fused_%bw", "L");
+  std::printf("%6s %6s %10s %10s %10s %10s %8s\n", "C", "T", "fused_us", "unfused_us", "floor_us", "fused_%bw", "L");
   for (int64_t C : Cs) {
     constexpr int n = 4, M = 24;
     const int64_t K = n * C;
@@ -201,11 +197,10 @@ int main(int argc, char** argv) {
         a.y = fl::TensorView::Contiguous(st.y, fl::DType::kBF16, {T, C});
         return a;
       };
-      double us[3] = {0, 0, 0};
-      const int npaths = T <= 1024 ? 3 : 2;
+      double us[2] = {0, 0};
+      constexpr int npaths = 2;
       for (int pi = 0; pi < npaths; ++pi) {
         const fl::Path path = pi == 1 ? fl::Path::kUnfused : fl::Path::kFused;
-        gpu::SetMhcOneLaunchEnabled(pi == 2 ? true : one_launch_default);
         // Eager warm-up: sizes the workspace (no allocation may happen during capture).
         CHECK_OK(gpu::LaunchMhcGpu(w, args_for(sets[0]), path, ctx, int64_t{1} << 20));
         CHECK_GPU(gpuStreamSynchronize(ctx.stream));
@@ -220,15 +215,14 @@ int main(int argc, char** argv) {
         CHECK_GPU(gpuGraphExecDestroy(exec));
         CHECK_GPU(gpuGraphDestroy(graph));
       }
-      gpu::SetMhcOneLaunchEnabled(one_launch_default);
       const double floor_us = bytes / kFloorBandwidth * 1e6;
-      std::printf("%6lld %6lld %10.2f %10.2f %10.2f %10.2f %9.1f%% %8d\n", (long long)C, (long long)T, us[0], us[1],
-                  us[2], floor_us, 100.0 * floor_us / us[0], L);
+      std::printf("%6lld %6lld %10.2f %10.2f %10.2f %9.1f%% %8d\n", (long long)C, (long long)T, us[0], us[1],
+                  floor_us, 100.0 * floor_us / us[0], L);
       std::fflush(stdout);
       if (csv) {
         for (int pi = 0; pi < npaths; ++pi)
           std::fprintf(csv, "%lld,%lld,%s,%.3f,%.3f,%.1f,%d\n", (long long)C, (long long)T,
-                       pi == 0 ? "fused" : (pi == 1 ? "unfused" : "fused1"), us[pi], floor_us,
+                       pi == 0 ? "fused" : "unfused", us[pi], floor_us,
                        100.0 * floor_us / us[pi], L);
       }
       for (Set& st : sets)

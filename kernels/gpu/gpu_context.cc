@@ -95,7 +95,6 @@ GpuContext::~GpuContext() {
   for (void* w : workspace_) {
     if (w != nullptr) (void)gpuFree(w);
   }
-  if (persistent_ != nullptr) (void)gpuFree(persistent_);
 }
 
 void* GpuContext::Workspace(size_t bytes, Scratch block) {
@@ -113,27 +112,6 @@ void* GpuContext::Workspace(size_t bytes, Scratch block) {
   workspace_[i] = p;
   workspace_bytes_[i] = bytes;
   return workspace_[i];
-}
-
-void* GpuContext::PersistentZeroed(size_t bytes) {
-  if (bytes <= persistent_bytes_) return persistent_;
-  if (persistent_ != nullptr) (void)gpuFree(persistent_);
-  persistent_ = nullptr;
-  persistent_bytes_ = 0;
-  void* p = nullptr;
-  if (gpuMalloc(&p, bytes) != gpuSuccess) {
-    (void)gpuGetLastError();
-    return nullptr;
-  }
-  // Synchronous zeroing: the first kernel that uses the block is queued after this returns.
-  if (gpuMemsetAsync(p, 0, bytes, stream) != gpuSuccess || gpuStreamSynchronize(stream) != gpuSuccess) {
-    (void)gpuGetLastError();
-    (void)gpuFree(p);
-    return nullptr;
-  }
-  persistent_ = p;
-  persistent_bytes_ = bytes;
-  return persistent_;
 }
 
 }  // namespace fusedlayer::gpu

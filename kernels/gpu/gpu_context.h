@@ -42,9 +42,6 @@ struct GpuContext {
   // (gpuFree waits for queued work), so a graph capture must follow an eager call of the same or
   // larger shape (capture cannot allocate).
   void* Workspace(size_t bytes, Scratch block = Scratch::kPrimary);
-  // Zero-initialised scratch that persists across calls (e.g. split barriers that kernels reset
-  // themselves after use); separate from Workspace. nullptr on failure.
-  void* PersistentZeroed(size_t bytes);
 
   // Per-context state of an optional library, owned here and created by its user on first use
   // (CUDA: the cuBLASLt handle and workspace of the wq_b projection, wq_b_cublaslt.cc). Destroyed
@@ -62,8 +59,6 @@ struct GpuContext {
  private:
   void* workspace_[int(Scratch::kCount)] = {};
   size_t workspace_bytes_[int(Scratch::kCount)] = {};
-  void* persistent_ = nullptr;
-  size_t persistent_bytes_ = 0;
 };
 
 // absl::Status from a runtime error code (InternalError, or ResourceExhausted for out-of-memory).

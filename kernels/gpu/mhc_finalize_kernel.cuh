@@ -54,24 +54,13 @@ __device__ __forceinline__ void WarpSync() {
 // fused path (C / 128 = 32, 40, 56 splits) in one round trip: the mix warp's reduction sits on the
 // decode-size critical path, and the second round trip of 32-wide batches cost C = 5120 and 7168
 // ~1-1.3 µs per call (bench_mhc_gpu, 2026-11-29).
-// kCg: load through L2 only (ld.global.cg), for partials written by other CTAs of the same grid
-// (the one-launch fused pass, after its per-tile barrier). Same values, same order, same bits.
-template <bool kCg = false>
 __device__ __forceinline__ float ReduceSplits(const float* __restrict__ p, int nsplit, int stride) {
   constexpr int kBatch = 64;
   float s = 0.0f;
   for (int i = 0; i < nsplit; i += kBatch) {
     float v[kBatch];
 #pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-#if !FL_HIP
-      if constexpr (kCg) {
-        v[k] = i + k < nsplit ? __ldcg(p + (i + k) * stride) : 0.0f;
-        continue;
-      }
-#endif
-      v[k] = i + k < nsplit ? p[(i + k) * stride] : 0.0f;
-    }
+    for (int k = 0; k < kBatch; ++k) v[k] = i + k < nsplit ? p[(i + k) * stride] : 0.0f;
 #pragma unroll
     for (int k = 0; k < kBatch; ++k)
       if (i + k < nsplit) s = __fadd_rn(s, v[k]);
@@ -82,14 +71,12 @@ __device__ __forceinline__ float ReduceSplits(const float* __restrict__ p, int n
 // The mixes of one token (n = 4) on one warp, from its split partials `part` ([nsplit][stride]: 24
 // dots, sum R'^2): fixed-order split reduction (one lane per output), Sinkhorn on the lanes
 // (CombSinkhornLanes4), gates on lane 0. `dsum` is 25 floats of shared memory owned by the warp.
-// Shared by the finalize kernel's mix warps and the one-launch fused pass, so both write the same
-// bits. Must be called by all lanes of the warp.
-template <bool kCg = false>
+// Must be called by all lanes of the warp.
 __device__ __forceinline__ void MixWarp4(const float* part, int nsplit, int stride, float k_count, const float* scale,
                                          const float* base, const MixHyper& hyper, float* dsum, int64_t t,
                                          float* new_pre, float* new_post, float* new_comb, int lane) {
   constexpr int N = 4, M = N * (N + 2);
-  for (int o = lane; o <= M; o += kWarpSize) dsum[o] = ReduceSplits<kCg>(part + o, nsplit, stride);
+  for (int o = lane; o <= M; o += kWarpSize) dsum[o] = ReduceSplits(part + o, nsplit, stride);
   WarpSync();
   const float P = CombSinkhornLanes4(dsum, dsum[M], k_count, scale, base, hyper, lane);
   if (lane < N * N) new_comb[t * N * N + lane] = P;

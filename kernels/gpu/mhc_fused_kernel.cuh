@@ -17,6 +17,7 @@
 
 #include "mhc_device_math.cuh"
 #include "mhc_finalize_kernel.cuh"
+#include "mhc_tuning.h"
 
 namespace fusedlayer::gpu::mhc {
 
@@ -38,33 +39,14 @@ struct FusedParams {
   float* partials;            // [T, C/128, 26]
   int64_t tokens;
   int64_t C;
-  // One-launch mode only (kOneLaunch; see MhcFusedPassKernel): what the finalize kernel would get.
-  unsigned* barrier;          // [token tiles][2] arrive / depart counters, zero between launches
-  const float* scale;         // [3]
-  const float* base;          // [24]
-  const uint16_t* norm_weight;  // [C] or null (y = z)
-  float* new_pre;             // [T, 4]
-  float* new_post;            // [T, 4]
-  float* new_comb;            // [T, 4, 4]
-  MixHyper hyper;
-  float k_count;              // 4*C (seam), C (first stage)
+#if FL_MHC_FUSED_PARAMS_PAD
+  // Measurement build only (mhc_tuning.h): the 184-byte parameter block of the removed one-launch
+  // mode, to time the effect of the block's size on the pass's code (MHC_GPU_NOTES.md, wave round).
+  unsigned char pad[88];
+#endif
 };
 
 #if !FL_HIP
-// Per-tile barrier of the one-launch pass (gpu scope): release-add on arrival, relaxed loads while
-// waiting and one acquire fence after (an acquire load per poll also invalidates the SM's L1 each
-// time, which slowed the co-resident CTAs still in their pass: measured 20.8 vs 16.0 us at C = 7168,
-// T = 64). The whole grid is co-resident (cooperative launch), so the wait always ends.
-__device__ __forceinline__ void BarrierArrive(unsigned* p) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(1u) : "memory");
-}
-__device__ __forceinline__ unsigned LoadRelaxed(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void FenceAcquire() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-
 // D += A * B on the tensor cores, bf16 operands, fp32 accumulation (m16n8k16).
 __device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                         uint32_t b1) {
@@ -87,46 +69,16 @@ __device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1,
 // token's arithmetic is the same either way (each m-tile is its own MMA chain with the same k order),
 // so the choice may depend on T without breaking batch invariance.
 //
-// kOneLaunch (shifted mode only; decode sizes): the whole seam in this one kernel. After writing its
-// partials, every CTA arrives at a barrier of its token tile (the C/128 chunk CTAs; counters in
-// p.barrier, reset by the last CTA to leave, so the block stays zero for the next launch and for
-// graph replay). Then every CTA rescales the z it still holds in registers with the row's
-// 1/rms (its sum of squares reduced over the chunk partials in chunk order, as the finalize
-// kernel does) and writes y once, and chunk CTA k computes the mixes of tile rows k, k + nchunk,
-// ... with MixWarp4 (the finalize kernel's code). Every reduction is the finalize kernel's, in the
-// same order, so the outputs are bit-identical to the two-launch path: the dispatch between the
-// two may depend on T. Needs the grid co-resident (cooperative launch). Off by default: measured
-// 3-7 us slower than pass + finalize at T = 1..128 (bench/gpu/MHC_GPU_NOTES.md, one-launch round).
-//
-// Minimum resident CTAs per SM of the one-launch instances (register cap 65536 / (128 * this)): 4
-// lets C = 7168 run T <= 144 in one launch (528 CTAs), at a few spilled registers.
-#ifndef FL_MHC_ONE_LAUNCH_MIN_BLOCKS
-#define FL_MHC_ONE_LAUNCH_MIN_BLOCKS 4
-#endif
-// Minimum resident CTAs per SM of the two-launch 16-token-tile instances (measurement knob; 3 =
-// up to 170 registers, no spills; 4 measured -11% at C = 7168, T = 128 (one wave instead of 1.13)
-// but +1-2% at T <= 64 from spills: MHC_GPU_NOTES.md, bf16 fn round, v1).
-#ifndef FL_MHC_TILE16_MIN_BLOCKS
-#define FL_MHC_TILE16_MIN_BLOCKS 3
-#endif
-// 1: 16-token tiles request their first B steps right after the data loads (see kAhead).
-// 0: measurement build, B requested at the MMA loop, two steps ahead, as before the bf16 round.
-#ifndef FL_MHC_EARLY_B
-#define FL_MHC_EARLY_B 1
-#endif
-//
 // kMinBlocks (> 0): minimum resident CTAs per SM for this instance's register budget instead of
-// the defaults above (mhc_gpu.cu runs a 4-CTA/SM 16-token instance when the grid exceeds one wave
+// the defaults in mhc_tuning.h (mhc_gpu.cu runs a 4-CTA/SM 16-token instance when the grid exceeds one wave
 // of the default instance). Register allocation only: the arithmetic and its order are unchanged.
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false, int kTiles = 2,
-          bool kOneLaunch = false, int kMinBlocks = 0>
-__global__ void __launch_bounds__(kFusedThreads, kOneLaunch        ? FL_MHC_ONE_LAUNCH_MIN_BLOCKS
-                                                  : kMinBlocks > 0 ? kMinBlocks
-                                                  : kTiles == 1   ? FL_MHC_TILE16_MIN_BLOCKS
-                                                                  : 3)
+          int kMinBlocks = 0>
+__global__ void __launch_bounds__(kFusedThreads, kMinBlocks > 0 ? kMinBlocks
+                                                 : kTiles == 1  ? FL_MHC_TILE16_MIN_BLOCKS
+                                                                : 3)
     MhcFusedPassKernel(FusedParams p) {
   static_assert(!kGemmOnly || (kMix && !kShifted && !kAux), "the GEMM-only pass writes partials only");
-  static_assert(!kOneLaunch || (kShifted && !kGemmOnly && kTiles == 1), "one launch: shifted mode, 16-token tiles");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Let the finalize kernel (launched with programmatic stream serialization) become resident now;
   // its griddepcontrol.wait still waits for this whole grid to finish and its writes to be visible.
@@ -200,7 +152,6 @@ __global__ void __launch_bounds__(kFusedThreads, kOneLaunch        ? FL_MHC_ONE_
   }
 
   uint4 rq[kTiles][2][kStreams];  // R' packed as bf16 pairs: the A operands as they are
-  uint4 zq[kTiles][2];            // one-launch mode: z, kept until its row's 1/rms is known
   float sq_r[kTiles][2], sq_z[kTiles][2];
 #pragma unroll
   for (int mt = 0; mt < kTiles; ++mt)
@@ -296,13 +247,7 @@ __global__ void __launch_bounds__(kFusedThreads, kOneLaunch        ? FL_MHC_ONE_
 #pragma unroll
           for (int e = 0; e < 8; ++e) z[e] = out[0][e];  // pre_mix absent: stream 0, bit for bit
         }
-        const uint4 zp = Pack8(z);
-        if constexpr (kOneLaunch) {
-          zq[mt][h] = zp;
-          if (p.norm_weight == nullptr) *reinterpret_cast<uint4*>(p.y + t * C + c0) = zp;  // y = z
-        } else {
-          *reinterpret_cast<uint4*>(p.y + t * C + c0) = zp;
-        }
+        *reinterpret_cast<uint4*>(p.y + t * C + c0) = Pack8(z);
         sq_z[mt][h] = VecSumSq(z);
       }
     }
@@ -381,73 +326,6 @@ __global__ void __launch_bounds__(kFusedThreads, kOneLaunch        ? FL_MHC_ONE_
     if (t >= p.tokens) continue;
     p.partials[(t * nchunk + chunk) * kFusedPartialStride + q] =
         ChunkSum(red[0][row][q], red[1][row][q], red[2][row][q], red[3][row][q]);
-  }
-
-  if constexpr (kOneLaunch) {
-    uint4 gq = make_uint4(0, 0, 0, 0);
-    if (p.norm_weight != nullptr) gq = __ldg(reinterpret_cast<const uint4*>(p.norm_weight + c0));
-    // ---- per-tile barrier: every chunk CTA of this token tile has written its partials ----
-    unsigned* bar = p.barrier + 2 * blockIdx.x;
-    unsigned departed = 0;
-    __syncthreads();  // this CTA's partial stores (and its reads of `red`) are done
-    if (threadIdx.x == 0) {
-      BarrierArrive(bar);
-      while (LoadRelaxed(bar) < unsigned(nchunk)) {
-      }
-      FenceAcquire();
-      departed = atomicAdd(bar + 1, 1u);  // the result is needed only at the end
-    }
-    __syncthreads();
-
-    // ---- y: z * rho * g, written once ----
-    if (p.norm_weight != nullptr) {
-      // Lane l < 16 of every warp reduces the z sums of squares of tile row l over the chunks in
-      // order, from 0 (as MhcFinalizeKernel does for kRescaleZ), with its loads in one batch; the
-      // lanes of row r then take 1/rms from lane r. No block-wide step, so a warp that also
-      // computes mixes below starts them as soon as its own y is written.
-      float rho_l = 0.0f;
-      if (lane < 16 && tok_base + lane < p.tokens) {
-        const float s =
-            ReduceSplits<true>(p.partials + (tok_base + lane) * nchunk * kFusedPartialStride + (kFusedPartialStride - 1),
-                               nchunk, kFusedPartialStride);
-        rho_l = RsqrtMean(s, float(C), p.hyper.norm_eps);
-      }
-      float gw[8];
-      Unpack8(gq, gw);
-#pragma unroll
-      for (int mt = 0; mt < kTiles; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = mt * 16 + h * 8 + g;
-          const float rho = __shfl_sync(0xffffffffu, rho_l, row);
-          const int64_t t = tok_base + row;
-          if (t >= p.tokens) continue;
-          float z[8];
-          Unpack8(zq[mt][h], z);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) z[e] = NormElement(z[e], rho, gw[e]);
-          *reinterpret_cast<uint4*>(p.y + t * C + c0) = Pack8(z);
-        }
-    }
-
-    // ---- mixes: rows chunk, chunk + nchunk, ... of the tile, one warp each ----
-    if constexpr (kMix) {
-      __shared__ float mix_s[4][kFusedPartialStride];
-      int i = 0;
-      for (int row = chunk; row < kTileTokens; row += nchunk, ++i) {
-        const int64_t t = tok_base + row;
-        if (t >= p.tokens) break;
-        if ((i & 3) != warp) continue;
-        MixWarp4<true>(p.partials + t * nchunk * kFusedPartialStride, nchunk, kFusedPartialStride, p.k_count, p.scale,
-                       p.base, p.hyper, mix_s[warp], t, p.new_pre, p.new_post, p.new_comb, lane);
-      }
-    }
-
-    // The last CTA of the tile to leave the barrier resets it (every CTA has stopped polling).
-    if (threadIdx.x == 0 && departed == unsigned(nchunk) - 1) {
-      bar[0] = 0;
-      bar[1] = 0;
-    }
   }
 }
 #endif  // !FL_HIP

@@ -6,13 +6,13 @@
 #include "mhc_gpu.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "mhc_finalize_kernel.cuh"
 #include "mhc_fused_kernel.cuh"
+#include "mhc_tuning.h"
 #include "mhc_unfused_kernels.cuh"
 
 namespace fusedlayer::gpu {
@@ -143,12 +143,8 @@ absl::Status LaunchFinalizeN(const FinalizeParams& fp, bool vec, const GpuContex
 // Unfused path
 // ---------------------------------------------------------------------------------------------
 #if !FL_HIP
-// Token tiles of 16 (one m-tile per warp) up to this many tokens, 32 above (see kTiles).
-// (Measured with 64 instead: 32-token tiles above T = 64 were +12 us at C = 7168, T = 1024; see
-// MHC_GPU_NOTES.md, bf16 fn round, v5.)
-#ifndef FL_MHC_SINGLE_TILE_MAX_TOKENS  // measurement knob only
-#define FL_MHC_SINGLE_TILE_MAX_TOKENS 1024
-#endif
+// Token tiles of 16 (one m-tile per warp) up to this many tokens, 32 above (see kTiles and
+// mhc_tuning.h).
 constexpr int64_t kSingleTileMaxTokens = FL_MHC_SINGLE_TILE_MAX_TOKENS;
 
 // 16-token tiles: the default instance (FL_MHC_TILE16_MIN_BLOCKS = 3 CTAs per SM, no spills) while
@@ -166,7 +162,7 @@ void EnqueueFusedPass(const FusedParams& fp, int nchunk, int sm_count, gpuStream
     const dim3 grid{unsigned(tiles), unsigned(nchunk)};
     if (tiles * nchunk > int64_t(FL_MHC_TILE16_MIN_BLOCKS) * std::max(sm_count, 1) &&
         kTile16WideMinBlocks > FL_MHC_TILE16_MIN_BLOCKS) {
-      mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1, false, kTile16WideMinBlocks>
+      mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1, kTile16WideMinBlocks>
           <<<grid, mhc::kFusedThreads, 0, stream>>>(fp);
     } else {
       mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1>
@@ -314,58 +310,7 @@ absl::Status LaunchUnfused(const GpuMhcWeights& w, const MhcArgs& a, GpuContext&
 // ---------------------------------------------------------------------------------------------
 // Fused path (n = 4)
 // ---------------------------------------------------------------------------------------------
-// Off by default: see mhc_gpu.h (SetMhcOneLaunchEnabled).
-std::atomic<bool> g_one_launch_enabled{false};
-
 #if !FL_HIP
-// Barrier counters of the one-launch pass: 2 per token tile, in ctx.PersistentZeroed (the kernel
-// leaves them zero). The one-launch grid is co-resident, so it never has more tiles than this.
-constexpr int kMaxOneLaunchTiles = 4096;
-
-// Shifted mode at decode sizes: the whole seam in one cooperative launch (MhcFusedPassKernel with
-// kOneLaunch) when every chunk CTA of every 16-token tile can be resident at once. Sets *launched;
-// when false nothing was enqueued and the caller runs the two-launch path (same bits).
-template <bool kFirst, bool kHasPre, bool kAux, bool kMix>
-absl::Status TryOneLaunch(const FusedParams& fp, int nchunk, GpuContext& ctx, bool* launched) {
-  *launched = false;
-  if (!g_one_launch_enabled.load(std::memory_order_relaxed)) return absl::OkStatus();
-  auto kernel = mhc::MhcFusedPassKernel<kFirst, true, kHasPre, kAux, kMix, false, 1, true>;
-  static const int per_sm = [&] {
-    int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, mhc::kFusedThreads, 0) != cudaSuccess) {
-      (void)cudaGetLastError();
-      b = 0;
-    }
-    return b;
-  }();
-  const int64_t tiles = (fp.tokens + 15) / 16;
-  if (tiles > kMaxOneLaunchTiles || tiles * nchunk > int64_t(per_sm) * ctx.sm_count) return absl::OkStatus();
-  auto* bar = static_cast<unsigned*>(ctx.PersistentZeroed(size_t(kMaxOneLaunchTiles) * 2 * sizeof(unsigned)));
-  if (bar == nullptr) return absl::OkStatus();
-  FusedParams p = fp;
-  p.barrier = bar;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(tiles), unsigned(nchunk));
-  cfg.blockDim = dim3(mhc::kFusedThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = ctx.stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;  // guarantees the co-residency the barrier needs
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  // FL_MHC_ONE_LAUNCH_COOPERATIVE=0 is a measurement build only (is the cooperative launch what
-  // costs?): co-residency then rests on the occupancy check alone, which another spinning grid on
-  // the device could break. Never the default.
-#if defined(FL_MHC_ONE_LAUNCH_COOPERATIVE) && FL_MHC_ONE_LAUNCH_COOPERATIVE == 0
-  cfg.numAttrs = 0;
-#else
-  cfg.numAttrs = 1;
-#endif
-  if (cudaLaunchKernelEx(&cfg, kernel, p) != cudaSuccess) return LaunchStatus("MhcFusedPassKernel (one launch)");
-  *launched = true;
-  return LaunchStatus("MhcFusedPassKernel (one launch)");
-}
-
 absl::Status LaunchFused(const GpuMhcWeights& w, const MhcArgs& a, GpuContext& ctx) {
   constexpr int N = 4;
   const MhcHyperParams& hp = w.params_;
@@ -399,27 +344,6 @@ absl::Status LaunchFused(const GpuMhcWeights& w, const MhcArgs& a, GpuContext& c
     fp.partials = ws;
     fp.tokens = ts;
     fp.C = C;
-    fp.scale = static_cast<const float*>(w.scale.get());
-    fp.base = static_cast<const float*>(w.base.get());
-    fp.norm_weight = static_cast<const uint16_t*>(w.norm_weight.get());
-    fp.new_pre = Offset<float>(a.new_pre_mix, t0, N);
-    fp.new_post = Offset<float>(a.new_post_mix, t0, N);
-    fp.new_comb = Offset<float>(a.new_comb_mix, t0, N * N);
-    fp.hyper = Hyper(hp);
-    fp.k_count = float(first ? C : N * C);
-    if (shifted && (fp.norm_weight == nullptr || Aligned16(fp.norm_weight))) {
-      bool one = false;
-      const absl::Status s =
-          first     ? TryOneLaunch<true, false, false, true>(fp, nchunk, ctx, &one)
-          : head    ? (has_pre ? TryOneLaunch<false, true, false, false>(fp, nchunk, ctx, &one)
-                               : TryOneLaunch<false, false, false, false>(fp, nchunk, ctx, &one))
-          : has_pre ? (aux ? TryOneLaunch<false, true, true, true>(fp, nchunk, ctx, &one)
-                           : TryOneLaunch<false, true, false, true>(fp, nchunk, ctx, &one))
-                    : (aux ? TryOneLaunch<false, false, true, true>(fp, nchunk, ctx, &one)
-                           : TryOneLaunch<false, false, false, true>(fp, nchunk, ctx, &one));
-      if (!s.ok()) return s;
-      if (one) continue;
-    }
     // Template flags: (first, shifted, has_pre, aux, mix).
     if (first) {
       if (shifted) EnqueueFusedPass<true, true, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
@@ -550,9 +474,6 @@ FusedSupport MhcFusedSupportGpu(const GpuMhcWeights& weights, const MhcShapeQuer
   }
   return FusedSupport::Yes();
 }
-
-void SetMhcOneLaunchEnabled(bool enabled) { g_one_launch_enabled.store(enabled, std::memory_order_relaxed); }
-bool MhcOneLaunchEnabled() { return g_one_launch_enabled.load(std::memory_order_relaxed); }
 
 absl::Status LaunchMhcGpu(const GpuMhcWeights& weights, const MhcArgs& args, Path path, GpuContext& ctx,
                           int64_t fused_max_tokens) {

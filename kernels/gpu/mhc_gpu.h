@@ -10,9 +10,8 @@
 //   fused (n = 4, C % 128 == 0, CUDA sm_80+): one pass over R and x per 128-channel chunk and 16-
 //     or 32-token tile (post, aux, shifted collapse, mixes on tensor cores with fn split into two
 //     bf16 parts, per-chunk partials), then the same finalize kernel (programmatic dependent launch).
-//     Shifted mode also has a one-launch mode (one cooperative kernel: a per-token-tile barrier,
-//     then y and the mixes in the same kernel), off by default because it measured slower; see
-//     SetMhcOneLaunchEnabled below. Normal mode always takes the two launches.
+//     (A one-launch variant with a per-token-tile barrier measured slower at every decode size; it
+//     is kept out of the sources as bench/gpu/experiments/mhc_one_launch.patch.)
 //   Every reduction order depends on C only, so results are batch invariant; where both paths run,
 //   they agree bit for bit (new_residual, mixes, y in both modes).
 // Graph capture: the first call for a shape grows ctx.Workspace (a gpuMalloc), so run each shape
@@ -68,13 +67,5 @@ FusedSupport MhcFusedSupportGpu(const GpuMhcWeights& weights, const MhcShapeQuer
 // unfused); launch failures are Internal.
 absl::Status LaunchMhcGpu(const GpuMhcWeights& weights, const MhcArgs& args, Path path, GpuContext& ctx,
                           int64_t fused_max_tokens);
-
-// The fused path's one-launch mode (shifted mode, every 16-token tile x 128-channel chunk CTA
-// co-resident: decode sizes; see MhcFusedPassKernel's kOneLaunch) is OFF by default: measured
-// slower than the pass + finalize launches at every decode size on the H200 (MHC_GPU_NOTES.md,
-// "One-launch round"). Both modes produce the same bits (tested); bench_mhc_gpu times both.
-// Process-wide switch, read at each launch.
-void SetMhcOneLaunchEnabled(bool enabled);
-bool MhcOneLaunchEnabled();
 
 }  // namespace fusedlayer::gpu

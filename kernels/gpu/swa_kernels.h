@@ -57,13 +57,6 @@ gpuError_t LaunchSwaGroupQuant(const uint16_t* q_bf16, int64_t tokens, int q_ran
                                const SwaScaleLayout& layout, Fp8Format fmt, bool ue8m0, gpuStream_t stream,
                                bool pdl = true);
 
-// Test support: checks n random and edge-case (amax, v) pairs of the kernels' quantization
-// arithmetic (scale, reciprocal, Markstein quotient, clamp, fp8 conversion) bitwise against the
-// contract's formulas with IEEE division and the software fp8 encoder; adds the number of
-// mismatching codes and scales to *bad (a device counter).
-gpuError_t SwaCheckQuantEncoding(uint64_t seed, int64_t n, Fp8Format fmt, bool ue8m0, unsigned long long* bad,
-                                 gpuStream_t stream);
-
 // q_proj[m, n] = bf16( sum_kb As[m,kb] * Bs[n/128,kb] * sum_{k in kb} fp8(A[m,k]) fp8(B[n,k]) ),
 // fp32 accumulation. A = q codes [M, K] (K = Q), B = wq_b codes [N, K], Bs [N/128, K/128].
 // Our CUDA-core kernel: the fallback and HIP implementation (swa_gpu.cc picks per weight set).

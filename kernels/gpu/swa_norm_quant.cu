@@ -21,6 +21,7 @@
 // The runtime header first: under hipcc it provides the intrinsics numeric.h uses.
 #include "gpu_runtime.h"
 #include "swa_kernels.h"
+#include "swa_quant_math.cuh"
 
 #include <algorithm>
 #include <cstdint>
@@ -195,95 +196,12 @@ __device__ __forceinline__ void Normalize(const uint4& xu, const uint4& wu, floa
   for (int j = 0; j < kChunk; ++j) y[j] = (x[j] * rrms) * w[j];
 }
 
-// fp32 -> 4 fp8 codes packed little-endian.
-template <Fp8Format kFmt>
-__device__ __forceinline__ uint32_t EncodeFp8x4(float a, float b, float c, float d) {
-#if !FL_HIP
-  if constexpr (kFmt == Fp8Format::kE4M3FN) {
-    // cvt.rn.satfinite.e4m3x2.f32 (sm_89+): round to nearest even, saturating at +-448, the
-    // definition of FloatToE4M3FN for the finite, pre-clamped inputs given here. The GPU tests
-    // compare every code with the CPU backend's software conversion.
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
-    return lo | (hi << 16);
-  }
-#endif
-  return uint32_t(FloatToFp8(a, kFmt)) | uint32_t(FloatToFp8(b, kFmt)) << 8 | uint32_t(FloatToFp8(c, kFmt)) << 16 |
-         uint32_t(FloatToFp8(d, kFmt)) << 24;
-}
-
-// The group scale and its reciprocal from the group amax (spec: scale = amax / MAX, IEEE division;
-// UE8M0: 2^ceil(log2(scale))). scale = RN(amax / MAX) by Markstein's theorem: with y = RN(1/MAX)
-// and s0 = RN(amax * y) (within an ulp of the quotient), the residual sr = amax - s0 * MAX is exact
-// in one FMA and RN(s0 + sr * y) is the correctly rounded quotient. When sr == 0 the FMA returns
-// s0 itself (amax >= 1e-10 > 0: no signed-zero case), so no select is needed.
-// inv: fp32 scales, RN(1 / scale) (rcp.rn), as the per-value Markstein step below requires; UE8M0,
-// the exact reciprocal of the power of two built from the exponent field (no reciprocal
-// instruction sequence; rcp.rn only for a scale outside [2^-126, 2^126], i.e. never for finite
-// data: scale >= 1e-10 / MAX).
-template <Fp8Format kFmt>
-__device__ __forceinline__ void GroupScale(float amax, bool ue8m0, float& scale, float& inv) {
-  constexpr float fmax = kFmt == Fp8Format::kE4M3FN ? 448.0f : 240.0f;
-  constexpr float inv_fmax = 1.0f / fmax;  // RN(1/MAX), folded by the compiler
-  amax = fmaxf(amax, 1e-10f);
-  const float s0 = amax * inv_fmax;
-  const float sr = fmaf(-s0, fmax, amax);
-  scale = fmaf(sr, inv_fmax, s0);
-  if (ue8m0) {
-    scale = CeilToUe8m0(scale);
-    const uint32_t e = __float_as_uint(scale) >> 23;  // biased exponent (a sign bit makes it >= 256)
-    inv = e - 1u < 253u ? __uint_as_float((254u - e) << 23) : RcpRn(scale);
-  } else {
-    inv = RcpRn(scale);
-  }
-}
-
-// Codes of 8 values v of a group with the given scale: q = fp8_rne(clamp(v / scale, -MAX, MAX)),
-// the quotient correctly rounded (the contract's IEEE division) without a division sequence:
-//  - fp32 scales, Markstein: q0 = RN(v * inv) is within an ulp of v / scale, the residual
-//    r = v - q0 * scale is exact in one FMA, and RN(q0 + r * inv) = RN(v / scale). The operands
-//    stay far from overflow and underflow (scale >= 1e-10/MAX, |v / scale| <= MAX; a quotient that
-//    underflows encodes as fp8 zero either way). The last FMA is evaluated negated,
-//    t = RN(-r * inv - q0) = -RN(q0 + r * inv) (round to nearest is symmetric), and negated back
-//    for free as an operand of the clamp: this keeps the sign of a zero v, which the plain FMA
-//    loses (v = -0: q0 = -0, r = +0, q0 + r * inv = +0, but v / scale = -0 and e4m3fn encodes -0
-//    as 0x80; negated: -0 * inv - (-0) = -0 + +0 = +0, negated back -0). For v = +0: r = +0,
-//    -0 * inv - (+0) = -0, negated back +0. No instruction is spent on the sign. This relies on
-//    the compiler honouring signed zeros (no fast-math / nsz folding of the negations; nvcc's
-//    default does, and host GCC with -march=native was seen not to); the contract test
-//    ZeroGroupsAndOutliers checks the exact 0x00 / 0x80 bytes on every backend.
-//  - UE8M0 (power-of-two) scales: v * inv with the exact reciprocal is the correctly rounded
-//    quotient (both round the same exact value once).
-// Clamp: on NVIDIA e4m3fn the conversion saturates (satfinite) exactly like min(q, MAX) followed
-// by RNE, so only the lower bound is applied; it also maps a NaN quotient to -MAX, as the full clamp
-// (fminf(fmaxf(NaN, -MAX), MAX)) always did. The software encoders get both bounds.
-// Checked bitwise against IEEE division + clamp + the software encoder by SwaCheckQuantEncoding
-// (GPU test QuantEncodingMatchesIeeeDivision).
-template <Fp8Format kFmt>
-__device__ __forceinline__ uint2 EncodeChunk(const float (&v)[kChunk], float scale, float inv, bool ue8m0) {
-  constexpr float fmax = kFmt == Fp8Format::kE4M3FN ? 448.0f : 240.0f;
-#if !FL_HIP
-  constexpr bool kHwSat = kFmt == Fp8Format::kE4M3FN;
-#else
-  constexpr bool kHwSat = false;
-#endif
-  float nq[kChunk];  // -(v / scale), correctly rounded
-  if (ue8m0) {
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) nq[j] = v[j] * -inv;
-  } else {
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      const float q0 = v[j] * inv;
-      const float r = fmaf(-q0, scale, v[j]);
-      nq[j] = fmaf(-r, inv, -q0);
-    }
-  }
-  float q[kChunk];
-#pragma unroll
-  for (int j = 0; j < kChunk; ++j) q[j] = kHwSat ? fmaxf(-nq[j], -fmax) : fminf(fmaxf(-nq[j], -fmax), fmax);
-  return make_uint2(EncodeFp8x4<kFmt>(q[0], q[1], q[2], q[3]), EncodeFp8x4<kFmt>(q[4], q[5], q[6], q[7]));
-}
+// EncodeFp8x4, GroupScale and EncodeChunk (the quantization arithmetic) are in swa_quant_math.cuh,
+// shared with the GPU test's equivalence check (tests/gpu/swa_quant_check.cu).
+using swa_quant::EncodeChunk;
+using swa_quant::EncodeFp8x4;
+using swa_quant::GroupScale;
+static_assert(swa_quant::kQuantChunk == kChunk, "EncodeChunk quantizes one 8-value chunk");
 
 // max |v| over this lane's 8 values: 7 max in a depth-3 tree instead of a chain of 8.
 // fmaxf ignores NaN operands, as the former chain from 0 did (the final 1e-10 floor makes an
@@ -748,90 +666,8 @@ gpuError_t LaunchRows(const SwaRowParams& p, int sm_count, gpuStream_t stream) {
   return LaunchPdl(p.pdl, fn, blocks, rows_per_block * kRowTeam, stream, p, f);
 }
 
-// Equivalence check of the quantization arithmetic (GPU test QuantEncodingMatchesIeeeDivision):
-// for n (amax, v) pairs per format x scale format, the kernels' path (GroupScale + EncodeChunk)
-// against the contract's formulas spelled literally: scale = __fdiv_rn(amax, MAX) (then UE8M0),
-// q = FloatToFp8(fminf(fmaxf(__fdiv_rn(v, scale), -MAX), MAX)) with numeric.h's software encoder.
-// Pairs: random amax over many binades, v = amax * u for random u in [-1, 1], v placed on and one
-// to three ulps around fp8 rounding midpoints (times the scale), zeros of both signs, v = +-amax,
-// quotients in the fp8 subnormal range, and amax at the 1e-10 floor. Counts mismatching codes and
-// scales.
-__device__ __forceinline__ uint64_t Mix64(uint64_t x) {
-  x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
-  return x;
-}
-
-template <Fp8Format kFmt>
-__global__ void __launch_bounds__(256) SwaQuantCheckKernel(uint64_t seed, int64_t n, bool ue8m0,
-                                                           unsigned long long* bad) {
-  constexpr float fmax = kFmt == Fp8Format::kE4M3FN ? 448.0f : 240.0f;
-  unsigned long long local = 0;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint64_t h = Mix64(seed ^ Mix64(uint64_t(i) * 8 + 1));
-    const uint64_t h2 = Mix64(h + 0x9e3779b97f4a7c15ull);
-    // amax: mantissa random, exponent in [2^-40, 2^40] (and 1e-10-floor cases).
-    float amax = __uint_as_float(uint32_t((87 + (h >> 58) % 80) << 23) | uint32_t(h & 0x7fffffu));
-    if ((h2 & 63) == 0) amax = 1e-10f * float((h2 >> 6) & 3);  // at or below the floor (0 included)
-    float scale, inv;
-    GroupScale<kFmt>(amax, ue8m0, scale, inv);
-    float ref_scale = DivRn(fmaxf(amax, 1e-10f), fmax);
-    if (ue8m0) ref_scale = CeilToUe8m0(ref_scale);
-    if (__float_as_uint(scale) != __float_as_uint(ref_scale)) ++local;
-    float v[kChunk];
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      const uint64_t r = Mix64(h2 + uint64_t(j) * 0x632be59bd9b4e019ull);
-      const uint32_t kind = uint32_t(r & 7);
-      const float u = float(int32_t(r >> 32)) * 0x1p-31f;  // [-1, 1)
-      float val;
-      if (kind <= 2) {
-        val = amax * u;
-      } else if (kind <= 5) {
-        // scale * m for an fp8 midpoint (or a code value) m, nudged by -3..3 ulps.
-        constexpr uint32_t kMaxCode = kFmt == Fp8Format::kE4M3FN ? 0x7eu : 0x7fu;
-        const uint32_t code = min(uint32_t(r >> 8) & 0x7fu, kMaxCode);
-        const float lo = Fp8ToFloat(fp8_bits(code), kFmt);
-        const float hi = Fp8ToFloat(fp8_bits(min(code + 1, kMaxCode)), kFmt);
-        const float m = (r >> 20) & 1 ? 0.5f * (lo + hi) : lo;  // a midpoint (exact in fp32) or a code value
-        val = scale * m;
-        const int nudge = int((r >> 16) & 7) - 3;
-        val = __uint_as_float(__float_as_uint(val) + nudge);
-        if ((r >> 24) & 1) val = -val;
-      } else if (kind == 6) {
-        val = (r >> 8) & 1 ? -0.0f : 0.0f;
-        if ((r >> 9) & 3) val = (r >> 11) & 1 ? -amax : amax;
-      } else {
-        val = amax * u * 0x1p-12f;  // quotients near and below the fp8 subnormal range
-      }
-      v[j] = val;
-    }
-    const uint2 got = EncodeChunk<kFmt>(v, scale, inv, ue8m0);
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      const float qq = fminf(fmaxf(DivRn(v[j], ref_scale), -fmax), fmax);
-      const uint32_t want = FloatToFp8(qq, kFmt);
-      const uint32_t g = ((j < 4 ? got.x : got.y) >> (8 * (j % 4))) & 0xffu;
-      if (g != want) ++local;
-    }
-  }
-  if (local) atomicAdd(bad, local);
-}
-
 }  // namespace
 
-gpuError_t SwaCheckQuantEncoding(uint64_t seed, int64_t n, Fp8Format fmt, bool ue8m0, unsigned long long* bad,
-                                 gpuStream_t stream) {
-  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 132 * 16);
-  if (fmt == Fp8Format::kE4M3FN) {
-    SwaQuantCheckKernel<Fp8Format::kE4M3FN><<<dim3(unsigned(blocks)), dim3(256), 0, stream>>>(seed, n, ue8m0, bad);
-  } else {
-    SwaQuantCheckKernel<Fp8Format::kE4M3FNUZ><<<dim3(unsigned(blocks)), dim3(256), 0, stream>>>(seed, n, ue8m0, bad);
-  }
-  return gpuGetLastError();
-}
-
-namespace {
-}  // namespace
 
 gpuError_t ProbeSwaKernelImage() {
   gpuFuncAttributes attr;

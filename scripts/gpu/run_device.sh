@@ -19,22 +19,73 @@ start_server() {
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
 
+# Every failing suite or sanitizer run sets `failed`; the script exits non-zero at the end.
+failed=0
 if want tests; then
   for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests; do
     [ -x ./$t ] || { echo "$t not in this bundle"; continue; }
     echo "== $t" >> "$OUT/tests.log"; timeout 240 ./$t --gtest_brief=1 > /tmp/$t.log 2>&1; rc=$?
     cat /tmp/$t.log >> "$OUT/tests.log"; echo "$t rc=$rc"; tail -3 /tmp/$t.log
+    [ $rc -eq 0 ] || failed=1
   done
 fi
+# sanitize NAME TOOL ARGS...: one compute-sanitizer run, its full report in $OUT/sanitizer-NAME.log.
+# It passes only with exit status 0 and a summary line that reports 0 errors (memcheck) or
+# 0 hazards (racecheck: hazards are warnings, which --error-exitcode does not count). The runs
+# below go in parallel (background jobs; mostly host-bound references and instrumentation), each
+# verdict a line in $OUT/sanitizers.log, checked after they all finish.
+sanitize() {
+  local name=$1 tool=$2; shift 2
+  local log="$OUT/sanitizer-$name.log"
+  timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 9 "$@" > "$log" 2>&1; local rc=$?
+  local summary; summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1)
+  local ok=1
+  [ $rc -eq 0 ] || ok=0
+  case "$tool" in
+    memcheck) [[ "$summary" == *"ERROR SUMMARY: 0 errors"* ]] || ok=0 ;;
+    racecheck) [[ "$summary" == *"RACECHECK SUMMARY: 0 hazards"* ]] || ok=0 ;;
+  esac
+  echo "== $name ($tool): rc=$rc ${summary:-no summary} -> $([ $ok -eq 1 ] && echo PASS || echo FAIL)" | tee -a "$OUT/sanitizers.log"
+}
 if want sanitize; then
-  { echo "== memcheck gpu_mhc_tests"; timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./gpu_mhc_tests --gtest_brief=1 2>&1 | tail -4
-    echo "== racecheck gpu_mhc_tests (fused)"; timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 ./gpu_mhc_tests --gtest_brief=1 --gtest_filter='*Fused*:*Shifted*' 2>&1 | tail -4
-    # BackendIdentityAndErrors asks for 2^60 bytes on purpose (ResourceExhausted): memcheck counts
-    # that failed cudaMalloc as 2 API errors, so it is left out here.
-    echo "== memcheck gpu_swa_tests"; timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./gpu_swa_tests --gtest_brief=1 --gtest_filter='-*BackendIdentityAndErrors*' 2>&1 | tail -4
-    echo "== memcheck swa_contract_tests (cuda)"; timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./swa_contract_tests --gtest_brief=1 --gtest_filter='*cuda*' 2>&1 | tail -4
-    echo "== racecheck gpu_swa_tests"; timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 ./gpu_swa_tests --gtest_brief=1 --gtest_filter='*Graph*:*Fused*' 2>&1 | tail -4
-  } > "$OUT/sanitizers.log" 2>&1; grep -E "==|ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitizers.log"
+  sanitize memcheck-gpu_mhc_tests memcheck ./gpu_mhc_tests --gtest_brief=1 &
+  # Every kernel of both paths (SeamVariants: 16- and 32-token tiles, aux, no norm weight, normal
+  # mode; GraphReplayMatchesEager: C = 5120). The old filter '*Fused*:*Shifted*' matched only
+  # FusedSupportReasons, which launches nothing.
+  sanitize racecheck-gpu_mhc_tests racecheck ./gpu_mhc_tests --gtest_brief=1 --gtest_filter='*SeamVariants*:*Graph*' &
+  # BackendIdentityAndErrors asks for 2^60 bytes on purpose (ResourceExhausted): memcheck counts
+  # that failed cudaMalloc as 2 API errors, so it is left out here.
+  sanitize memcheck-gpu_swa_tests memcheck ./gpu_swa_tests --gtest_brief=1 --gtest_filter='-*BackendIdentityAndErrors*' &
+  sanitize memcheck-swa_contract_tests memcheck ./swa_contract_tests --gtest_brief=1 --gtest_filter='*cuda*' &
+  # The SWA graph/fused tests run cuBLASLt's wq_b GEMM (nvjet_sm90_qqtst_*: closed source,
+  # warp-specialised; its producer and consumer warps are ordered by mbarriers). racecheck reports
+  # 32 hazards there (potential WAR on shared memory between those warps; the tests' outputs are
+  # bitwise stable, graph replay == eager) and none in our kernels (shared/evidence/2026-12-01-
+  # h200.md, re-checked 2026-12-02). --kernel-name-exclude kns=nvjet cannot be used to skip it:
+  # compute-sanitizer then fails with "Internal Sanitizer Error: failed to handle a hardware
+  # exception" and the test sees error 700. So every kernel is checked, and the run passes only if
+  # the tests pass and every race report names an nvjet_* kernel on both sides (counted).
+  racecheck_known_cublaslt() {
+    local name=$1; shift
+    local log="$OUT/sanitizer-$name.log"
+    timeout 200 compute-sanitizer --tool racecheck "$@" > "$log" 2>&1; local rc=$?
+    local summary; summary=$(grep -E "RACECHECK SUMMARY" "$log" | tail -1)
+    local ours; ours=$(grep -E "access at " "$log" | grep -vcE "access at nvjet_[A-Za-z0-9_]+\+0x")
+    local theirs; theirs=$(grep -cE "Race reported between .* access at nvjet_" "$log")
+    local ok=1
+    [ -n "$summary" ] || ok=0
+    [ "$ours" -eq 0 ] || ok=0
+    grep -q "\[  PASSED  \]" "$log" || ok=0
+    grep -q "\[  FAILED  \]\|Internal Sanitizer Error" "$log" && ok=0
+    # rc 0, or the sanitizer's error exit code when every report is in cuBLASLt.
+    [ $rc -eq 0 ] || [ $rc -eq 9 ] || ok=0
+    echo "== $name (racecheck): rc=$rc ${summary:-no summary}; reports outside cuBLASLt: $ours, in cuBLASLt" \
+      "(nvjet_*): $theirs -> $([ $ok -eq 1 ] && echo PASS || echo FAIL)" | tee -a "$OUT/sanitizers.log"
+  }
+  racecheck_known_cublaslt racecheck-gpu_swa_tests --error-exitcode 9 ./gpu_swa_tests --gtest_brief=1 \
+    --gtest_filter='*Graph*:*Fused*' &
+  wait
+  [ "$(grep -c -- '-> PASS' "$OUT/sanitizers.log")" -eq 5 ] || failed=1  # all five runs above
 fi
 if want bench; then
   { [ -x ./bench_mhc_gpu ] && { echo "== bench_mhc_gpu"; timeout 200 ./bench_mhc_gpu ${BENCH_MHC_ARGS:-}; }
@@ -91,3 +142,5 @@ if want shadow; then
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/shadow.log"
   cat "$OUT/shadow.log"
 fi
+echo "run_device: failed=$failed"
+exit $failed

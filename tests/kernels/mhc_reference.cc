@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "fusedlayer/numeric.h"
+#include "test_util.h"
 
 namespace fusedlayer::testing {
 namespace {
@@ -85,10 +86,10 @@ Mix MixToken(const MhcHyperParams& hp, const MhcRefWeights& w, const uint16_t* R
   return m;
 }
 
-// y = RMSNorm_g(Collapse(R', coef)) for one token; coef == nullptr selects stream 0. Also returns
-// the collapse z [C] and the norm factor rho (1 without a norm weight, where y = z).
+// y = RMSNorm_g(Collapse(R', coef)) for one token; coef == nullptr selects stream 0.
+// Writes z (bf16) and returns rho (1 without a norm weight).
 double CollapseNormToken(const MhcHyperParams& hp, const MhcRefWeights& w, const uint16_t* Rp, const float* coef,
-                         uint16_t* z, uint16_t* y) {
+                         uint16_t* y, uint16_t* z) {
   const int n = hp.hc_mult;
   const int64_t C = hp.hidden;
   for (int64_t c = 0; c < C; ++c) {
@@ -167,7 +168,7 @@ MhcRefOutputs MhcReference(const MhcHyperParams& hp, const MhcRefWeights& w, con
     } else if (in.stage != MhcStage::kFirst && !in.pre_mix.empty()) {
       coef = in.pre_mix.data() + t * n;
     }
-    out.rho[t] = CollapseNormToken(hp, w, Rp, coef, out.z.data() + t * C, out.y.data() + t * C);
+    out.rho[t] = CollapseNormToken(hp, w, Rp, coef, out.y.data() + t * C, out.z.data() + t * C);
     if (in.capture_aux) {
       for (int64_t c = 0; c < C; ++c) {
         double s = 0;
@@ -177,6 +178,50 @@ MhcRefOutputs MhcReference(const MhcHyperParams& hp, const MhcRefWeights& w, con
     }
   }
   return out;
+}
+
+double Bf16Ulp(uint16_t b) {
+  const int e = (b >> 7) & 0xff;
+  return e == 0 ? std::ldexp(1.0, -133) : std::ldexp(1.0, e - 127 - 7);
+}
+
+NormalYCheck CheckNormalModeY(const MhcHyperParams& hp, const MhcRefWeights& w, const MhcRefOutputs& ref,
+                              const std::vector<uint16_t>& got, const std::vector<uint16_t>& want, double factor,
+                              int ulp) {
+  const int n = hp.hc_mult;
+  const int64_t C = hp.hidden;
+  NormalYCheck r;
+  r.elements = int64_t(got.size());
+  const int64_t T = C ? int64_t(ref.y.size()) / C : 0;
+  if (got.size() != ref.y.size() || want.size() != ref.y.size() || ref.z.size() != ref.y.size() ||
+      int64_t(ref.rho.size()) != T || int64_t(ref.new_pre_mix.size()) != T * n) {
+    r.beyond_bound = r.elements ? r.elements : 1;  // a shape mismatch never passes
+    r.first_bad = 0;
+    return r;
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* Rp = ref.new_residual.data() + t * n * C;
+    const double* pre = ref.new_pre_mix.data() + t * n;
+    for (int64_t c = 0; c < C; ++c) {
+      const size_t i = size_t(t * C + c);
+      double carried = 0;  // the mixes tolerance of pre' carried through the collapse
+      for (int j = 0; j < n; ++j) carried += (1e-5 + 1e-4 * pre[j]) * std::fabs(double(Bf16ToFloat(Rp[j * C + c])));
+      const double g = w.norm_weight.empty() ? 1.0 : std::fabs(double(Bf16ToFloat(w.norm_weight[c])));
+      const double bound =
+          factor * (2 * Bf16Ulp(ref.y[i]) + ref.rho[t] * g * (Bf16Ulp(ref.z[i]) + carried));
+      const double a = Bf16ToFloat(got[i]), b = Bf16ToFloat(want[i]);
+      const double diff = std::fabs(a - b);
+      const int d = std::isnan(a) ? (1 << 20) : Bf16UlpDistance(got[i], want[i]);
+      r.worst_ulp = std::max(r.worst_ulp, d);
+      if (d > ulp) ++r.beyond_ulp;
+      if (!(diff <= bound)) {  // NaN fails
+        if (r.beyond_bound++ == 0) r.first_bad = int64_t(i);
+      } else if (diff / bound > r.worst_use) {
+        r.worst_use = diff / bound;
+      }
+    }
+  }
+  return r;
 }
 
 }  // namespace fusedlayer::testing

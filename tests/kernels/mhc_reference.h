@@ -6,8 +6,6 @@
 //     (pre_mix or the fp32 pre' output), so it is computed that way too.
 //   - Sums of squares, the mixes GEMM, sigmoids, Sinkhorn, RMSNorm statistics and the final
 //     products are double; the mixes are returned unrounded (double) for tolerance checks.
-//   - The intermediates of y (the bf16 collapse z and the RMSNorm factor rho) are returned too:
-//     the normal-mode y tolerance is written in terms of them (spec "Equality and tolerance").
 #pragma once
 
 #include <cstdint>
@@ -42,11 +40,34 @@ struct MhcRefOutputs {
   std::vector<double> new_post_mix;    // [T, n]
   std::vector<double> new_comb_mix;    // [T, n, n]
   std::vector<uint16_t> y;             // [T, C]
-  std::vector<uint16_t> z;             // [T, C] the collapse bf16(sum_j p[j] R'[j][c]) that y normalises
-  std::vector<double> rho;             // [T]    1 / sqrt(mean(z^2) + norm_eps); 1 without a norm weight
   std::vector<uint16_t> aux;           // [T, C] when capture_aux
+  // What the normal-mode y bound is made of (spec "Equality and tolerance"):
+  std::vector<uint16_t> z;             // [T, C] the collapse, bf16 (before RMSNorm)
+  std::vector<double> rho;             // [T] 1/rms of z; 1 when the norm weight is absent (y = z)
 };
 
 MhcRefOutputs MhcReference(const MhcHyperParams& params, const MhcRefWeights& w, const MhcRefInputs& in);
+
+// Spacing of bf16 values at |b| (the gap to the next larger magnitude): 2^(e - 7) for a normal
+// value with exponent e, 2^-133 for zero and subnormals.
+double Bf16Ulp(uint16_t b);
+
+// The normal-mode y clause of spec/mhc.md against `ref`, element by element:
+//   |y[c] - ref.y[c]| <= factor * ( 2 ulp(ref.y[c]) + rho |g[c]| (ulp(z[c]) + sum_j (1e-5 + 1e-4 pre'[j]) |R'[j][c]|) )
+// with z, rho, pre' and R' those of `ref` (g = 1 without a norm weight). factor = 1 for one path
+// against the reference, 2 between two paths (the spec: "twice the bound"). Also counts the
+// elements more than `ulp` bf16 ulps from `want` (the spec's ">= 99.9% within 1 ulp" clause is
+// checked by the caller on that count). `want` is ref.y, or the other path's y.
+struct NormalYCheck {
+  int64_t elements = 0;
+  int64_t beyond_bound = 0;    // must be 0
+  int64_t beyond_ulp = 0;      // elements with ulp distance > `ulp`
+  int64_t first_bad = -1;      // first element beyond the bound
+  int worst_ulp = 0;           // largest ulp distance seen
+  double worst_use = 0;        // largest |diff| / bound (the fraction of the allowance used)
+};
+NormalYCheck CheckNormalModeY(const MhcHyperParams& params, const MhcRefWeights& w, const MhcRefOutputs& ref,
+                              const std::vector<uint16_t>& got, const std::vector<uint16_t>& want, double factor,
+                              int ulp);
 
 }  // namespace fusedlayer::testing
