@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
-#   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke shadow)
+#   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow)
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"tests sanitize bench torch smoke shadow"}
+STEPS=${STEPS:-"tests sanitize bench torch smoke dataplane shadow"}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # start_server PORT METRICS_PORT LOG [extra flags...]: a CUDA-backend server with the demo weights in
 # the background (pid in $pid), returning once its health check answers (or after 60 s).
@@ -119,6 +119,32 @@ if want smoke; then
   } > "$OUT/smoke-nopool.log" 2>&1
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/smoke-nopool.log"
   cat "$OUT/smoke-nopool.log"
+fi
+# The data path (BENCHMARKS.md, end-to-end table; issue 12): each row beside its transport floor
+# (fusedctl bench --echo_floor: a bare gRPC echo of the same byte counts over the same channel
+# options, from the same run), and dynamic batching on (--max_batch_tokens=256) and off (0) at
+# concurrency 16 with T = 1 decode requests.
+if want dataplane; then
+  echo "== data path: end-to-end rows with their echo floor; batching on/off"
+  for batching in 256 0; do
+    start_server 50181 50182 "$OUT/server-dataplane-$batching.log" --max_batch_tokens=$batching
+    { C="--target=127.0.0.1:50181"
+      echo "---- --max_batch_tokens=$batching"
+      if [ "$batching" = 256 ]; then
+        ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=6s --echo_floor
+        ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=6s --echo_floor
+        ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=6s --echo_floor
+        ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=6s --echo_floor
+        ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=6s --echo_floor
+      fi
+      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=6s
+      ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=6s
+      python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50182/metrics').read().decode())" \
+        | grep -E '^fusedlayer_batch_(requests|tokens)_(sum|count)'
+    } >> "$OUT/dataplane.log" 2>&1
+    kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
+  done
+  cat "$OUT/dataplane.log"
 fi
 if want shadow; then
   echo "== shadow verification on the GPU (CUDA backend, demo weights, sample rate 1, verify)"
