@@ -144,6 +144,17 @@ if want dataplane; then
     } >> "$OUT/dataplane.log" 2>&1
     kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
   done
+  # The same A/B on the CPU backend (2 threads, like the CI machine; this host is otherwise idle).
+  for batching in 256 0; do
+    start_server 50183 50184 "$OUT/server-dataplane-cpu-$batching.log" --backend=cpu --cpu_threads=2 \
+      --max_batch_tokens=$batching
+    { C="--target=127.0.0.1:50183"
+      echo "---- CPU backend, 2 threads, --max_batch_tokens=$batching"
+      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=6s
+      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=4s
+    } >> "$OUT/dataplane.log" 2>&1
+    kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
+  done
   cat "$OUT/dataplane.log"
 fi
 if want shadow; then
