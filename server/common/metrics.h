@@ -44,6 +44,10 @@ class Metrics {
   void RecordRequest(Method method, grpc::StatusCode code, double seconds, uint64_t request_bytes,
                      uint64_t response_bytes);
   void InflightAdd(double delta) { inflight_->Increment(delta); }
+  // fusedlayer_inflight_bytes: the compute bytes admitted and not yet released (common/byte_budget.h).
+  prometheus::Gauge* inflight_bytes() const { return inflight_bytes_; }
+  // fusedlayer_upload_buffered_bytes: LoadWeights payload bytes buffered by open streams.
+  prometheus::Gauge* upload_buffered_bytes() const { return upload_buffered_bytes_; }
   void ObserveQueue(double seconds) { queue_duration_->Observe(seconds); }
   void SetResidentBytes(uint64_t bytes) { resident_bytes_->Set(static_cast<double>(bytes)); }
 
@@ -70,6 +74,8 @@ class Metrics {
   std::array<prometheus::Counter*, kNumMethods> request_bytes_{};
   std::array<prometheus::Counter*, kNumMethods> response_bytes_{};
   prometheus::Gauge* inflight_;
+  prometheus::Gauge* inflight_bytes_;
+  prometheus::Gauge* upload_buffered_bytes_;
   prometheus::Histogram* queue_duration_;
   prometheus::Gauge* resident_bytes_;
 };
