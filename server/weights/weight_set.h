@@ -27,6 +27,13 @@
 
 namespace fusedlayer::server {
 
+// Serving bounds on the hyper-parameters (docs/weights.md), on every path that builds a set (RPC
+// header, manifest, builder): a loop count or scale the contracts allow but no model needs would
+// let one upload stall the executor (warm-up and every call run sinkhorn_iters iterations).
+inline constexpr int kMaxSinkhornIters = 1000;  // DeepSeek V4 uses 20
+inline constexpr float kMaxEps = 1.0f;          // every eps in [0, 1]; the models use 1e-20 .. 1e-6
+inline constexpr float kMaxPostScale = 1000.0f;  // post_scale in (0, 1000]; the models use 2
+
 // The common form of a weight set before it is prepared: header (name, configs, tensor entries with
 // payload offsets, payload_bytes, sha256) and the payload the entries point into.
 using PackedWeightSet = std::pair<fusedlayer::v1::WeightSetHeader, std::string>;
