@@ -29,7 +29,8 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
 }
 
 std::string FusedLayerService::RequestId(const std::string& given) {
-  if (!given.empty()) return given;
+  // Echoed in the response and written into log lines and error messages: escaped and bounded.
+  if (!given.empty()) return ClientString(given);
   return absl::StrFormat("srv-%06x-%d", request_id_salt_, next_request_id_.fetch_add(1, std::memory_order_relaxed));
 }
 
