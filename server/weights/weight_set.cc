@@ -249,7 +249,8 @@ SwaHyperParams SwaParamsFromProto(const v1::SwaConfig& c, int64_t wq_b_rows) {
 }
 
 absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend, const v1::WeightSetHeader& header,
-                                                                std::string_view payload, std::string source) {
+                                                                std::string_view payload, std::string source,
+                                                                std::optional<std::string> payload_sha256) {
   if (!IsValidWeightSetName(header.name())) {
     return absl::InvalidArgumentError(absl::StrCat("weight set name \"", absl::CHexEscape(header.name().substr(0, 160)),
                                                    "\" is invalid: it must match [A-Za-z0-9._/-]{1,128}"));
@@ -261,7 +262,8 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend
                                             " bytes but the header announces ", header.payload_bytes()));
   }
   // The checksum first: a corrupted payload is reported as such, not as whatever it happens to break.
-  absl::StatusOr<std::string> sha = Sha256Hex(payload);
+  absl::StatusOr<std::string> sha =
+      payload_sha256.has_value() ? absl::StatusOr<std::string>(*std::move(payload_sha256)) : Sha256Hex(payload);
   if (!sha.ok()) return sha.status();
   if (!header.sha256().empty()) {
     const std::string want = absl::AsciiStrToLower(header.sha256());

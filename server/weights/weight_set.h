@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 #include <string_view>
@@ -67,10 +68,13 @@ struct WeightSet {
 // Messages start with the set's name. The payload is only read; tensors at offsets not aligned to
 // their element size are copied to aligned memory before they are handed to the backend.
 // Backend::Prepare* is called from the calling thread: run this where the backend may be driven
-// (the server's device executor).
+// (the server's device executor). `payload_sha256`, when given, is the payload's SHA-256 (lower-
+// case hex) already computed by the caller over exactly `payload` (LoadWeights hashes the chunks
+// as they arrive, off the executor); otherwise it is computed here.
 absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend,
                                                                 const fusedlayer::v1::WeightSetHeader& header,
-                                                                std::string_view payload, std::string source);
+                                                                std::string_view payload, std::string source,
+                                                                std::optional<std::string> payload_sha256 = std::nullopt);
 
 // Hyper-parameters of a config message, with defaults for absent optional fields (not validated).
 MhcHyperParams MhcParamsFromProto(const fusedlayer::v1::MhcConfig& config);

@@ -434,5 +434,166 @@ TEST_F(LoadWeightsFaults, CorruptReplacementIsDataLossAndTheOldSetKeepsServing) 
   EXPECT_EQ(Health("fusedlayer.mhc"), 1);
 }
 
+// ---- LoadWeights under hostile load (issue 15) --------------------------------------------------
+
+// An upload without sha256 would skip the integrity check: refused for RPC uploads.
+TEST_F(LoadWeightsFaults, UploadWithoutSha256IsRefused) {
+  server::PackedWeightSet set = MakeWeightSet(rng_, "unchecked", MhcSetSpec{}, std::nullopt);
+  set.first.clear_sha256();
+  v1::WeightSetInfo info;
+  const grpc::Status s = LoadWeights(ts_->stub(), set, &info);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("sha256 is required"), std::string::npos) << s.error_message();
+  EXPECT_EQ(Names(), std::vector<std::string>{"live"});
+}
+
+// An open LoadWeights stream, written by hand: the header with the first `first_bytes` of the payload.
+struct OpenUpload {
+  OpenUpload(v1::FusedLayer::Stub& stub, const server::PackedWeightSet& set, size_t first_bytes) : set_(set) {
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    writer = stub.LoadWeights(&ctx, &info);
+    v1::WeightChunk chunk;
+    *chunk.mutable_header() = set.first;
+    chunk.set_data(set.second.substr(0, first_bytes));
+    sent_ = first_bytes;
+    ok = writer->Write(chunk);
+  }
+  // Sends the rest of the payload and finishes.
+  grpc::Status Finish() {
+    if (sent_ < set_.second.size()) {
+      v1::WeightChunk chunk;
+      chunk.set_data(set_.second.substr(sent_));
+      writer->Write(chunk);
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+  const server::PackedWeightSet& set_;
+  size_t sent_ = 0;
+  bool ok = false;
+  grpc::ClientContext ctx;
+  v1::WeightSetInfo info;
+  std::unique_ptr<grpc::ClientWriter<v1::WeightChunk>> writer;
+};
+
+// Polls `scrape` until `metric` >= `at_least`; returns the last value.
+template <typename Scrape>
+double WaitMetricAtLeast(Scrape&& scrape, const char* metric, double at_least) {
+  double v = 0;
+  for (int i = 0; i < 6000; ++i) {
+    v = MetricValue(scrape(), metric);
+    if (v >= at_least) return v;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ADD_FAILURE() << metric << " stayed at " << v << " < " << at_least;
+  return v;
+}
+
+TEST(LoadWeightsLimits, ConcurrentStreamsAreBounded) {
+  std::mt19937_64 rng{std::random_device{}()};
+  server::ServerConfig config = TestConfig();
+  config.max_concurrent_uploads = 1;
+  std::unique_ptr<TestServer> ts = TestServer::Start(config);
+  ASSERT_NE(ts, nullptr);
+  const server::PackedWeightSet a = MakeWeightSet(rng, "a", MhcSetSpec{}, std::nullopt);
+  const server::PackedWeightSet b = MakeWeightSet(rng, "b", MhcSetSpec{}, std::nullopt);
+
+  OpenUpload first(ts->stub(), a, a.second.size() / 2);
+  ASSERT_TRUE(first.ok);
+  WaitMetricAtLeast([&] { return ts->Scrape(); }, "fusedlayer_inflight_requests", 1);
+  OpenUpload second(ts->stub(), b, b.second.size() / 2);
+  const grpc::Status refused = second.Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("--max_concurrent_uploads"), std::string::npos) << refused.error_message();
+
+  const grpc::Status loaded = first.Finish();
+  ASSERT_TRUE(loaded.ok()) << loaded.error_message();
+  // The slot comes back once the stream is done.
+  ScrapeWhenIdle(*ts);
+  v1::WeightSetInfo info;
+  const grpc::Status again = LoadWeights(ts->stub(), b, &info);
+  EXPECT_TRUE(again.ok()) << again.error_message();
+}
+
+TEST(LoadWeightsLimits, BufferedBytesOfAllUploadsAreBounded) {
+  std::mt19937_64 rng{std::random_device{}()};
+  const server::PackedWeightSet a = MakeWeightSet(rng, "a", MhcSetSpec{}, std::nullopt);
+  const server::PackedWeightSet b = MakeWeightSet(rng, "b", MhcSetSpec{}, std::nullopt);
+  ASSERT_EQ(a.second.size(), b.second.size());
+  const size_t payload = a.second.size();
+  server::ServerConfig config = TestConfig();
+  // Room for one whole payload and a half, not for two.
+  config.max_upload_buffer_bytes = payload + payload / 2;
+  std::unique_ptr<TestServer> ts = TestServer::Start(config);
+  ASSERT_NE(ts, nullptr);
+
+  const size_t most = payload * 4 / 5;
+  OpenUpload first(ts->stub(), a, most);
+  ASSERT_TRUE(first.ok);
+  EXPECT_EQ(WaitMetricAtLeast([&] { return ts->Scrape(); }, "fusedlayer_upload_buffered_bytes", most), most);
+  OpenUpload second(ts->stub(), b, most);
+  const grpc::Status refused = second.Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("--max_upload_buffer_bytes"), std::string::npos) << refused.error_message();
+
+  const grpc::Status loaded = first.Finish();
+  ASSERT_TRUE(loaded.ok()) << loaded.error_message();
+  const std::string idle = ScrapeWhenIdle(*ts);
+  EXPECT_EQ(MetricValue(idle, "fusedlayer_upload_buffered_bytes"), 0);
+  v1::WeightSetInfo info;
+  const grpc::Status again = LoadWeights(ts->stub(), b, &info);
+  EXPECT_TRUE(again.ok()) << again.error_message();
+}
+
+// A client that half-closes and then gives up while its set is still queued behind device work
+// gets CANCELLED, and the set is never published.
+TEST_F(Reliability, LoadWeightsCancelledAfterTheStreamEndedPublishesNothing) {
+  RunningServer s(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=slow_kernel=5000"}, /*armed=*/true);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 2});
+  grpc::Status compute_status;
+  v1::MhcSeamResponse compute;
+  std::thread caller([&] { compute_status = Seam(*s.stub, req, &compute); });
+  s.WaitInflight(1);  // the executor is busy for 5 s
+
+  const server::PackedWeightSet set = MakeWeightSet(rng_, "abandoned", MhcSetSpec{}, std::nullopt);
+  OpenUpload upload(*s.stub, set, set.second.size());
+  ASSERT_TRUE(upload.ok);
+  upload.writer->WritesDone();
+  ASSERT_FALSE(s.process.ReadUntil(std::regex("LoadWeights 'abandoned'.*queued for build")).empty()) << s.process.log();
+  upload.ctx.TryCancel();
+  EXPECT_EQ(upload.writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+
+  const std::string outcome = s.process.ReadUntil(std::regex("weight set 'abandoned'"));
+  EXPECT_NE(outcome.find("not published"), std::string::npos) << outcome;
+  caller.join();
+  EXPECT_TRUE(compute_status.ok()) << compute_status.error_message();
+  grpc::ClientContext ctx;
+  v1::ListWeightSetsResponse list;
+  ASSERT_TRUE(s.stub->ListWeightSets(&ctx, {}, &list).ok());
+  for (const auto& w : list.weight_sets()) EXPECT_NE(w.name(), "abandoned");
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  EXPECT_EQ(s.process.Wait(), 0);
+}
+
+// An upload that was open when the drain started finishes its stream during the drain: UNAVAILABLE
+// (retry on another replica), nothing published.
+TEST_F(Reliability, LoadWeightsIsRefusedWhileDraining) {
+  RunningServer s(FUSEDLAYER_SERVER_BINARY, {"--drain_seconds=60"}, /*armed=*/false);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  const server::PackedWeightSet set = MakeWeightSet(rng_, "late", MhcSetSpec{}, std::nullopt);
+  OpenUpload upload(*s.stub, set, set.second.size() / 2);
+  ASSERT_TRUE(upload.ok);
+  s.WaitInflight(1);
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  ASSERT_FALSE(s.process.ReadUntil(std::regex("draining: health NOT_SERVING")).empty()) << s.process.log();
+  const grpc::Status refused = upload.Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("draining"), std::string::npos) << refused.error_message();
+  const std::string log = s.process.ReadAll();
+  EXPECT_EQ(s.process.Wait(), 0) << log;
+  EXPECT_EQ(log.find("loaded weight set 'late'"), std::string::npos) << log;
+}
+
 }  // namespace
 }  // namespace fusedlayer::testing
