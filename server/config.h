@@ -56,6 +56,9 @@ struct ServerConfig {
   std::string tls_client_ca;
   // Bearer tokens with their rights (server/auth/token_file.h); empty: no token check.
   std::string auth_tokens_file;
+  // TLS or mutual TLS without a token file authorizes everyone who completes the handshake for
+  // every RPC (LoadWeights, UnloadWeightSet included): refused at startup unless this is set.
+  bool allow_unauthenticated_tls = false;
   // Shadow verification (server/shadow/, docs/shadow.md): the fraction of fused requests re-run
   // unfused off the critical path and compared; its bounded queue; mismatch dumps.
   double shadow_sample_rate = 0;

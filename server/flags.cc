@@ -50,6 +50,10 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
           "bearer-token file, one `<token> <rights>` per line, rights compute|admin|compute,admin; without "
           "TLS only a loopback --address is allowed");
 
+ABSL_FLAG(bool, allow_unauthenticated_tls, false,
+          "accept --tls_cert (or mutual TLS) without --auth_tokens_file: everyone who completes the TLS "
+          "handshake may then call every RPC, LoadWeights and UnloadWeightSet included");
+
 // Shadow verification (server/shadow/, docs/shadow.md).
 ABSL_FLAG(double, shadow_sample_rate, 0,
           "fraction (0 to 1) of requests that ran fused to re-run unfused after the response and compare "
@@ -91,6 +95,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.tls_key = absl::GetFlag(FLAGS_tls_key);
   c.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   c.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  c.allow_unauthenticated_tls = absl::GetFlag(FLAGS_allow_unauthenticated_tls);
   c.shadow_sample_rate = absl::GetFlag(FLAGS_shadow_sample_rate);
   c.shadow_queue_size = absl::GetFlag(FLAGS_shadow_queue_size);
   c.shadow_queue_max_bytes = absl::GetFlag(FLAGS_shadow_queue_max_bytes);

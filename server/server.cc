@@ -109,6 +109,10 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   if (security->plaintext_open) {
     LogWarning("transport security: none (plaintext, no tokens): anyone who reaches ", cfg.address,
                " may call every RPC, LoadWeights and UnloadWeightSet included; see docs/security.md");
+  } else if (security->unauthenticated_tls) {
+    LogWarning("transport security: ", security->description,
+               " WITHOUT tokens (--allow_unauthenticated_tls): everyone who completes the TLS handshake may call "
+               "every RPC, LoadWeights and UnloadWeightSet included; see docs/security.md");
   } else {
     LogInfo("transport security: ", security->description);
   }
