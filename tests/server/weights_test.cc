@@ -429,6 +429,9 @@ TEST(SafetensorsTest, BadHeadersGiveDocumentedStatus) {
       {"metadata not object", R"({"__metadata__":[1]})", "", E, "__metadata__"},
       {"metadata value not string", R"({"__metadata__":{"k":1}})", "", E, "__metadata__"},
       {"too deep", std::string(40, '[') + std::string(40, ']'), "", E, "deeper"},
+      // Stops at the limit: 64 KiB of nesting, never closed, is "too deep", not a syntax error
+      // found after reading it all.
+      {"too deep, unterminated", std::string(1 << 16, '['), "", E, "deeper"},
   };
   for (const BadHeaderCase& c : cases) {
     absl::StatusOr<SafetensorsIndex> r = ParseSafetensors(RawFile(c.header, c.data), "case.safetensors");
