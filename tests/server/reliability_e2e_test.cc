@@ -548,13 +548,13 @@ TEST(LoadWeightsLimits, BufferedBytesOfAllUploadsAreBounded) {
 // A client that half-closes and then gives up while its set is still queued behind device work
 // gets CANCELLED, and the set is never published.
 TEST_F(Reliability, LoadWeightsCancelledAfterTheStreamEndedPublishesNothing) {
-  RunningServer s(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=slow_kernel=5000"}, /*armed=*/true);
+  RunningServer s(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=slow_kernel=10000"}, /*armed=*/true);
   ASSERT_NE(s.port, 0) << s.process.log();
   const v1::MhcSeamRequest req = MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 2});
   grpc::Status compute_status;
   v1::MhcSeamResponse compute;
   std::thread caller([&] { compute_status = Seam(*s.stub, req, &compute); });
-  s.WaitInflight(1);  // the executor is busy for 5 s
+  s.WaitInflight(1);  // the executor is busy for 10 s: the upload queues behind it
 
   const server::PackedWeightSet set = MakeWeightSet(rng_, "abandoned", MhcSetSpec{}, std::nullopt);
   OpenUpload upload(*s.stub, set, set.second.size());
