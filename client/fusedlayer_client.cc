@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/transport_credentials.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -48,6 +49,12 @@ absl::StatusOr<std::unique_ptr<FusedLayerClient>> FusedLayerClient::Connect(cons
                                                                              ClientOptions options) {
   if (target.empty()) return absl::InvalidArgumentError("target is empty (expected host:port)");
   if (absl::Status s = ValidateClientOptions(options); !s.ok()) return s;
+  // A bearer token in clear text can be read (and replayed) by anyone on the path.
+  if (!options.bearer_token.empty() && !options.credentials && !IsLoopbackTarget(target)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "refusing to send the bearer token over plaintext to ", target,
+        ": use TLS (credentials, fusedctl --tls_ca) or a loopback or unix: target"));
+  }
   grpc::ChannelArguments args;
   // The defaults are 4 MiB to receive and unlimited to send; both set explicitly so the client never
   // sends what it could not receive back, and the limits read the same as the server's flags.

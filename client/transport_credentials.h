@@ -26,4 +26,9 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsChannelCredentials(
 // different file). InvalidArgument when it cannot be read, is empty, or has inner whitespace.
 absl::StatusOr<std::string> ReadBearerTokenFile(const std::string& path);
 
+// True when a gRPC target never leaves this machine: unix: / unix-abstract: addresses and hosts
+// that are loopback (localhost, 127.0.0.0/8, ::1), also behind the dns:///, ipv4: and ipv6: schemes.
+// A bearer token is sent over plaintext only to such a target (FusedLayerClient::Connect).
+bool IsLoopbackTarget(const std::string& target);
+
 }  // namespace fusedlayer::client

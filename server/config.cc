@@ -4,6 +4,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/ascii.h"
+#include "common/byte_budget.h"
 
 namespace fusedlayer::server {
 
@@ -25,6 +26,26 @@ ListenKind ListenKindOf(std::string_view address) {
 std::string UnixSocketPath(std::string_view address) {
   if (ListenKindOf(address) != ListenKind::kUnix) return "";
   return std::string(address.substr(kUnixPrefix.size()));
+}
+
+namespace {
+// When the memory cannot be read at all (no /proc, no cgroup): a conservative 16 GiB machine.
+uint64_t MemoryForDefaults() {
+  const uint64_t bytes = AvailableMemoryBytes();
+  return bytes > 0 ? bytes : uint64_t{16} << 30;
+}
+}  // namespace
+
+uint64_t ServerConfig::EffectiveMaxInflightBytes() const {
+  return max_inflight_bytes > 0 ? max_inflight_bytes : MemoryForDefaults() / 4;
+}
+
+uint64_t ServerConfig::EffectiveGrpcMemoryQuotaBytes() const {
+  return grpc_memory_quota_bytes > 0 ? grpc_memory_quota_bytes : MemoryForDefaults() / 2;
+}
+
+uint64_t ServerConfig::EffectiveMaxUploadBufferBytes() const {
+  return max_upload_buffer_bytes > 0 ? max_upload_buffer_bytes : MemoryForDefaults() / 4;
 }
 
 absl::Status ServerConfig::Validate() const {
@@ -65,13 +86,32 @@ absl::Status ServerConfig::Validate() const {
   if (queue_capacity < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--queue_capacity must be >= 1, got ", queue_capacity));
   }
+  if (max_concurrent_streams < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_concurrent_streams must be >= 1, got ", max_concurrent_streams));
+  }
+  // The quota must leave room for at least one message being received and one being sent.
+  if (grpc_memory_quota_bytes != 0 && grpc_memory_quota_bytes < 2 * static_cast<uint64_t>(max_message_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("--grpc_memory_quota_bytes must be 0 (derived) or at least twice ",
+                                                   "--max_message_bytes (", 2 * max_message_bytes, "), got ",
+                                                   grpc_memory_quota_bytes));
+  }
+  if (max_concurrent_uploads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_concurrent_uploads must be >= 1, got ", max_concurrent_uploads));
+  }
+  if (max_weight_payload_bytes < 1) {
+    return absl::InvalidArgumentError("--max_weight_payload_bytes must be >= 1");
+  }
   if (cpu_threads < 0) return absl::InvalidArgumentError(absl::StrCat("--cpu_threads must be >= 0, got ", cpu_threads));
   if (!(max_connection_age_seconds >= 0) || max_connection_age_seconds > 1e6) {
     return absl::InvalidArgumentError(absl::StrCat("--max_connection_age_seconds must be in [0, 1e6], got ",
                                                    max_connection_age_seconds));
   }
-  if (!(drain_seconds >= 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("--drain_seconds must be >= 0, got ", drain_seconds));
+  // Bounded: it becomes a millisecond int channel argument (GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS),
+  // and a drain longer than an hour is no drain.
+  if (!(drain_seconds >= 0 && drain_seconds <= 3600)) {
+    return absl::InvalidArgumentError(absl::StrCat("--drain_seconds must be in [0, 3600], got ", drain_seconds));
   }
   if (!(shadow_sample_rate >= 0 && shadow_sample_rate <= 1)) {
     return absl::InvalidArgumentError(

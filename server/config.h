@@ -40,6 +40,21 @@ struct ServerConfig {
   // first request of a batch may wait for compatible ones (0: only those already queued).
   int64_t max_batch_tokens = 256;
   int64_t max_queue_delay_us = 0;
+  // Compute admission by memory (docs/operations.md): the request and response bytes of every
+  // compute call admitted and not yet finished (queued, running or sending) stay under this; a call
+  // that would go over is refused with RESOURCE_EXHAUSTED before its response is allocated.
+  // 0 = a quarter of the memory available to the process (EffectiveMaxInflightBytes).
+  uint64_t max_inflight_bytes = 0;
+  // gRPC's own memory (transport buffers, messages being received) is capped by a ResourceQuota
+  // of this many bytes; 0 = half of the available memory. Streams per HTTP/2 connection are capped
+  // by max_concurrent_streams (the client's further calls wait in its transport).
+  uint64_t grpc_memory_quota_bytes = 0;
+  int max_concurrent_streams = 128;
+  // LoadWeights (docs/operations.md): the payload bytes all uploads buffer at once stay under
+  // max_upload_buffer_bytes (0 = a quarter of the available memory), counted as chunks arrive;
+  // at most max_concurrent_uploads streams are open at once.
+  uint64_t max_upload_buffer_bytes = 0;
+  int max_concurrent_uploads = 4;
   int cpu_threads = 0;
   double drain_seconds = 30;
   double max_connection_age_seconds = 0;  // 0: connections never age out
@@ -53,6 +68,9 @@ struct ServerConfig {
   std::string tls_client_ca;
   // Bearer tokens with their rights (server/auth/token_file.h); empty: no token check.
   std::string auth_tokens_file;
+  // TLS or mutual TLS without a token file authorizes everyone who completes the handshake for
+  // every RPC (LoadWeights, UnloadWeightSet included): refused at startup unless this is set.
+  bool allow_unauthenticated_tls = false;
   // Shadow verification (server/shadow/, docs/shadow.md): the fraction of fused requests re-run
   // unfused off the critical path and compared; its bounded queue; mismatch dumps.
   double shadow_sample_rate = 0;
@@ -62,6 +80,12 @@ struct ServerConfig {
   int64_t shadow_dump_max_files = 32;
   int64_t shadow_dump_max_bytes = int64_t{1} << 30;
 
+  // max_inflight_bytes, or its memory-derived default.
+  uint64_t EffectiveMaxInflightBytes() const;
+  // grpc_memory_quota_bytes, or its memory-derived default.
+  uint64_t EffectiveGrpcMemoryQuotaBytes() const;
+  // max_upload_buffer_bytes, or its memory-derived default.
+  uint64_t EffectiveMaxUploadBufferBytes() const;
   bool fused_disabled(Op op) const { return op == Op::kMhc ? disable_fused_mhc : disable_fused_swa; }
   // InvalidArgument when a limit is out of range (checked once at startup).
   absl::Status Validate() const;

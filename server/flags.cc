@@ -28,8 +28,22 @@ ABSL_FLAG(int64_t, max_batch_tokens, 256,
 ABSL_FLAG(int64_t, max_queue_delay_us, 0,
           "dynamic batching: how long (microseconds) a request may wait for compatible ones to join its launch "
           "(0: only requests already queued)");
+ABSL_FLAG(uint64_t, max_inflight_bytes, 0,
+          "compute admission: request + response bytes of all admitted compute calls (queued, running, "
+          "sending) stay under this; beyond it RESOURCE_EXHAUSTED before anything is allocated. "
+          "0 = a quarter of the memory available (physical or cgroup limit)");
+ABSL_FLAG(uint64_t, grpc_memory_quota_bytes, 0,
+          "gRPC ResourceQuota: memory for transport buffers and messages being received; 0 = half of "
+          "the memory available");
+ABSL_FLAG(int32_t, max_concurrent_streams, 128, "HTTP/2 streams (concurrent calls) per client connection");
+ABSL_FLAG(uint64_t, max_weight_payload_bytes, uint64_t{16} << 30,
+          "largest LoadWeights payload accepted, bytes; a header announcing more is RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint64_t, max_upload_buffer_bytes, 0,
+          "payload bytes all LoadWeights streams may buffer at once (counted as chunks arrive); beyond it "
+          "RESOURCE_EXHAUSTED. 0 = a quarter of the memory available");
+ABSL_FLAG(int32_t, max_concurrent_uploads, 4, "LoadWeights streams open at once; more are RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend worker threads (0 = all cores)");
-ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM/SIGINT, how long in-flight calls may take to finish");
+ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM/SIGINT, how long in-flight calls may take to finish (0 to 3600)");
 ABSL_FLAG(double, max_connection_age_seconds, 0,
           "close client connections (GOAWAY, after a grace of --drain_seconds) after this age so clients "
           "re-resolve and spread over new replicas; 0 = never");
@@ -42,6 +56,10 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "bearer-token file, one `<token> <rights>` per line, rights compute|admin|compute,admin; without "
           "TLS only a loopback --address is allowed");
+
+ABSL_FLAG(bool, allow_unauthenticated_tls, false,
+          "accept --tls_cert (or mutual TLS) without --auth_tokens_file: everyone who completes the TLS "
+          "handshake may then call every RPC, LoadWeights and UnloadWeightSet included");
 
 // Shadow verification (server/shadow/, docs/shadow.md).
 ABSL_FLAG(double, shadow_sample_rate, 0,
@@ -73,6 +91,12 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
   c.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   c.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  c.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
+  c.grpc_memory_quota_bytes = absl::GetFlag(FLAGS_grpc_memory_quota_bytes);
+  c.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  c.max_weight_payload_bytes = absl::GetFlag(FLAGS_max_weight_payload_bytes);
+  c.max_upload_buffer_bytes = absl::GetFlag(FLAGS_max_upload_buffer_bytes);
+  c.max_concurrent_uploads = absl::GetFlag(FLAGS_max_concurrent_uploads);
   c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   c.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
@@ -80,6 +104,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.tls_key = absl::GetFlag(FLAGS_tls_key);
   c.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   c.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  c.allow_unauthenticated_tls = absl::GetFlag(FLAGS_allow_unauthenticated_tls);
   c.shadow_sample_rate = absl::GetFlag(FLAGS_shadow_sample_rate);
   c.shadow_queue_size = absl::GetFlag(FLAGS_shadow_queue_size);
   c.shadow_queue_max_bytes = absl::GetFlag(FLAGS_shadow_queue_max_bytes);

@@ -13,6 +13,7 @@
 #include "grpc/grpc.h"  // GRPC_ARG_* channel argument names
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "common/log.h"
@@ -142,6 +143,13 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   builder.AddListeningPort(cfg.address, security->credentials, &srv->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(cfg.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(cfg.max_message_bytes));
+  // gRPC's own buffers (messages being received, transport) are bounded by the quota, and a client
+  // connection's concurrent calls by the stream limit: without them a flood of large requests is
+  // limited only by the kernel's OOM killer (docs/operations.md, "Memory admission").
+  grpc::ResourceQuota quota("fusedlayer");
+  quota.Resize(static_cast<size_t>(cfg.EffectiveGrpcMemoryQuotaBytes()));
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, cfg.max_concurrent_streams);
   if (cfg.max_connection_age_seconds > 0) {
     // Long-lived HTTP/2 connections pin a client to the replicas it first resolved; ageing them
     // out lets dns:/// + round_robin clients pick up new replicas (the grace lets calls finish).
@@ -161,10 +169,16 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
                             : listen_kind == ListenKind::kUnix ? std::string(" (unix domain socket)")
                                                                : std::string(" (abstract unix socket)");
   LogInfo("serving fusedlayer.v1.FusedLayer on ", cfg.address, where, ", queue capacity ", cfg.queue_capacity,
-          ", max message ", cfg.max_message_bytes, " bytes");
+          ", max message ", cfg.max_message_bytes, " bytes, compute bytes in flight at most ",
+          cfg.EffectiveMaxInflightBytes(), ", gRPC memory quota ", cfg.EffectiveGrpcMemoryQuotaBytes(),
+          " bytes, ", cfg.max_concurrent_streams, " streams per connection");
   if (security->plaintext_open) {
     LogWarning("transport security: none (plaintext, no tokens): anyone who reaches ", cfg.address,
                " may call every RPC, LoadWeights and UnloadWeightSet included; see docs/security.md");
+  } else if (security->unauthenticated_tls) {
+    LogWarning("transport security: ", security->description,
+               " WITHOUT tokens (--allow_unauthenticated_tls): everyone who completes the TLS handshake may call "
+               "every RPC, LoadWeights and UnloadWeightSet included; see docs/security.md");
   } else {
     LogInfo("transport security: ", security->description);
   }

@@ -5,15 +5,19 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
+#include <sys/stat.h>
+
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "auth/token_auth_processor.h"
 #include "auth/token_file.h"
+#include "common/log.h"
 
 namespace fusedlayer::server::auth {
 namespace {
@@ -25,6 +29,16 @@ absl::StatusOr<std::string> ReadFile(const std::string& flag, const std::string&
   ss << in.rdbuf();
   if (in.bad()) return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", path, ": cannot read the file"));
   return ss.str();
+}
+
+// A secret (token file, TLS key) that other local users can read is a secret no longer: one WARNING.
+void WarnIfReadableByOthers(const std::string& flag, const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) return;  // reading it reports the problem
+  if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+    LogWarning("--", flag, "=", path, " is readable by group or others (mode ",
+               absl::StrFormat("%04o", st.st_mode & 07777), "); make it chmod 600, owned by the server's user");
+  }
 }
 
 struct BioDeleter { void operator()(BIO* b) const { BIO_free(b); } };
@@ -100,10 +114,19 @@ absl::StatusOr<ServerSecurity> MakeServerSecurity(const ServerConfig& c) {
   std::shared_ptr<TokenAuthProcessor> processor;
   size_t token_count = 0;
   if (!c.auth_tokens_file.empty()) {
+    WarnIfReadableByOthers("auth_tokens_file", c.auth_tokens_file);
     absl::StatusOr<std::vector<TokenEntry>> tokens = LoadTokenFile(c.auth_tokens_file);
     if (!tokens.ok()) return absl::InvalidArgumentError(absl::StrCat("--auth_tokens_file: ", tokens.status().message()));
     token_count = tokens->size();
     processor = std::make_shared<TokenAuthProcessor>(*std::move(tokens));
+  }
+
+  if (tls && !processor && !c.allow_unauthenticated_tls) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        c.tls_client_ca.empty() ? "--tls_cert" : "--tls_cert with --tls_client_ca (mutual TLS)",
+        " without --auth_tokens_file authorizes everyone who completes the TLS handshake for every RPC, "
+        "LoadWeights and UnloadWeightSet included: give --auth_tokens_file (rights per token), or "
+        "--allow_unauthenticated_tls to accept that"));
   }
 
   ServerSecurity out;
@@ -112,6 +135,7 @@ absl::StatusOr<ServerSecurity> MakeServerSecurity(const ServerConfig& c) {
     if (!cert.ok()) return cert.status();
     absl::StatusOr<std::string> key = ReadFile("tls_key", c.tls_key);
     if (!key.ok()) return key.status();
+    WarnIfReadableByOthers("tls_key", c.tls_key);
     if (absl::Status s = CheckKeyPair(c, *cert, *key); !s.ok()) return s;
     grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
     options.pem_key_cert_pairs.push_back({*key, *cert});
@@ -126,6 +150,7 @@ absl::StatusOr<ServerSecurity> MakeServerSecurity(const ServerConfig& c) {
     }
     out.credentials = grpc::SslServerCredentials(options);
     out.description = c.tls_client_ca.empty() ? "TLS" : "mutual TLS (client certificates verified against --tls_client_ca)";
+    out.unauthenticated_tls = !processor;
   } else if (processor) {
     if (!IsLocalOnlyAddress(c.address)) {
       return absl::InvalidArgumentError(absl::StrCat(

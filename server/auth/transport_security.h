@@ -10,6 +10,8 @@
 //             |        | only; a non-loopback --address is a startup error
 //   cert+key  | any    | SslServerCredentials (TLS); with --tls_client_ca the client must present a
 //             |        | certificate signed by that CA (GRPC_SSL_REQUEST_AND_REQUIRE_..._AND_VERIFY)
+//   cert+key  | none   | refused at startup (anyone who completes the handshake could call every
+//             |        | RPC) unless --allow_unauthenticated_tls, then one WARNING line
 // With tokens the TokenAuthProcessor is attached. It must never be attached to insecure
 // credentials: gRPC 1.51 aborts the process there (GPR_ASSERT), which is why plaintext with tokens
 // goes through local credentials.
@@ -29,6 +31,8 @@ struct ServerSecurity {
   std::shared_ptr<grpc::ServerCredentials> credentials;
   std::string description;  // one line for the startup log, e.g. "mutual TLS + bearer tokens (3)"
   bool plaintext_open = false;  // no TLS and no tokens: main logs a WARNING
+  // TLS without tokens, accepted by --allow_unauthenticated_tls: a WARNING at startup.
+  bool unauthenticated_tls = false;
 };
 
 // Reads and checks the PEM files and the token file. InvalidArgument naming the flag on any problem

@@ -3,10 +3,18 @@
 #include <cstdio>
 #include <mutex>
 
+#include "absl/strings/escaping.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 namespace fusedlayer::server {
+
+std::string ClientString(std::string_view s, size_t max_bytes) {
+  const bool cut = s.size() > max_bytes;
+  std::string out = absl::CHexEscape(absl::string_view(s.data(), cut ? max_bytes : s.size()));
+  if (cut) absl::StrAppend(&out, "...(", s.size(), " bytes)");
+  return out;
+}
 
 void LogLine(LogLevel level, std::string_view message) {
   static std::mutex mu;

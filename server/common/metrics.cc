@@ -114,6 +114,18 @@ Metrics::Metrics(std::string_view version, std::string_view backend, std::string
                    .Help("RPCs received and not yet finished")
                    .Register(reg)
                    .Add({});
+  inflight_bytes_ = &prometheus::BuildGauge()
+                         .Name("fusedlayer_inflight_bytes")
+                         .Help("Request + response bytes of the compute calls admitted and not yet finished "
+                               "(--max_inflight_bytes bounds it)")
+                         .Register(reg)
+                         .Add({});
+  upload_buffered_bytes_ = &prometheus::BuildGauge()
+                                .Name("fusedlayer_upload_buffered_bytes")
+                                .Help("LoadWeights payload bytes buffered by the open streams "
+                                      "(--max_upload_buffer_bytes bounds it)")
+                                .Register(reg)
+                                .Add({});
   queue_duration_ = &prometheus::BuildHistogram()
                          .Name("fusedlayer_queue_duration_seconds")
                          .Help("Time a task waited in the device executor's queue")

@@ -44,6 +44,10 @@ class Metrics {
   void RecordRequest(Method method, grpc::StatusCode code, double seconds, uint64_t request_bytes,
                      uint64_t response_bytes);
   void InflightAdd(double delta) { inflight_->Increment(delta); }
+  // fusedlayer_inflight_bytes: the compute bytes admitted and not yet released (common/byte_budget.h).
+  prometheus::Gauge* inflight_bytes() const { return inflight_bytes_; }
+  // fusedlayer_upload_buffered_bytes: LoadWeights payload bytes buffered by open streams.
+  prometheus::Gauge* upload_buffered_bytes() const { return upload_buffered_bytes_; }
   void ObserveQueue(double seconds) { queue_duration_->Observe(seconds); }
   // One launch of `op` that served `requests` requests with `tokens` tokens in all (dynamic batching).
   void RecordBatch(Op op, size_t requests, int64_t tokens);
@@ -72,6 +76,8 @@ class Metrics {
   std::array<prometheus::Counter*, kNumMethods> request_bytes_{};
   std::array<prometheus::Counter*, kNumMethods> response_bytes_{};
   prometheus::Gauge* inflight_;
+  prometheus::Gauge* inflight_bytes_;
+  prometheus::Gauge* upload_buffered_bytes_;
   prometheus::Histogram* queue_duration_;
   std::array<prometheus::Histogram*, 2> batch_requests_{};  // [op]
   std::array<prometheus::Histogram*, 2> batch_tokens_{};    // [op]

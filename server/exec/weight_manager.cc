@@ -76,13 +76,16 @@ WeightManager::WeightManager(const ServerConfig& config, Backend& backend, Execu
 }
 
 absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallOnWorker(const v1::WeightSetHeader& header,
-                                                                 std::string_view payload, std::string source) {
+                                                                 std::string_view payload, std::string source,
+                                                                 const std::function<absl::Status()>& may_publish,
+                                                                 std::optional<std::string> payload_sha256) {
   // Fail fast before preparing (uploading) anything; Publish re-checks atomically.
   if (!header.replace() && store_.Get(header.name()).ok()) {
     return absl::AlreadyExistsError(
         absl::StrCat("weight set '", header.name(), "' is already loaded (set replace to swap it)"));
   }
-  absl::StatusOr<std::shared_ptr<const WeightSet>> set = BuildWeightSet(backend_, header, payload, std::move(source));
+  absl::StatusOr<std::shared_ptr<const WeightSet>> set =
+      BuildWeightSet(backend_, header, payload, std::move(source), std::move(payload_sha256));
   if (!set.ok()) return set.status();
   if ((*set)->mhc) {
     if (absl::Status s = WarmUpMhc(backend_, *(*set)->mhc); !s.ok()) {
@@ -92,6 +95,12 @@ absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallOnWorker(const v1::Weigh
   if ((*set)->swa) {
     if (absl::Status s = WarmUpSwa(backend_, *(*set)->swa); !s.ok()) {
       return absl::InternalError(absl::StrCat("weight set '", (*set)->name, "': ", s.message()));
+    }
+  }
+  if (may_publish) {
+    if (absl::Status s = may_publish(); !s.ok()) {
+      LogInfo("weight set '", (*set)->name, "' not published: ", s.message());
+      return s;
     }
   }
   if (absl::StatusOr<std::shared_ptr<const WeightSet>> replaced = store_.Publish(*set, header.replace());

@@ -6,8 +6,10 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -31,8 +33,13 @@ class WeightManager {
   // Executor thread only. Build + warm-up + publish: nothing is visible unless all succeed.
   // ALREADY_EXISTS when the name is taken and !header.replace; BuildWeightSet's codes otherwise;
   // INTERNAL when the warm-up fails.
+  // `may_publish`, when given, is asked after the warm-up, just before publishing: a non-OK status
+  // (the upload's client cancelled, the server started draining) is returned and nothing is published.
+  // `payload_sha256`: the payload's digest when the caller already computed it (BuildWeightSet).
   absl::StatusOr<v1::WeightSetInfo> InstallOnWorker(const v1::WeightSetHeader& header, std::string_view payload,
-                                                    std::string source);
+                                                    std::string source,
+                                                    const std::function<absl::Status()>& may_publish = nullptr,
+                                                    std::optional<std::string> payload_sha256 = std::nullopt);
   // Executor thread only. NOT_FOUND for an unknown name; returns the bytes freed (the memory is
   // released once in-flight calls holding the set finish).
   absl::StatusOr<uint64_t> UnloadOnWorker(std::string_view name);

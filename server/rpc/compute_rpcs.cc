@@ -217,6 +217,11 @@ absl::Status FusedLayerService::StartCompute(UnaryCall* call, typename Rpc::Mess
     return absl::NotFoundError(
         absl::StrCat("weight set '", request->weight_set(), "' has no ", Rpc::kPartName, " part"));
   }
+  // Memory admission: the response is sized from the request and admitted by bytes before any of
+  // it is allocated (docs/operations.md, "Memory admission").
+  absl::StatusOr<uint64_t> response_bytes = Rpc::ResponseBytes(*request, *Rpc::Part(**set), config_.max_tokens);
+  if (!response_bytes.ok()) return response_bytes.status();
+  if (absl::Status s = AdmitComputeBytes(call, *response_bytes); !s.ok()) return s;
   absl::StatusOr<typename Rpc::Call> decoded = Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response);
   if (!decoded.ok()) return decoded.status();
   response->set_request_id(RequestId(request->request_id()));

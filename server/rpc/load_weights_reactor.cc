@@ -1,7 +1,10 @@
 // LoadWeights (client streaming): the header first, then the payload in chunks, accumulated in the
 // reactor; only an exactly complete stream reaches the executor, where the weight manager builds,
-// warms up and publishes the set (all or nothing).
-#include <algorithm>
+// warms up and publishes the set (all or nothing). Bounded (docs/operations.md): streams open at
+// once (--max_concurrent_uploads), the payload announced (--max_weight_payload_bytes) and the bytes
+// all uploads buffer together (--max_upload_buffer_bytes, counted as chunks arrive). Refused while
+// draining; a client that cancels before the set is published gets nothing published.
+#include <atomic>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +12,7 @@
 #include "rpc/proto_convert.h"
 #include "rpc/service.h"
 #include "rpc/unary_call.h"
+#include "weights/sha256.h"
 
 namespace fusedlayer::server {
 
@@ -19,8 +23,21 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   LoadWeightsReactor(FusedLayerService& service, grpc::CallbackServerContext* ctx, v1::WeightSetInfo* response)
       : service_(service), ctx_(ctx), response_(response), start_(Clock::now()) {
     service_.metrics_.InflightAdd(1);
+    const int open = service_.open_uploads_.fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (absl::Status s = service_.AdmitDuringDrain(); !s.ok()) {
+      Complete(s);
+      return;
+    }
+    if (open > service_.config_.max_concurrent_uploads) {
+      Complete(absl::ResourceExhaustedError(
+          absl::StrCat("server busy: ", service_.config_.max_concurrent_uploads,
+                       " LoadWeights streams are already open (--max_concurrent_uploads); retry later")));
+      return;
+    }
     StartRead(&chunk_);
   }
+
+  void OnCancel() override { cancelled_.store(true, std::memory_order_release); }
 
   void OnReadDone(bool ok) override {
     if (!ok) return EndOfStream();
@@ -32,31 +49,46 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
       header_ = std::move(*chunk_.mutable_header());
       have_header_ = true;
       if (header_.payload_bytes() > service_.config_.max_weight_payload_bytes) {
-        return Complete(absl::ResourceExhaustedError(
-            absl::StrCat("weight set '", header_.name(), "': payload_bytes = ", header_.payload_bytes(),
-                         " exceeds this server's limit of ", service_.config_.max_weight_payload_bytes, " bytes")));
+        return Complete(absl::ResourceExhaustedError(absl::StrCat(
+            "weight set '", ClientString(header_.name()), "': payload_bytes = ", header_.payload_bytes(),
+            " exceeds this server's limit of ", service_.config_.max_weight_payload_bytes,
+            " bytes (--max_weight_payload_bytes)")));
+      }
+      // An upload over the network is checked end to end; a manifest (local files) may omit it.
+      if (header_.sha256().empty()) {
+        return Complete(absl::InvalidArgumentError(
+            absl::StrCat("weight set '", ClientString(header_.name()), "': sha256 is required for LoadWeights (the payload's ",
+                         "SHA-256 as 64 hex digits)")));
       }
       // Fail before the upload rather than after it.
       if (!header_.replace() && service_.weights_.Contains(header_.name())) {
         return Complete(absl::AlreadyExistsError(
-            absl::StrCat("weight set '", header_.name(), "' is already loaded (set replace to swap it)")));
+            absl::StrCat("weight set '", ClientString(header_.name()), "' is already loaded (set replace to swap it)")));
       }
-      // Reserve up front, bounded so a hostile header cannot make us allocate before data arrives.
-      payload_.reserve(std::min<uint64_t>(header_.payload_bytes(), uint64_t{256} << 20));
+      // Nothing is reserved up front: a header alone must not make the server allocate.
     } else if (chunk_.has_header()) {
       return Complete(absl::InvalidArgumentError("only the first WeightChunk may carry a header"));
     }
     if (payload_.size() + chunk_.data().size() > header_.payload_bytes()) {
       return Complete(absl::InvalidArgumentError(
-          absl::StrCat("weight set '", header_.name(), "': the stream carries more than payload_bytes = ",
+          absl::StrCat("weight set '", ClientString(header_.name()), "': the stream carries more than payload_bytes = ",
                        header_.payload_bytes(), " bytes")));
     }
+    if (!service_.upload_bytes_.TryExtend(buffered_, chunk_.data().size())) {
+      return Complete(absl::ResourceExhaustedError(absl::StrCat(
+          "server busy: weight set '", ClientString(header_.name()), "': the uploads in progress already buffer ",
+          service_.upload_bytes_.in_use(), " of ", service_.upload_bytes_.limit(),
+          " bytes (--max_upload_buffer_bytes); retry later")));
+    }
     payload_.append(chunk_.data());
+    hasher_.Update(chunk_.data());  // hashed as it arrives, not on the device executor
     chunk_.Clear();
     StartRead(&chunk_);
   }
 
   void OnDone() override {
+    buffered_.Release();
+    service_.open_uploads_.fetch_sub(1, std::memory_order_acq_rel);
     service_.metrics_.InflightAdd(-1);
     delete this;
   }
@@ -64,16 +96,31 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
  private:
   void EndOfStream() {
     if (ctx_->IsCancelled()) return Complete(absl::CancelledError("LoadWeights cancelled by the client"));
+    if (absl::Status s = service_.AdmitDuringDrain(); !s.ok()) return Complete(s);
     if (!have_header_) return Complete(absl::InvalidArgumentError("empty LoadWeights stream: no header"));
     if (payload_.size() < header_.payload_bytes()) {
-      return Complete(absl::DataLossError(absl::StrCat("weight set '", header_.name(), "': the stream ended after ",
+      return Complete(absl::DataLossError(absl::StrCat("weight set '", ClientString(header_.name()), "': the stream ended after ",
                                                        payload_.size(), " of ", header_.payload_bytes(),
                                                        " payload bytes")));
     }
+    absl::StatusOr<std::string> digest = hasher_.FinishHex();
+    if (!digest.ok()) return Complete(digest.status());
+    payload_sha256_ = *std::move(digest);
+    LogInfo("LoadWeights '", ClientString(header_.name()), "': ", payload_.size(), " payload bytes received, queued for build");
     absl::Status submitted = service_.executor_.SubmitControl([this](double queue_seconds) {
       service_.metrics_.ObserveQueue(queue_seconds);
-      absl::StatusOr<v1::WeightSetInfo> info = service_.weights_.InstallOnWorker(header_, payload_, "rpc");
+      // Asked after the build and warm-up, just before publishing: a client that gave up (or a
+      // drain that started) while the set was being built gets nothing published.
+      auto may_publish = [this]() -> absl::Status {
+        if (cancelled_.load(std::memory_order_acquire) || ctx_->IsCancelled()) {
+          return absl::CancelledError("LoadWeights cancelled by the client before the set was published");
+        }
+        return service_.AdmitDuringDrain();
+      };
+      absl::StatusOr<v1::WeightSetInfo> info =
+          service_.weights_.InstallOnWorker(header_, payload_, "rpc", may_publish, std::move(payload_sha256_));
       std::string().swap(payload_);  // release the staging copy before the response goes out
+      buffered_.Release();
       if (!info.ok()) return Complete(info.status());
       *response_ = std::move(*info);
       Complete(absl::OkStatus());
@@ -86,7 +133,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
     service_.metrics_.RecordRequest(Method::kLoadWeights, static_cast<grpc::StatusCode>(status.code()),
                                     SecondsSince(start_), request_bytes_, response_bytes);
     if (!status.ok() && status.code() != absl::StatusCode::kCancelled) {
-      LogWarning("LoadWeights", have_header_ ? absl::StrCat(" '", header_.name(), "'") : std::string(),
+      LogWarning("LoadWeights", have_header_ ? absl::StrCat(" '", ClientString(header_.name()), "'") : std::string(),
                  " failed: ", status.ToString());
     }
     Finish(ToGrpcStatus(status));
@@ -100,6 +147,10 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   v1::WeightSetHeader header_;
   bool have_header_ = false;
   std::string payload_;
+  ByteBudget::Lease buffered_;  // payload_'s bytes in the service's upload budget
+  Sha256 hasher_;                // over payload_, chunk by chunk
+  std::string payload_sha256_;
+  std::atomic<bool> cancelled_{false};
   uint64_t request_bytes_ = 0;
 };
 

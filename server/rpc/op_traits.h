@@ -1,6 +1,6 @@
 // One traits table per compute op: what differs between MhcSeam and SwaNormQuant, for the RPC
 // layer's one StartCompute (rpc/compute_rpcs.cc): the messages, the weight-set part, decoding
-// (rpc/proto_convert.h), the fused-support query, the run (exec/op_calls.h), and the shadow
+// (rpc/proto_convert.h) and the response size it is admitted by, the fused-support query, the run (exec/op_calls.h), and the shadow
 // verifier's synchronous verify and zero-copy capture (server/shadow/).
 #pragma once
 
@@ -30,6 +30,9 @@ struct MhcRpc {
   static constexpr const char* kPartName = "mHC";
   static constexpr const char* kTokensSymbol = "T";
   static const Prepared* Part(const WeightSet& set) { return set.mhc.get(); }
+  static absl::StatusOr<uint64_t> ResponseBytes(const Request& request, const Prepared& w, int64_t max_tokens) {
+    return MhcResponseBytes(request, w, max_tokens);
+  }
   static absl::StatusOr<MhcCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
                                         Response* response) {
     return DecodeMhcRequest(request, w, max_tokens, response);
@@ -75,6 +78,9 @@ struct SwaRpc {
   static constexpr const char* kPartName = "SWA";
   static constexpr const char* kTokensSymbol = "M";
   static const Prepared* Part(const WeightSet& set) { return set.swa.get(); }
+  static absl::StatusOr<uint64_t> ResponseBytes(const Request& request, const Prepared& w, int64_t max_tokens) {
+    return SwaResponseBytes(request, w, max_tokens);
+  }
   static absl::StatusOr<SwaCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
                                         Response* response) {
     return DecodeSwaRequest(request, w, max_tokens, response);

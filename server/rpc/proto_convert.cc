@@ -1,5 +1,7 @@
 #include "rpc/proto_convert.h"
 
+#include <new>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -9,14 +11,6 @@
 
 namespace fusedlayer::server {
 namespace {
-
-// Assigns *out = decoded view or returns its error from the enclosing function.
-#define FL_ASSIGN_VIEW(out, expr)            \
-  do {                                       \
-    absl::StatusOr<TensorView> _v = (expr);  \
-    if (!_v.ok()) return _v.status();        \
-    (out) = *_v;                             \
-  } while (0)
 
 // Assigns *out = decoded view or returns its error from the enclosing function.
 #define FL_ASSIGN_VIEW(out, expr)            \
@@ -187,14 +181,89 @@ TensorView AllocateOutput(v1::Tensor* out, DType dtype, std::initializer_list<in
   return TensorView::Contiguous(out->mutable_data()->data(), dtype, dims);
 }
 
-absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
-                                         int64_t max_tokens, v1::MhcSeamResponse* resp) {
+namespace {
+
+absl::Status CheckStageAndMode(const v1::MhcSeamRequest& req) {
   if (!v1::MhcStage_IsValid(req.stage())) {
     return absl::InvalidArgumentError(absl::StrCat("unknown stage ", static_cast<int>(req.stage())));
   }
   if (!v1::MhcMode_IsValid(req.mode())) {
     return absl::InvalidArgumentError(absl::StrCat("unknown mode ", static_cast<int>(req.mode())));
   }
+  return absl::OkStatus();
+}
+
+// Sum of the dense sizes of `shapes` (dtype, dims), overflow-checked.
+absl::StatusOr<uint64_t> SumDenseBytes(std::initializer_list<std::pair<DType, std::initializer_list<int64_t>>> shapes) {
+  uint64_t total = 0;
+  for (const auto& [dtype, dims] : shapes) {
+    absl::StatusOr<uint64_t> b = DenseBytes(dtype, dims.begin(), static_cast<int>(dims.size()), "response");
+    if (!b.ok()) return b.status();
+    if (__builtin_add_overflow(total, *b, &total)) return absl::InvalidArgumentError("response size overflows");
+  }
+  return total;
+}
+
+// Runs `decode`, turning an allocation failure of the response tensors into RESOURCE_EXHAUSTED.
+template <typename Response, typename Decode>
+auto CatchAllocationFailure(Response* resp, Decode&& decode) -> decltype(decode()) {
+  try {
+    return decode();
+  } catch (const std::bad_alloc&) {
+    resp->Clear();
+    return absl::ResourceExhaustedError("the server could not allocate the response (out of host memory); retry "
+                                        "later or send fewer tokens per call");
+  } catch (const std::length_error&) {
+    resp->Clear();
+    return absl::ResourceExhaustedError("the response is too large for the server to allocate");
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> MhcResponseBytes(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
+                                          int64_t max_tokens) {
+  if (absl::Status s = CheckStageAndMode(req); !s.ok()) return s;
+  absl::StatusOr<int64_t> T = LeadingDim(req.x(), "x", 2);
+  if (!T.ok()) return T.status();
+  if (absl::Status s = CheckTokens(*T, max_tokens, "x"); !s.ok()) return s;
+  const int64_t n = weights.params().hc_mult, C = weights.params().hidden;
+  // The same tensors DecodeMhcRequest allocates below.
+  absl::StatusOr<uint64_t> bytes = SumDenseBytes({{DType::kBF16, {*T, n, C}}, {DType::kBF16, {*T, C}}});
+  if (!bytes.ok()) return bytes;
+  if (FromProto(req.stage()) != MhcStage::kHead) {
+    absl::StatusOr<uint64_t> mix =
+        SumDenseBytes({{DType::kFP32, {*T, n}}, {DType::kFP32, {*T, n}}, {DType::kFP32, {*T, n, n}}});
+    if (!mix.ok()) return mix;
+    *bytes += *mix;
+  }
+  if (req.capture_aux()) {
+    absl::StatusOr<uint64_t> aux = SumDenseBytes({{DType::kBF16, {*T, C}}});
+    if (!aux.ok()) return aux;
+    *bytes += *aux;
+  }
+  return bytes;
+}
+
+absl::StatusOr<uint64_t> SwaResponseBytes(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
+                                          int64_t max_tokens) {
+  absl::StatusOr<int64_t> M = LeadingDim(req.qr_kv(), "qr_kv", 2);
+  if (!M.ok()) return M.status();
+  if (absl::Status s = CheckTokens(*M, max_tokens, "qr_kv"); !s.ok()) return s;
+  const SwaHyperParams& p = weights.params();
+  const bool row_major = p.scale_layout == ScaleLayout::kRowMajor;
+  // The same tensors DecodeSwaRequest allocates below.
+  return SumDenseBytes({{Fp8DType(p.fp8_format), {*M, p.q_rank}},
+                        {DType::kFP32, {row_major ? *M : AlignTo4(*M), p.groups()}},
+                        {DType::kBF16, {*M, p.head_dim}},
+                        {DType::kBF16, {*M, p.has_wq_b() ? p.wq_b_rows : 0}}});
+}
+
+namespace {
+
+absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
+                                             int64_t max_tokens, v1::MhcSeamResponse* resp) {
+  if (absl::Status s = CheckStageAndMode(req); !s.ok()) return s;
   const MhcHyperParams& p = weights.params();
   const int64_t n = p.hc_mult, C = p.hidden;
   MhcCall call;
@@ -249,8 +318,8 @@ absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& req, const Pr
   return call;
 }
 
-absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
-                                         int64_t max_tokens, v1::SwaNormQuantResponse* resp) {
+absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
+                                             int64_t max_tokens, v1::SwaNormQuantResponse* resp) {
   const SwaHyperParams& p = weights.params();
   const int64_t Q = p.q_rank, D = p.head_dim, G = p.groups();
   SwaCall call;
@@ -273,6 +342,18 @@ absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& req, con
   if (absl::Status s = ValidateSwaArgs(p, a); !s.ok()) return s;
   call.query = SwaShapeQuery{a.tokens};
   return call;
+}
+
+}  // namespace
+
+absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
+                                         int64_t max_tokens, v1::MhcSeamResponse* resp) {
+  return CatchAllocationFailure(resp, [&] { return DecodeMhcRequestImpl(req, weights, max_tokens, resp); });
+}
+
+absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
+                                         int64_t max_tokens, v1::SwaNormQuantResponse* resp) {
+  return CatchAllocationFailure(resp, [&] { return DecodeSwaRequestImpl(req, weights, max_tokens, resp); });
 }
 
 }  // namespace fusedlayer::server

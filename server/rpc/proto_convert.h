@@ -39,6 +39,17 @@ v1::FallbackReason ToProto(FallbackReason reason);
 v1::ExecutionPath ToProto(Path path);
 
 // ---- requests ----------------------------------------------------------------------------------------
+// The bytes of the response's tensor data for this request, from its token count and the weight
+// set's shapes, before anything is allocated (memory admission, rpc/compute_rpcs.cc). Checks what
+// the size depends on (stage, mode, the token tensor's rank and --max_tokens) with the same errors
+// Decode*Request gives; the rest of the request is validated by Decode*Request.
+absl::StatusOr<uint64_t> MhcResponseBytes(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
+                                          int64_t max_tokens);
+absl::StatusOr<uint64_t> SwaResponseBytes(const v1::SwaNormQuantRequest& request, const PreparedSwaWeights& weights,
+                                          int64_t max_tokens);
+
+// Validates the request, sizes the response tensors (zero-filled) and returns the call. An
+// allocation failure (std::bad_alloc) is RESOURCE_EXHAUSTED with the response cleared.
 absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
                                          int64_t max_tokens, v1::MhcSeamResponse* response);
 absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& request, const PreparedSwaWeights& weights,

@@ -3,7 +3,9 @@
 #include <random>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/log.h"
 #include "rpc/proto_convert.h"
 #include "rpc/unary_call.h"
 
@@ -19,13 +21,16 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
       weights_(weights),
       metrics_(metrics),
       shadow_(shadow),
+      inflight_bytes_(config.EffectiveMaxInflightBytes(), metrics.inflight_bytes()),
+      upload_bytes_(config.EffectiveMaxUploadBufferBytes(), metrics.upload_buffered_bytes()),
       request_id_salt_(std::random_device{}() & 0xffffff) {
   SetMessageAllocatorFor_MhcSeam(&mhc_messages_);
   SetMessageAllocatorFor_SwaNormQuant(&swa_messages_);
 }
 
 std::string FusedLayerService::RequestId(const std::string& given) {
-  if (!given.empty()) return given;
+  // Echoed in the response and written into log lines and error messages: escaped and bounded.
+  if (!given.empty()) return ClientString(given);
   return absl::StrFormat("srv-%06x-%d", request_id_salt_, next_request_id_.fetch_add(1, std::memory_order_relaxed));
 }
 
@@ -38,6 +43,30 @@ void FusedLayerService::FillReport(v1::ExecutionReport* report, const std::strin
 absl::Status FusedLayerService::AdmitDuringDrain() const {
   if (!draining_.load(std::memory_order_acquire)) return absl::OkStatus();
   return absl::UnavailableError("the server is draining (shutting down); retry on another replica");
+}
+
+absl::Status FusedLayerService::AdmitComputeBytes(UnaryCall* call, uint64_t response_bytes) {
+  const uint64_t send_limit = static_cast<uint64_t>(config_.max_message_bytes);
+  if (response_bytes > send_limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the response would hold ", response_bytes, " bytes of tensors, over the server's send limit of ", send_limit,
+        " bytes (--max_message_bytes); refused before running; send fewer tokens per call"));
+  }
+  const uint64_t need = call->request_bytes() + response_bytes;
+  if (need > inflight_bytes_.limit()) {
+    return absl::ResourceExhaustedError(absl::StrCat("this call needs ", need, " bytes (request ",
+                                                     call->request_bytes(), " + response ", response_bytes,
+                                                     "), more than the server admits at once (--max_inflight_bytes = ",
+                                                     inflight_bytes_.limit(), "); send fewer tokens per call"));
+  }
+  std::optional<ByteBudget::Lease> lease = inflight_bytes_.TryAcquire(need);
+  if (!lease.has_value()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "server busy: this call needs ", need, " bytes and the compute calls in flight already hold ",
+        inflight_bytes_.in_use(), " of ", inflight_bytes_.limit(), " (--max_inflight_bytes); retry with backoff"));
+  }
+  call->HoldBytes(std::move(*lease));
+  return absl::OkStatus();
 }
 
 // ---- admin and discovery --------------------------------------------------------------------------

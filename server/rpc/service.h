@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/byte_budget.h"
 #include "config.h"
 #include "exec/executor.h"
 #include "fusedlayer/backend.h"
@@ -56,6 +57,11 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
  private:
   // UNAVAILABLE while draining, OK otherwise.
   absl::Status AdmitDuringDrain() const;
+  // Memory admission of a compute call whose response will hold `response_bytes` of tensor data,
+  // before any of it is allocated: RESOURCE_EXHAUSTED when the response alone is over the send
+  // limit (--max_message_bytes) or when the call's request + response bytes do not fit in what
+  // --max_inflight_bytes leaves; otherwise the call holds the bytes until it is done.
+  absl::Status AdmitComputeBytes(UnaryCall* call, uint64_t response_bytes);
   class LoadWeightsReactor;
   // One compute request on the executor, alone or in a dynamic batch (rpc/compute_rpcs.cc).
   template <typename Rpc>
@@ -79,6 +85,9 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   shadow::ShadowVerifier& shadow_;
   std::atomic<uint64_t> next_request_id_{1};
   std::atomic<bool> draining_{false};
+  ByteBudget inflight_bytes_;  // compute request + response bytes admitted (--max_inflight_bytes)
+  ByteBudget upload_bytes_;    // payload bytes buffered by LoadWeights streams (--max_upload_buffer_bytes)
+  std::atomic<int> open_uploads_{0};  // LoadWeights streams not yet done (--max_concurrent_uploads)
   const uint64_t request_id_salt_;
   // The compute methods' messages are reference counted (shadow/shared_messages.h) so a sampled
   // request's shadow job can read them after the response without copying them. Registered in the

@@ -50,6 +50,8 @@ absl::Status UnaryCall::LaunchCheck() const {
 }
 
 void UnaryCall::OnDone() {
+  // Bytes first: a scrape that sees no call in flight also sees their bytes given back.
+  bytes_lease_.Release();
   metrics_.InflightAdd(-1);
   delete this;
 }

@@ -2,7 +2,8 @@
 // request metrics, enforces the send limit and finishes. Complete() is called exactly once, from
 // the reactor thread (early errors, cheap RPCs) or from the executor; it returns whether the
 // response went out with OK (false also when the response was over the send limit and cleared).
-// LaunchCheck() is what the executor asks before starting work for the call.
+// LaunchCheck() is what the executor asks before starting work for the call. A compute call holds
+// its admitted bytes (HoldBytes) until OnDone.
 #pragma once
 
 #include <atomic>
@@ -10,6 +11,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "common/byte_budget.h"
 #include "common/metrics.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/server_context.h"
@@ -29,6 +31,10 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   // Work that has not been launched yet is dropped when this says so (deadline passed, cancelled).
   absl::Status LaunchCheck() const;
   double elapsed() const { return SecondsSince(start_); }
+  uint64_t request_bytes() const { return request_bytes_; }
+  // The call's admitted bytes (rpc/service.cc AdmitComputeBytes): given back in OnDone, once the
+  // response has been sent or the call has failed, when its messages are no longer needed.
+  void HoldBytes(ByteBudget::Lease lease) { bytes_lease_ = std::move(lease); }
 
   void OnCancel() override { cancelled_.store(true, std::memory_order_release); }
   void OnDone() override;
@@ -42,6 +48,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   const Clock::time_point start_;
   const uint64_t request_bytes_;
   std::atomic<bool> cancelled_{false};
+  ByteBudget::Lease bytes_lease_;
 };
 
 }  // namespace fusedlayer::server

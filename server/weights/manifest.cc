@@ -82,7 +82,7 @@ absl::Status ParseMhc(const json& j, const std::string& where, v1::MhcConfig* c)
   if (!(i = GetInt(j, "hidden", where, 1, std::numeric_limits<int64_t>::max())).ok()) return i.status();
   c->set_hidden(*i);
   if (j.contains("sinkhorn_iters")) {
-    if (!(i = GetInt(j, "sinkhorn_iters", where, 1, kInt32Max)).ok()) return i.status();
+    if (!(i = GetInt(j, "sinkhorn_iters", where, 1, kMaxSinkhornIters)).ok()) return i.status();
     c->set_sinkhorn_iters(static_cast<int32_t>(*i));
   }
   struct FloatField {

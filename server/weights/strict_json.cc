@@ -16,9 +16,11 @@ absl::StatusOr<json> ParseStrictJson(std::string_view text, std::string_view wha
   // One key set per open object; arrays need none since keys only occur directly inside objects.
   std::vector<std::set<std::string>> open_objects;
   std::string duplicate;
-  bool too_deep = false;
+  // Thrown from the callback to stop at the limit: returning false would only drop the element
+  // and the parser would go on reading (and building) the rest of a hostile, deep document.
+  struct TooDeep {};
   auto callback = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
-    if (depth > kMaxJsonDepth) too_deep = true;
+    if (depth > kMaxJsonDepth) throw TooDeep{};
     switch (event) {
       case json::parse_event_t::object_start:
         open_objects.emplace_back();
@@ -41,13 +43,12 @@ absl::StatusOr<json> ParseStrictJson(std::string_view text, std::string_view wha
   try {
     doc = json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true,
                       /*ignore_comments=*/false);
+  } catch (const TooDeep&) {
+    return absl::InvalidArgumentError(absl::StrCat(AbslView(what), ": JSON nested deeper than ", kMaxJsonDepth));
   } catch (const json::exception& e) {
     // nlohmann's parse_error messages carry the byte position ("syntax error while parsing ...
     // at line 1, column 17"); they never echo more than a token of the input.
     return absl::InvalidArgumentError(absl::StrCat(AbslView(what), ": malformed JSON: ", e.what()));
-  }
-  if (too_deep) {
-    return absl::InvalidArgumentError(absl::StrCat(AbslView(what), ": JSON nested deeper than ", kMaxJsonDepth));
   }
   if (!duplicate.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(AbslView(what), ": duplicate JSON key ", Quote(duplicate)));

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -21,6 +22,35 @@ namespace v1 = ::fusedlayer::v1;
 
 // Far above any DeepSeek width (7168), far below where n(n+2) * n * C could overflow.
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+
+// The serving bounds of weight_set.h, naming the field (the library's own Validate only says
+// "epsilons" and has no upper bounds).
+absl::Status CheckMhcServingBounds(const MhcHyperParams& p) {
+  if (p.sinkhorn_iters < 1 || p.sinkhorn_iters > kMaxSinkhornIters) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sinkhorn_iters = ", p.sinkhorn_iters, " is outside [1, ", kMaxSinkhornIters, "]"));
+  }
+  for (const auto& [name, value] : {std::pair<const char*, float>{"hc_norm_eps", p.hc_norm_eps},
+                                    {"norm_eps", p.norm_eps},
+                                    {"hc_pre_eps", p.hc_pre_eps},
+                                    {"sinkhorn_eps", p.sinkhorn_eps}}) {
+    if (!(value >= 0.0f && value <= kMaxEps)) {  // also false for NaN
+      return absl::InvalidArgumentError(absl::StrCat(name, " = ", value, " is not a finite value in [0, ", kMaxEps, "]"));
+    }
+  }
+  if (!(p.post_scale > 0.0f && p.post_scale <= kMaxPostScale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("post_scale = ", p.post_scale, " is not a finite value in (0, ", kMaxPostScale, "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSwaServingBounds(const SwaHyperParams& p) {
+  if (!(p.eps >= 0.0f && p.eps <= kMaxEps)) {
+    return absl::InvalidArgumentError(absl::StrCat("eps = ", p.eps, " is not a finite value in [0, ", kMaxEps, "]"));
+  }
+  return absl::OkStatus();
+}
 
 std::string ShapeString(DType dtype, const std::vector<int64_t>& shape) {
   return absl::StrCat(DTypeName(dtype), "[", absl::StrJoin(shape, ", "), "]");
@@ -219,7 +249,8 @@ SwaHyperParams SwaParamsFromProto(const v1::SwaConfig& c, int64_t wq_b_rows) {
 }
 
 absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend, const v1::WeightSetHeader& header,
-                                                                std::string_view payload, std::string source) {
+                                                                std::string_view payload, std::string source,
+                                                                std::optional<std::string> payload_sha256) {
   if (!IsValidWeightSetName(header.name())) {
     return absl::InvalidArgumentError(absl::StrCat("weight set name \"", absl::CHexEscape(header.name().substr(0, 160)),
                                                    "\" is invalid: it must match [A-Za-z0-9._/-]{1,128}"));
@@ -231,7 +262,8 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend
                                             " bytes but the header announces ", header.payload_bytes()));
   }
   // The checksum first: a corrupted payload is reported as such, not as whatever it happens to break.
-  absl::StatusOr<std::string> sha = Sha256Hex(payload);
+  absl::StatusOr<std::string> sha =
+      payload_sha256.has_value() ? absl::StatusOr<std::string>(*std::move(payload_sha256)) : Sha256Hex(payload);
   if (!sha.ok()) return sha.status();
   if (!header.sha256().empty()) {
     const std::string want = absl::AsciiStrToLower(header.sha256());
@@ -253,6 +285,8 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend
 
   if (header.has_mhc()) {
     const MhcHyperParams p = MhcParamsFromProto(header.mhc());
+    // The named serving bounds first: they cover the library's checks with a clearer message.
+    if (absl::Status s = CheckMhcServingBounds(p); !s.ok()) return b.Error(absl::StrCat("mhc: ", s.message()));
     if (absl::Status s = p.Validate(); !s.ok()) return b.Error(absl::StrCat("mhc: ", s.message()));
     if (p.hidden > kMaxDim) return b.Error(absl::StrCat("mhc: hidden ", p.hidden, " is too large"));
     const int64_t M = p.num_mixes(), K = p.flat_width(), C = p.hidden;
@@ -297,6 +331,7 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend
       return b.Error("tensor swa.wq_b_scale given without swa.wq_b");
     }
     const SwaHyperParams p = SwaParamsFromProto(c, n_rows);
+    if (absl::Status s = CheckSwaServingBounds(p); !s.ok()) return b.Error(absl::StrCat("swa: ", s.message()));
     if (absl::Status s = p.Validate(); !s.ok()) return b.Error(absl::StrCat("swa: ", s.message()));
     if (p.q_rank > kMaxDim || p.head_dim > kMaxDim || p.wq_b_rows > kMaxDim) {
       return b.Error("swa: q_rank, head_dim or wq_b rows too large");

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 #include <string_view>
@@ -26,6 +27,13 @@
 #include "fusedlayer/v1/fusedlayer.pb.h"
 
 namespace fusedlayer::server {
+
+// Serving bounds on the hyper-parameters (docs/weights.md), on every path that builds a set (RPC
+// header, manifest, builder): a loop count or scale the contracts allow but no model needs would
+// let one upload stall the executor (warm-up and every call run sinkhorn_iters iterations).
+inline constexpr int kMaxSinkhornIters = 1000;  // DeepSeek V4 uses 20
+inline constexpr float kMaxEps = 1.0f;          // every eps in [0, 1]; the models use 1e-20 .. 1e-6
+inline constexpr float kMaxPostScale = 1000.0f;  // post_scale in (0, 1000]; the models use 2
 
 // The common form of a weight set before it is prepared: header (name, configs, tensor entries with
 // payload offsets, payload_bytes, sha256) and the payload the entries point into.
@@ -63,10 +71,13 @@ struct WeightSet {
 // Messages start with the set's name. The payload is only read; tensors at offsets not aligned to
 // their element size are copied to aligned memory before they are handed to the backend.
 // Backend::Prepare* is called from the calling thread: run this where the backend may be driven
-// (the server's device executor).
+// (the server's device executor). `payload_sha256`, when given, is the payload's SHA-256 (lower-
+// case hex) already computed by the caller over exactly `payload` (LoadWeights hashes the chunks
+// as they arrive, off the executor); otherwise it is computed here.
 absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend,
                                                                 const fusedlayer::v1::WeightSetHeader& header,
-                                                                std::string_view payload, std::string source);
+                                                                std::string_view payload, std::string source,
+                                                                std::optional<std::string> payload_sha256 = std::nullopt);
 
 // Hyper-parameters of a config message, with defaults for absent optional fields (not validated).
 MhcHyperParams MhcParamsFromProto(const fusedlayer::v1::MhcConfig& config);

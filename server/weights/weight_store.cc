@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "weights/string_view_compat.h"
 
@@ -10,7 +11,9 @@ namespace fusedlayer::server {
 absl::Status WeightStore::NotFound(std::string_view name) const {
   std::string loaded;
   for (const auto& [n, s] : sets_) absl::StrAppend(&loaded, loaded.empty() ? "" : ", ", n);
-  return absl::NotFoundError(absl::StrCat("weight set \"", AbslView(name.substr(0, 160)), "\" is not loaded (loaded: ",
+  // The name is the client's, not validated: bounded and escaped (no forged lines in logs or messages).
+  return absl::NotFoundError(absl::StrCat("weight set \"", absl::CHexEscape(AbslView(name.substr(0, 160))),
+                                          name.size() > 160 ? "...\"" : "\"", " is not loaded (loaded: ",
                                           loaded.empty() ? "none" : loaded, ")"));
 }
 

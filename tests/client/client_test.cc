@@ -789,6 +789,29 @@ TEST(Client, LoadWeightsRejectsInconsistentHeadersLocally) {
   EXPECT_EQ((*c)->LoadWeights(h, "abcd", size_t{1} << 30).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A bearer token never crosses the network in clear text: without TLS credentials the client sends
+// it only to loopback and unix: targets (Connect contacts nobody, so these need no server).
+TEST(Client, RefusesABearerTokenOverPlaintextToANetworkTarget) {
+  ClientOptions o;
+  o.bearer_token = "0123456789abcdef0123456789abcdef";
+  for (const char* target : {"10.0.0.7:50051", "fusedlayer.internal:50051", "dns:///fusedlayer.internal:50051",
+                             "0.0.0.0:50051", "[2001:db8::1]:50051", "ipv4:127.0.0.1:1,10.0.0.7:1", "128.0.0.1:1"}) {
+    absl::StatusOr<std::unique_ptr<FusedLayerClient>> c = FusedLayerClient::Connect(target, o);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << target;
+    EXPECT_TRUE(absl::StrContains(c.status().message(), "plaintext")) << target << ": " << c.status();
+    EXPECT_FALSE(absl::StrContains(c.status().message(), o.bearer_token)) << "the token was echoed";
+  }
+  for (const char* target : {"127.0.0.1:1", "127.1.2.3:1", "localhost:1", "[::1]:1", "unix:/tmp/fusedlayer.sock",
+                             "unix-abstract:fusedlayer", "dns:///localhost:1", "ipv4:127.0.0.1:1", "ipv6:[::1]:1"}) {
+    EXPECT_TRUE(FusedLayerClient::Connect(target, o).ok()) << target;
+  }
+  // With TLS credentials any target is fine; without a token too.
+  ClientOptions tls = o;
+  tls.credentials = grpc::SslCredentials(grpc::SslCredentialsOptions());
+  EXPECT_TRUE(FusedLayerClient::Connect("10.0.0.7:50051", tls).ok());
+  EXPECT_TRUE(FusedLayerClient::Connect("10.0.0.7:50051", ClientOptions{}).ok());
+}
+
 TEST(Client, UnreachableServerIsUnavailable) {
   // Nothing listens on port 1 of the loopback: the call fails fast with UNAVAILABLE (a refused
   // connection), mapped through to absl with its message.

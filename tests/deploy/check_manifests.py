@@ -127,7 +127,8 @@ def check_k8s():
 
     need = [("Deployment", "fusedlayer"), ("Service", "fusedlayer"), ("Service", "fusedlayer-metrics"),
             ("ServiceMonitor", "fusedlayer"), ("PrometheusRule", "fusedlayer"),
-            ("PodDisruptionBudget", "fusedlayer"), ("ConfigMap", "fusedlayer-weights")]
+            ("PodDisruptionBudget", "fusedlayer"), ("ConfigMap", "fusedlayer-weights"),
+            ("NetworkPolicy", "fusedlayer")]
     for key in need:
         if key not in objs:
             fail("deploy/k8s", f"missing {key[0]} {key[1]}")
@@ -252,6 +253,40 @@ def check_k8s():
         fail(rel(ppath), "selector does not match the pods")
     if pdb["spec"].get("maxUnavailable", 0) >= spec.get("replicas", 1) and "minAvailable" not in pdb["spec"]:
         fail(rel(ppath), "maxUnavailable would allow evicting every replica")
+
+    check_network_policy(objs[("NetworkPolicy", "fusedlayer")], pod_labels)
+
+
+def check_network_policy(obj, pod_labels):
+    """The pods' ingress is restricted: the policy selects them, covers Ingress, and every rule names
+    its peers and only the gRPC or metrics port (an empty `from` or no `ports` would allow all)."""
+    npath, np = obj
+    where = rel(npath)
+    spec = np.get("spec", {})
+    if not selects(spec.get("podSelector", {}).get("matchLabels", {}), pod_labels) or \
+            not spec.get("podSelector", {}).get("matchLabels"):
+        fail(where, "podSelector must select the fusedlayer pods (and only them)")
+    if "Ingress" not in spec.get("policyTypes", []):
+        fail(where, "policyTypes must include Ingress")
+    rules = spec.get("ingress", [])
+    open_ports = set()
+    for i, rule in enumerate(rules):
+        peers = rule.get("from") or []
+        ports = rule.get("ports") or []
+        if not peers or any(not p for p in peers):
+            fail(where, f"ingress[{i}] has no peers: it would admit every source")
+        for p in peers:
+            if "ipBlock" in p and p["ipBlock"].get("cidr") in ("0.0.0.0/0", "::/0"):
+                fail(where, f"ingress[{i}] admits the whole internet")
+        if not ports:
+            fail(where, f"ingress[{i}] names no port: it would open every port")
+        for p in ports:
+            port = p.get("port")
+            if port not in (GRPC_PORT, METRICS_PORT, "grpc", "metrics"):
+                fail(where, f"ingress[{i}] opens port {port}, not the gRPC or metrics port")
+            open_ports.add({"grpc": GRPC_PORT, "metrics": METRICS_PORT}.get(port, port))
+    if GRPC_PORT not in open_ports or METRICS_PORT not in open_ports:
+        fail(where, f"ingress must admit clients to {GRPC_PORT} and Prometheus to {METRICS_PORT}")
 
 
 # The Compose specification's keys this file may use (a subset: a typo or an unsupported key fails).

@@ -198,6 +198,39 @@ TEST_F(ServerErrors, LoadWeightsFailuresPublishNothing) {
   ExpectStillServing();
 }
 
+// A client's request_id and weight-set name reach the response, log lines and error messages:
+// escaped (no forged log lines, no terminal escapes) and bounded in length.
+TEST_F(ServerErrors, ClientStringsAreEscapedAndBoundedInEchoes) {
+  v1::MhcSeamRequest req = MakeMhcRequest(rng_, "both", {});
+  req.set_request_id("abc\nE 2026-12-02T00:00:00Z forged\x1b[2J" + std::string(10000, 'x'));
+  {
+    grpc::ClientContext ctx;
+    v1::MhcSeamResponse resp;
+    ASSERT_TRUE(ts_->stub().MhcSeam(WithDeadline(ctx), req, &resp).ok());
+    const std::string& id = resp.request_id();
+    EXPECT_EQ(id.find('\n'), std::string::npos) << id;
+    EXPECT_EQ(id.find('\x1b'), std::string::npos) << id;
+    EXPECT_LE(id.size(), 128u * 4 + 32) << id.size();
+    EXPECT_EQ(id.rfind("abc\\nE 2026", 0), 0u) << id;
+    EXPECT_NE(id.find("(10037 bytes)"), std::string::npos) << id;
+  }
+  // An ordinary id comes back unchanged.
+  req.set_request_id("orchestrator-7/req-42");
+  {
+    grpc::ClientContext ctx;
+    v1::MhcSeamResponse resp;
+    ASSERT_TRUE(ts_->stub().MhcSeam(WithDeadline(ctx), req, &resp).ok());
+    EXPECT_EQ(resp.request_id(), "orchestrator-7/req-42");
+  }
+  // An unknown weight set with a newline in its name: NOT_FOUND, the name escaped in the message.
+  req.set_weight_set("no\nsuch" + std::string(5000, 'y'));
+  const grpc::Status s = Mhc(req);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  EXPECT_EQ(s.error_message().find('\n'), std::string::npos) << s.error_message();
+  EXPECT_NE(s.error_message().find("no\\nsuch"), std::string::npos) << s.error_message();
+  EXPECT_LT(s.error_message().size(), 1000u);
+}
+
 TEST(ServerLimits, OversizeMessagesAreResourceExhausted) {
   auto rng = MakeRng(21);
   server::ServerConfig cfg = TestConfig();

@@ -6,6 +6,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cmath>
 #include <chrono>
 #include <regex>
 #include <string>
@@ -161,6 +162,131 @@ TEST_F(Reliability, DeviceAllocationFailureIsResourceExhaustedAndServingContinue
   EXPECT_EQ(s.process.Wait(), 0);
 }
 
+// ---- memory admission (issue 15) --------------------------------------------------------------
+
+// A FIRST-stage request sends only x and gets ~(n + 1) times its size back. One whose response is
+// over the send limit must be refused before its response is allocated and before the op runs.
+TEST_F(Reliability, OutputAmplificationIsRefusedBeforeTheOpRuns) {
+  // x of T = 20 at C = 5120 is 204,800 bytes, under the limit; the response (new_residual, y and
+  // the mixes) is 1,025,920 bytes, over it.
+  RunningServer s(FUSEDLAYER_SERVER_BINARY, {"--max_message_bytes=1000000"}, /*armed=*/false);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  const std::string before = s.IdleMetrics();
+  const v1::MhcSeamRequest amplified =
+      MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 20, .stage = v1::MHC_STAGE_FIRST});
+  ASSERT_LT(amplified.ByteSizeLong(), 1000000u);
+
+  v1::MhcSeamResponse resp;
+  const grpc::Status refused = Seam(*s.stub, amplified, &resp);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("1025920 bytes"), std::string::npos) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("--max_message_bytes"), std::string::npos) << refused.error_message();
+
+  const std::string after = s.IdleMetrics();
+  for (const char* path : {"fused", "unfused"}) {
+    EXPECT_EQ(MetricValue(after, "fusedlayer_op_executions_total", {{"op", "mhc"}, {"path", path}}),
+              MetricValue(before, "fusedlayer_op_executions_total", {{"op", "mhc"}, {"path", path}}))
+        << "the op ran for a request whose response could never be sent (path " << path << ")";
+  }
+  EXPECT_EQ(MetricValue(after, "fusedlayer_requests_total", {{"method", "MhcSeam"}, {"code", "RESOURCE_EXHAUSTED"}}),
+            1);
+
+  // Nothing else is affected: a request whose response fits is served with the library's bits.
+  Reference ref(DemoSet(kDemo));
+  const v1::MhcSeamRequest small =
+      MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 4, .stage = v1::MHC_STAGE_FIRST});
+  v1::MhcSeamResponse ok;
+  ASSERT_TRUE(Seam(*s.stub, small, &ok).ok());
+  ExpectSameOutputs(ok, ref.RunMhc(small, Path::kFused));
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  EXPECT_EQ(s.process.Wait(), 0);
+}
+
+// Compute calls are admitted by the bytes they hold (request + response), not only by count: with
+// room for one call, a second concurrent one is RESOURCE_EXHAUSTED, a call that could never fit is
+// RESOURCE_EXHAUSTED, and the bytes come back when the call is done.
+TEST_F(Reliability, ComputeCallsAreAdmittedByBytesInFlight) {
+  // A seam call at T = 4, C = 5120 holds ~205 KB of request and 205,184 bytes of response: one fits
+  // in 600,000 bytes, two do not. The 10 s kernel keeps the first in flight while the others come.
+  RunningServer s(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=slow_kernel=10000", "--max_inflight_bytes=600000"},
+                  /*armed=*/true);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  Reference ref(DemoSet(kDemo));
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 4});
+
+  grpc::Status first_status;
+  v1::MhcSeamResponse first;
+  std::thread caller([&] { first_status = Seam(*s.stub, req, &first); });
+  // Admitted: its bytes are counted (the gauge is set before the call is queued).
+  double held = 0;
+  for (int i = 0; i < 6000 && !(held > 0); ++i) {
+    held = MetricValue(s.Metrics(), "fusedlayer_inflight_bytes");
+    if (!(held > 0)) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_GT(held, 400000) << "the first call's bytes were never counted";
+  EXPECT_LE(held, 600000);
+
+  v1::MhcSeamResponse second;
+  const grpc::Status busy = Seam(*s.stub, req, &second);
+  EXPECT_EQ(busy.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << busy.error_message();
+  EXPECT_NE(busy.error_message().find("--max_inflight_bytes"), std::string::npos) << busy.error_message();
+
+  const v1::MhcSeamRequest too_big = MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 8});
+  v1::MhcSeamResponse never;
+  const grpc::Status never_fits = Seam(*s.stub, too_big, &never);
+  EXPECT_EQ(never_fits.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << never_fits.error_message();
+  EXPECT_NE(never_fits.error_message().find("more than the server admits at once"), std::string::npos)
+      << never_fits.error_message();
+
+  caller.join();
+  ASSERT_TRUE(first_status.ok()) << first_status.error_message();
+  ExpectSameOutputs(first, ref.RunMhc(req, Path::kFused));
+
+  // Released when the call completed: the same call is admitted again.
+  const std::string idle = s.IdleMetrics();
+  EXPECT_EQ(MetricValue(idle, "fusedlayer_inflight_bytes"), 0);
+  v1::MhcSeamResponse again;
+  ASSERT_TRUE(Seam(*s.stub, req, &again).ok());
+  ExpectSameOutputs(again, ref.RunMhc(req, Path::kFused));
+  const std::string m = s.IdleMetrics();
+  EXPECT_EQ(MetricValue(m, "fusedlayer_requests_total", {{"method", "MhcSeam"}, {"code", "RESOURCE_EXHAUSTED"}}), 2);
+  EXPECT_EQ(MetricValue(m, "fusedlayer_requests_total", {{"method", "MhcSeam"}, {"code", "OK"}}), 2);
+  EXPECT_EQ(MetricValue(m, "fusedlayer_inflight_bytes"), 0);
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  EXPECT_EQ(s.process.Wait(), 0);
+}
+
+// --max_concurrent_streams reaches the transport: with 1, a client's second concurrent call on the
+// same connection waits in the client and never reaches the server (its deadline, a tenth of the
+// first call's kernel time, passes there).
+TEST_F(Reliability, MaxConcurrentStreamsHoldsFurtherCallsInTheClient) {
+  RunningServer s(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=slow_kernel=10000", "--max_concurrent_streams=1"},
+                  /*armed=*/true);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 2});
+  grpc::Status first_status;
+  v1::MhcSeamResponse first;
+  std::thread caller([&] { first_status = Seam(*s.stub, req, &first); });
+  s.WaitInflight(1);
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  v1::MhcSeamResponse second;
+  const grpc::Status held = s.stub->MhcSeam(&ctx, req, &second);
+  EXPECT_EQ(held.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << held.error_message();
+  caller.join();
+  ASSERT_TRUE(first_status.ok()) << first_status.error_message();
+
+  // The server saw exactly one call: the second never got a stream.
+  const std::string m = s.IdleMetrics();
+  EXPECT_EQ(MetricValue(m, "fusedlayer_requests_total", {{"method", "MhcSeam"}, {"code", "OK"}}), 1);
+  const double deadline_exceeded =
+      MetricValue(m, "fusedlayer_requests_total", {{"method", "MhcSeam"}, {"code", "DEADLINE_EXCEEDED"}});
+  EXPECT_TRUE(std::isnan(deadline_exceeded) || deadline_exceeded == 0) << deadline_exceeded;
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  EXPECT_EQ(s.process.Wait(), 0);
+}
+
 // ---- graceful drain ---------------------------------------------------------------------------
 
 TEST_F(Reliability, SigtermDrainsInFlightCallsAndRefusesNewOnes) {
@@ -306,6 +432,167 @@ TEST_F(LoadWeightsFaults, CorruptReplacementIsDataLossAndTheOldSetKeepsServing) 
   ExpectSameOutputs(after, Reference(live_).RunMhc(req, Path::kFused));
   EXPECT_EQ(Names(), std::vector<std::string>{"live"});
   EXPECT_EQ(Health("fusedlayer.mhc"), 1);
+}
+
+// ---- LoadWeights under hostile load (issue 15) --------------------------------------------------
+
+// An upload without sha256 would skip the integrity check: refused for RPC uploads.
+TEST_F(LoadWeightsFaults, UploadWithoutSha256IsRefused) {
+  server::PackedWeightSet set = MakeWeightSet(rng_, "unchecked", MhcSetSpec{}, std::nullopt);
+  set.first.clear_sha256();
+  v1::WeightSetInfo info;
+  const grpc::Status s = LoadWeights(ts_->stub(), set, &info);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("sha256 is required"), std::string::npos) << s.error_message();
+  EXPECT_EQ(Names(), std::vector<std::string>{"live"});
+}
+
+// An open LoadWeights stream, written by hand: the header with the first `first_bytes` of the payload.
+struct OpenUpload {
+  OpenUpload(v1::FusedLayer::Stub& stub, const server::PackedWeightSet& set, size_t first_bytes) : set_(set) {
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    writer = stub.LoadWeights(&ctx, &info);
+    v1::WeightChunk chunk;
+    *chunk.mutable_header() = set.first;
+    chunk.set_data(set.second.substr(0, first_bytes));
+    sent_ = first_bytes;
+    ok = writer->Write(chunk);
+  }
+  // Sends the rest of the payload and finishes.
+  grpc::Status Finish() {
+    if (sent_ < set_.second.size()) {
+      v1::WeightChunk chunk;
+      chunk.set_data(set_.second.substr(sent_));
+      writer->Write(chunk);
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+  const server::PackedWeightSet& set_;
+  size_t sent_ = 0;
+  bool ok = false;
+  grpc::ClientContext ctx;
+  v1::WeightSetInfo info;
+  std::unique_ptr<grpc::ClientWriter<v1::WeightChunk>> writer;
+};
+
+// Polls `scrape` until `metric` >= `at_least`; returns the last value.
+template <typename Scrape>
+double WaitMetricAtLeast(Scrape&& scrape, const char* metric, double at_least) {
+  double v = 0;
+  for (int i = 0; i < 6000; ++i) {
+    v = MetricValue(scrape(), metric);
+    if (v >= at_least) return v;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ADD_FAILURE() << metric << " stayed at " << v << " < " << at_least;
+  return v;
+}
+
+TEST(LoadWeightsLimits, ConcurrentStreamsAreBounded) {
+  std::mt19937_64 rng{std::random_device{}()};
+  server::ServerConfig config = TestConfig();
+  config.max_concurrent_uploads = 1;
+  std::unique_ptr<TestServer> ts = TestServer::Start(config);
+  ASSERT_NE(ts, nullptr);
+  const server::PackedWeightSet a = MakeWeightSet(rng, "a", MhcSetSpec{}, std::nullopt);
+  const server::PackedWeightSet b = MakeWeightSet(rng, "b", MhcSetSpec{}, std::nullopt);
+
+  OpenUpload first(ts->stub(), a, a.second.size() / 2);
+  ASSERT_TRUE(first.ok);
+  WaitMetricAtLeast([&] { return ts->Scrape(); }, "fusedlayer_inflight_requests", 1);
+  OpenUpload second(ts->stub(), b, b.second.size() / 2);
+  const grpc::Status refused = second.Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("--max_concurrent_uploads"), std::string::npos) << refused.error_message();
+
+  const grpc::Status loaded = first.Finish();
+  ASSERT_TRUE(loaded.ok()) << loaded.error_message();
+  // The slot comes back once the stream is done.
+  ScrapeWhenIdle(*ts);
+  v1::WeightSetInfo info;
+  const grpc::Status again = LoadWeights(ts->stub(), b, &info);
+  EXPECT_TRUE(again.ok()) << again.error_message();
+}
+
+TEST(LoadWeightsLimits, BufferedBytesOfAllUploadsAreBounded) {
+  std::mt19937_64 rng{std::random_device{}()};
+  const server::PackedWeightSet a = MakeWeightSet(rng, "a", MhcSetSpec{}, std::nullopt);
+  const server::PackedWeightSet b = MakeWeightSet(rng, "b", MhcSetSpec{}, std::nullopt);
+  ASSERT_EQ(a.second.size(), b.second.size());
+  const size_t payload = a.second.size();
+  server::ServerConfig config = TestConfig();
+  // Room for one whole payload and a half, not for two.
+  config.max_upload_buffer_bytes = payload + payload / 2;
+  std::unique_ptr<TestServer> ts = TestServer::Start(config);
+  ASSERT_NE(ts, nullptr);
+
+  const size_t most = payload * 4 / 5;
+  OpenUpload first(ts->stub(), a, most);
+  ASSERT_TRUE(first.ok);
+  EXPECT_EQ(WaitMetricAtLeast([&] { return ts->Scrape(); }, "fusedlayer_upload_buffered_bytes", most), most);
+  OpenUpload second(ts->stub(), b, most);
+  const grpc::Status refused = second.Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("--max_upload_buffer_bytes"), std::string::npos) << refused.error_message();
+
+  const grpc::Status loaded = first.Finish();
+  ASSERT_TRUE(loaded.ok()) << loaded.error_message();
+  const std::string idle = ScrapeWhenIdle(*ts);
+  EXPECT_EQ(MetricValue(idle, "fusedlayer_upload_buffered_bytes"), 0);
+  v1::WeightSetInfo info;
+  const grpc::Status again = LoadWeights(ts->stub(), b, &info);
+  EXPECT_TRUE(again.ok()) << again.error_message();
+}
+
+// A client that half-closes and then gives up while its set is still queued behind device work
+// gets CANCELLED, and the set is never published.
+TEST_F(Reliability, LoadWeightsCancelledAfterTheStreamEndedPublishesNothing) {
+  RunningServer s(FUSEDLAYER_FAULT_SERVER_BINARY, {"--fault_inject=slow_kernel=10000"}, /*armed=*/true);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng_, kDemo, {.hidden = kDemoHidden, .tokens = 2});
+  grpc::Status compute_status;
+  v1::MhcSeamResponse compute;
+  std::thread caller([&] { compute_status = Seam(*s.stub, req, &compute); });
+  s.WaitInflight(1);  // the executor is busy for 10 s: the upload queues behind it
+
+  const server::PackedWeightSet set = MakeWeightSet(rng_, "abandoned", MhcSetSpec{}, std::nullopt);
+  OpenUpload upload(*s.stub, set, set.second.size());
+  ASSERT_TRUE(upload.ok);
+  upload.writer->WritesDone();
+  ASSERT_FALSE(s.process.ReadUntil(std::regex("LoadWeights 'abandoned'.*queued for build")).empty()) << s.process.log();
+  upload.ctx.TryCancel();
+  EXPECT_EQ(upload.writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+
+  const std::string outcome = s.process.ReadUntil(std::regex("weight set 'abandoned'"));
+  EXPECT_NE(outcome.find("not published"), std::string::npos) << outcome;
+  caller.join();
+  EXPECT_TRUE(compute_status.ok()) << compute_status.error_message();
+  grpc::ClientContext ctx;
+  v1::ListWeightSetsResponse list;
+  ASSERT_TRUE(s.stub->ListWeightSets(&ctx, {}, &list).ok());
+  for (const auto& w : list.weight_sets()) EXPECT_NE(w.name(), "abandoned");
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  EXPECT_EQ(s.process.Wait(), 0);
+}
+
+// An upload that was open when the drain started finishes its stream during the drain: UNAVAILABLE
+// (retry on another replica), nothing published.
+TEST_F(Reliability, LoadWeightsIsRefusedWhileDraining) {
+  RunningServer s(FUSEDLAYER_SERVER_BINARY, {"--drain_seconds=60"}, /*armed=*/false);
+  ASSERT_NE(s.port, 0) << s.process.log();
+  const server::PackedWeightSet set = MakeWeightSet(rng_, "late", MhcSetSpec{}, std::nullopt);
+  OpenUpload upload(*s.stub, set, set.second.size() / 2);
+  ASSERT_TRUE(upload.ok);
+  s.WaitInflight(1);
+  ASSERT_EQ(kill(s.process.pid(), SIGTERM), 0);
+  ASSERT_FALSE(s.process.ReadUntil(std::regex("draining: health NOT_SERVING")).empty()) << s.process.log();
+  const grpc::Status refused = upload.Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("draining"), std::string::npos) << refused.error_message();
+  const std::string log = s.process.ReadAll();
+  EXPECT_EQ(s.process.Wait(), 0) << log;
+  EXPECT_EQ(log.find("loaded weight set 'late'"), std::string::npos) << log;
 }
 
 }  // namespace

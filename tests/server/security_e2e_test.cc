@@ -4,6 +4,7 @@
 // Certificates are throwaway ones made here with the `openssl` CLI (Debian package openssl) in a
 // fresh temporary directory: a CA, a server certificate for IP:127.0.0.1 and DNS:localhost, a client
 // certificate from the same CA, and a client certificate from a second, untrusted CA.
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -133,6 +134,8 @@ class SecurityTest : public ::testing::Test {
     c.tls_key = pki_->server_key;
     if (mutual) c.tls_client_ca = pki_->ca;
     if (tokens) c.auth_tokens_file = tokens_file_;
+    // TLS without tokens must be accepted explicitly (StartRefusesTlsWithoutTokensUnlessAllowed).
+    c.allow_unauthenticated_tls = !tokens;
     return c;
   }
 
@@ -337,6 +340,25 @@ TEST_F(SecurityTest, StartRefusesTokensInClearTextOnANetworkAddress) {
   EXPECT_TRUE(compute->GetServerInfo().ok());
 }
 
+// TLS or mutual TLS without a token file would let everyone who completes the handshake load and
+// unload weight sets: refused at startup unless --allow_unauthenticated_tls accepts it.
+TEST_F(SecurityTest, StartRefusesTlsWithoutTokensUnlessAllowed) {
+  for (const bool mutual : {false, true}) {
+    server::ServerConfig c = TlsConfig(mutual, /*tokens=*/false);
+    c.allow_unauthenticated_tls = false;
+    const absl::Status s = server::FusedLayerServer::Start(c, CpuBackendFor(c), {}).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "mutual " << mutual << ": " << s;
+    EXPECT_NE(s.message().find("--auth_tokens_file"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("--allow_unauthenticated_tls"), std::string::npos) << s;
+    // With tokens it starts; accepted explicitly it starts too.
+    c.auth_tokens_file = tokens_file_;
+    EXPECT_TRUE(server::FusedLayerServer::Start(c, CpuBackendFor(c), {}).ok()) << "mutual " << mutual;
+    c.auth_tokens_file.clear();
+    c.allow_unauthenticated_tls = true;
+    EXPECT_TRUE(server::FusedLayerServer::Start(c, CpuBackendFor(c), {}).ok()) << "mutual " << mutual;
+  }
+}
+
 TEST_F(SecurityTest, BadTlsFilesFailStartWithTheFlagName) {
   auto start = [](server::ServerConfig c) {
     return server::FusedLayerServer::Start(c, CpuBackendFor(c), {}).status();
@@ -430,6 +452,24 @@ TEST_F(SecurityTest, BinaryWarnsOnceWhenPlaintextAndOpen) {
     ++count;
   }
   EXPECT_EQ(count, 1u) << log;
+}
+
+// A token file other local users can read: one WARNING at startup naming the flag; chmod 600: none.
+TEST_F(SecurityTest, BinaryWarnsWhenTheTokenFileIsReadableByOthers) {
+  const std::string path = pki_->dir + "/tokens-perm";
+  WriteFile(path, "# test\n" + compute_token_ + " compute\n");
+  for (const mode_t mode : {mode_t{0644}, mode_t{0600}}) {
+    ASSERT_EQ(chmod(path.c_str(), mode), 0);
+    ServerProcess p(FUSEDLAYER_SERVER_BINARY, {"--backend=cpu", "--cpu_threads=1", "--address=127.0.0.1:0",
+                                               "--metrics_address=127.0.0.1:0", "--auth_tokens_file=" + path});
+    ASSERT_FALSE(p.ReadUntil(std::regex("serving fusedlayer")).empty()) << p.log();
+    ASSERT_EQ(kill(p.pid(), SIGTERM), 0);
+    const std::string log = p.ReadAll();
+    EXPECT_EQ(p.Wait(), 0) << log;
+    const bool warned = log.find("--auth_tokens_file=" + path + " is readable by group or others") != std::string::npos;
+    EXPECT_EQ(warned, mode == 0644) << "mode " << std::oct << mode << ": " << log;
+    EXPECT_EQ(log.find(compute_token_), std::string::npos) << "a token reached the log";
+  }
 }
 
 TEST_F(SecurityTest, BinaryBindsMetricsToLoopbackWhenAuthIsOnByDefault) {

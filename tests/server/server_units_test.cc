@@ -1,14 +1,19 @@
 // Unit tests of the server's pure parts: the dispatcher's precedence and fallback rules, the
 // tensor codec's validation, the executor's bound, and flag parsing.
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 
+#include "common/byte_budget.h"
 #include "config.h"
 #include "exec/dispatcher.h"
 #include "exec/executor.h"
 #include "gtest/gtest.h"
 #include "rpc/proto_convert.h"
+#include "server_test_env.h"
+#include "weights/weight_set.h"
 
 namespace fusedlayer::server {
 namespace {
@@ -166,6 +171,58 @@ TEST(TensorCodec, Strided2DViewsTheLeadingColumns) {
       DecodeStrided2D(T(v1::DATA_TYPE_BF16, {3, 6}, 36), "qr_kv", DType::kBF16, 7).status()));
 }
 
+// Memory admission sizes the response before Decode*Request allocates it: the two must agree for
+// every stage, mode, aux flag, SWA scale layout and wq_b, or admission would count the wrong bytes.
+TEST(ResponseSizing, MatchesWhatDecodeAllocates) {
+  std::mt19937_64 rng{std::random_device{}()};
+  const ServerConfig config = testing::TestConfig();
+  std::unique_ptr<Backend> cpu = testing::CpuBackendFor(config);
+  int checked = 0;
+  for (const auto layout : {v1::SCALE_LAYOUT_ROW_MAJOR, v1::SCALE_LAYOUT_COLUMN_MAJOR_TMA}) {
+    for (const int64_t wq_b_rows : {int64_t{0}, int64_t{256}}) {
+      const PackedWeightSet packed = testing::MakeWeightSet(
+          rng, "s", testing::MhcSetSpec{}, testing::SwaSetSpec{.layout = layout, .wq_b_rows = wq_b_rows});
+      absl::StatusOr<std::shared_ptr<const WeightSet>> set = BuildWeightSet(*cpu, packed.first, packed.second, "test");
+      ASSERT_TRUE(set.ok()) << set.status();
+      for (const int64_t tokens : {int64_t{0}, int64_t{1}, int64_t{7}}) {
+        for (const auto stage : {v1::MHC_STAGE_FIRST, v1::MHC_STAGE_SEAM, v1::MHC_STAGE_HEAD}) {
+          for (const auto mode : {v1::MHC_MODE_SHIFTED, v1::MHC_MODE_NORMAL}) {
+            for (const bool aux : {false, true}) {
+              const v1::MhcSeamRequest req = testing::MakeMhcRequest(
+                  rng, "s", {.tokens = tokens, .stage = stage, .mode = mode, .pre_mix = true, .capture_aux = aux});
+              v1::MhcSeamResponse resp;
+              if (!DecodeMhcRequest(req, *(*set)->mhc, 1 << 20, &resp).ok()) continue;  // combination not defined
+              absl::StatusOr<uint64_t> bytes = MhcResponseBytes(req, *(*set)->mhc, 1 << 20);
+              ASSERT_TRUE(bytes.ok()) << bytes.status();
+              EXPECT_EQ(*bytes, resp.new_residual().data().size() + resp.new_pre_mix().data().size() +
+                                    resp.new_post_mix().data().size() + resp.new_comb_mix().data().size() +
+                                    resp.y().data().size() + resp.aux().data().size())
+                  << "T " << tokens << " stage " << stage << " mode " << mode << " aux " << aux;
+              ++checked;
+            }
+          }
+        }
+        const v1::SwaNormQuantRequest sreq = testing::MakeSwaRequest(rng, "s", tokens, 256 + 128 + 16);
+        v1::SwaNormQuantResponse sresp;
+        ASSERT_TRUE(DecodeSwaRequest(sreq, *(*set)->swa, 1 << 20, &sresp).ok());
+        absl::StatusOr<uint64_t> bytes = SwaResponseBytes(sreq, *(*set)->swa, 1 << 20);
+        ASSERT_TRUE(bytes.ok()) << bytes.status();
+        EXPECT_EQ(*bytes, sresp.q_fp8().data().size() + sresp.q_scale().data().size() + sresp.kv().data().size() +
+                              sresp.q_proj().data().size())
+            << "M " << tokens << " layout " << layout << " wq_b " << wq_b_rows;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GE(checked, 4 * 3 * (5 + 1));  // FIRST x2, SEAM x4, HEAD x1 minus undefined; SWA once each
+  // The token bound is the same error Decode gives, before any size is computed.
+  const PackedWeightSet packed = testing::MakeWeightSet(rng, "s", testing::MhcSetSpec{}, std::nullopt);
+  absl::StatusOr<std::shared_ptr<const WeightSet>> set = BuildWeightSet(*cpu, packed.first, packed.second, "test");
+  ASSERT_TRUE(set.ok());
+  const v1::MhcSeamRequest big = testing::MakeMhcRequest(rng, "s", {.tokens = 9});
+  EXPECT_TRUE(absl::IsInvalidArgument(MhcResponseBytes(big, *(*set)->mhc, 8).status()));
+}
+
 TEST(TensorCodec, OutputsAreSizedInPlace) {
   v1::Tensor out;
   TensorView v = AllocateOutput(&out, DType::kFP32, {4, 5});
@@ -225,6 +282,57 @@ TEST(Config, DisableFusedAndLimits) {
   EXPECT_TRUE(c.Validate().ok());
   c.max_connection_age_seconds = -1;
   EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.max_connection_age_seconds = 0;
+  // drain_seconds becomes an int of milliseconds: bounded, NaN refused.
+  for (const double bad : {3600.5, 1e12, -1.0, std::nan("")}) {
+    c.drain_seconds = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  c.drain_seconds = 3600;
+  EXPECT_TRUE(c.Validate().ok());
+  // The new admission limits.
+  c.max_concurrent_streams = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.max_concurrent_streams = 128;
+  c.max_concurrent_uploads = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.max_concurrent_uploads = 4;
+  c.grpc_memory_quota_bytes = static_cast<uint64_t>(c.max_message_bytes);  // below twice the message limit
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.grpc_memory_quota_bytes = 0;
+  EXPECT_TRUE(c.Validate().ok());
+  EXPECT_GT(c.EffectiveMaxInflightBytes(), 0u);
+  EXPECT_GT(c.EffectiveGrpcMemoryQuotaBytes(), c.EffectiveMaxInflightBytes());
+  c.max_inflight_bytes = 12345;
+  EXPECT_EQ(c.EffectiveMaxInflightBytes(), 12345u);
+}
+
+// The admission counter never over-commits and gives bytes back exactly once.
+TEST(ByteBudget, AdmitsUpToTheLimitAndReleasesOnDestruction) {
+  ByteBudget budget(100);
+  std::optional<ByteBudget::Lease> a = budget.TryAcquire(60);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_FALSE(budget.TryAcquire(41).has_value());
+  std::optional<ByteBudget::Lease> b = budget.TryAcquire(40);
+  ASSERT_TRUE(b.has_value());
+  EXPECT_EQ(budget.in_use(), 100u);
+  EXPECT_FALSE(budget.TryAcquire(1).has_value());
+  EXPECT_FALSE(budget.TryAcquire(~uint64_t{0}).has_value());  // no wrap-around
+  b->Release();
+  b->Release();  // idempotent
+  EXPECT_EQ(budget.in_use(), 60u);
+  EXPECT_TRUE(budget.TryExtend(*a, 40));
+  EXPECT_EQ(a->bytes(), 100u);
+  EXPECT_FALSE(budget.TryExtend(*a, 1));
+  EXPECT_EQ(a->bytes(), 100u);
+  ByteBudget::Lease moved = std::move(*a);
+  a.reset();
+  EXPECT_EQ(budget.in_use(), 100u);
+  { ByteBudget::Lease gone = std::move(moved); }
+  EXPECT_EQ(budget.in_use(), 0u);
+  ByteBudget::Lease empty;
+  EXPECT_TRUE(budget.TryExtend(empty, 10));
+  EXPECT_EQ(budget.in_use(), 10u);
 }
 
 }  // namespace

@@ -430,16 +430,16 @@ TEST(ShadowE2E, AResponseOverTheSendLimitIsNotShadowedAndReleasesItsMessages) {
   cfg.max_message_bytes = 256 << 10;
   auto ts = TestServer::Start(cfg, nullptr, {MakeWeightSet(rng, "s", MhcSetSpec{}, std::nullopt)});
   ASSERT_NE(ts, nullptr);
-  // Under the receive limit, but the response (with aux) is over the send limit: it is cleared and
-  // not sent, so the job captured for it is dropped before it is queued.
+  // Under the receive limit, but the response (with aux) is over the send limit: it is refused
+  // before it is allocated and before the op runs (memory admission), so nothing is sampled.
   v1::MhcSeamRequest req = MakeMhcRequest(rng, "s", MhcRequestSpec{.tokens = 90, .capture_aux = true});
   ASSERT_LT(req.ByteSizeLong(), size_t{256} << 10);
   grpc::ClientContext ctx;
   v1::MhcSeamResponse resp;
   EXPECT_EQ(ts->stub().MhcSeam(&ctx, req, &resp).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   const std::string m = ScrapeWhenIdle(*ts);
-  // It ran fused and was sampled (so a job was captured, then dropped with the failed response).
-  EXPECT_EQ(MetricValue(m, "fusedlayer_op_executions_total", {{"op", "mhc"}, {"path", "fused"}}), 1);
+  // It never ran, so no job was captured.
+  EXPECT_EQ(MetricValue(m, "fusedlayer_op_executions_total", {{"op", "mhc"}, {"path", "fused"}}), 0);
   EXPECT_EQ(Shadow(m, "comparisons_total", {{"op", "mhc"}}), 0);
   EXPECT_EQ(Shadow(m, "dropped_total", {{"op", "mhc"}}), 0);
   EXPECT_EQ(Shadow(m, "queued_jobs", {}), 0);

@@ -4,6 +4,8 @@
 // lane (serving work is never queued behind it); the zero-copy capture (a job reads the call's own
 // messages, which are freed exactly when both the call and the job released them, on every drop
 // path too); the bounded dump writer; flag validation.
+#include <sys/stat.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -910,6 +912,34 @@ TEST(ShadowDump, BoundedInCountAndBytesAndSelfDescribing) {
   // An unusable directory fails at Open (startup), not at the first mismatch.
   auto bad = server::shadow::ShadowDumpWriter::Open("/proc/fusedlayer-no-such-dir", 1, 1);
   EXPECT_TRUE(absl::IsInvalidArgument(bad.status())) << bad.status();
+}
+
+// Dumps hold client activations: written 0600 whatever the umask; a temporary file a crash left
+// behind is removed when the writer opens the directory.
+TEST(ShadowDump, DumpsArePrivateAndStaleTemporariesAreCleaned) {
+  const std::string dir = TempDir("private");
+  const std::string stale = dir + "/." + std::string(server::shadow::kDumpPrefix) + "mhc-req-7.tmp";
+  { std::ofstream(stale) << "half a dump"; }
+  const std::string unrelated = dir + "/notes.txt";
+  { std::ofstream(unrelated) << "kept"; }
+  std::vector<uint16_t> bits(16, 0x3f80);
+  v1::Tensor t = MakeTensorOf(DType::kBF16, {4, 4}, bits);
+  server::shadow::DumpCase c;
+  c.op = "mhc";
+  c.request_id = "r";
+  c.tensors = {{"request.x", &t}};
+  const mode_t old_umask = umask(0);  // the most permissive umask: the mode must still be 0600
+  auto w = server::shadow::ShadowDumpWriter::Open(dir, 4, 1 << 20);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_FALSE(std::filesystem::exists(stale));
+  EXPECT_TRUE(std::filesystem::exists(unrelated));
+  auto path = (*w)->Write(c);
+  umask(old_umask);
+  ASSERT_TRUE(path.ok()) << path.status();
+  struct stat st {};
+  ASSERT_EQ(stat(path->c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u) << std::oct << (st.st_mode & 0777);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ShadowConfig, FlagsAreValidated) {

@@ -429,6 +429,9 @@ TEST(SafetensorsTest, BadHeadersGiveDocumentedStatus) {
       {"metadata not object", R"({"__metadata__":[1]})", "", E, "__metadata__"},
       {"metadata value not string", R"({"__metadata__":{"k":1}})", "", E, "__metadata__"},
       {"too deep", std::string(40, '[') + std::string(40, ']'), "", E, "deeper"},
+      // Stops at the limit: 64 KiB of nesting, never closed, is "too deep", not a syntax error
+      // found after reading it all.
+      {"too deep, unterminated", std::string(1 << 16, '['), "", E, "deeper"},
   };
   for (const BadHeaderCase& c : cases) {
     absl::StatusOr<SafetensorsIndex> r = ParseSafetensors(RawFile(c.header, c.data), "case.safetensors");
@@ -641,6 +644,8 @@ TEST(ManifestTest, ErrorsGiveDocumentedStatus) {
       {"string hidden", one(R"({"hc_mult": 4, "hidden": "256"})", fn), E, "hidden"},
       {"eps overflows float", one(R"({"hc_mult": 4, "hidden": 256, "norm_eps": 1e50})", fn), E, "norm_eps"},
       {"eps flushes to zero", one(R"({"hc_mult": 4, "hidden": 256, "norm_eps": 1e-60})", fn), E, "norm_eps"},
+      // The serving bound (weight_set.h kMaxSinkhornIters): 2^31 - 1 iterations would stall the executor.
+      {"sinkhorn_iters huge", one(R"({"hc_mult": 4, "hidden": 256, "sinkhorn_iters": 2147483647})", fn), E, "sinkhorn_iters"},
       {"bad fp8_format", set(R"({"name": "s", "swa": {"q_rank": 256, "head_dim": 128, "fp8_format": "e5m2"}, "tensors": {}})"), E, "e5m2"},
       {"bad scale_layout", set(R"({"name": "s", "swa": {"q_rank": 256, "head_dim": 128, "scale_layout": "col"}, "tensors": {}})"), E, "col"},
       {"tensor ref typo", one(mhc, R"("mhc.fn": {"fille": "layer3.safetensors", "tensor": "x"})"), E, "fille"},
@@ -959,6 +964,20 @@ TEST(WeightSetTest, ValidationErrorsGiveDocumentedStatus) {
       {"hidden huge", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_hidden(int64_t{1} << 60); }, E, "hidden"},
       {"negative eps", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_norm_eps(-1); }, E, "eps"},
       {"sinkhorn_iters 0", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_sinkhorn_iters(0); }, E, "sinkhorn_iters"},
+      // Serving bounds (weight_set.h): every loop count bounded, every float finite and in range,
+      // and the message names the field.
+      {"sinkhorn_iters 2^31-1", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_sinkhorn_iters(INT32_MAX); }, E, "sinkhorn_iters = 2147483647"},
+      {"sinkhorn_iters 1001", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_sinkhorn_iters(1001); }, E, "sinkhorn_iters = 1001"},
+      {"hc_norm_eps nan", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_hc_norm_eps(std::nanf("")); }, E, "hc_norm_eps"},
+      {"norm_eps inf", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_norm_eps(INFINITY); }, E, "norm_eps"},
+      {"hc_pre_eps 2", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_hc_pre_eps(2.0f); }, E, "hc_pre_eps"},
+      {"sinkhorn_eps -inf", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_sinkhorn_eps(-INFINITY); }, E, "sinkhorn_eps"},
+      {"post_scale nan", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_post_scale(std::nanf("")); }, E, "post_scale"},
+      {"post_scale inf", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_post_scale(INFINITY); }, E, "post_scale"},
+      {"post_scale 0", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_post_scale(0.0f); }, E, "post_scale"},
+      {"post_scale 1e4", [](PackedWeightSet& s) { s.first.mutable_mhc()->set_post_scale(1e4f); }, E, "post_scale"},
+      {"swa eps nan", [](PackedWeightSet& s) { s.first.mutable_swa()->set_eps(std::nanf("")); }, E, "swa: eps"},
+      {"swa eps 10", [](PackedWeightSet& s) { s.first.mutable_swa()->set_eps(10.0f); }, E, "swa: eps"},
       {"q_rank not /128", [](PackedWeightSet& s) { s.first.mutable_swa()->set_q_rank(200); }, E, "q_rank"},
       {"head_dim 0", [](PackedWeightSet& s) { s.first.mutable_swa()->set_head_dim(0); }, E, "head_dim"},
       {"unknown fp8 enum", [](PackedWeightSet& s) { s.first.mutable_swa()->set_fp8_format(static_cast<v1::Fp8Format>(7)); }, E, "fp8_format"},
@@ -1007,6 +1026,14 @@ TEST(WeightSetTest, ValidationErrorsGiveDocumentedStatus) {
     EXPECT_EQ(b.status().code(), c.code) << c.what << ": " << b.status();
     EXPECT_THAT(b.status().message(), HasSubstr(c.message)) << c.what;
   }
+  // The bounds themselves are accepted.
+  PackedWeightSet edge = base;
+  edge.first.mutable_mhc()->set_sinkhorn_iters(kMaxSinkhornIters);
+  edge.first.mutable_mhc()->set_post_scale(kMaxPostScale);
+  edge.first.mutable_mhc()->set_norm_eps(kMaxEps);
+  edge.first.mutable_mhc()->set_sinkhorn_eps(0.0f);
+  edge.first.mutable_swa()->set_eps(kMaxEps);
+  EXPECT_TRUE(BuildWeightSet(*cpu, edge.first, edge.second, "rpc").ok());
   // An upper-case checksum is the same digest.
   PackedWeightSet s = base;
   s.first.set_sha256(absl::AsciiStrToUpper(s.first.sha256()));
