@@ -184,38 +184,61 @@ __device__ __forceinline__ void ComputePost(const float* d, float S, float K, co
   for (int j = 0; j < N; ++j) post[j] = __fmul_rn(Sigmoid(MixLogit(r, d[N + j], scale[1], base[N + j])), h.post_scale);
 }
 
-#if FL_GPU_COMPILER
-// comb for n = 4 on the lanes of one warp: lane l holds P[l / 4][l % 4] (lanes 16..31 mirror
-// 0..15). Row sums are xor butterflies over lane bits 0-1, column sums over bits 2-3, so every lane
-// of a row or column gets the same bits; per normalisation that is 2 shuffles, 2 adds, one
-// reciprocal and one multiply, instead of ~40 dependent instructions on a single thread. Must be
-// called by all lanes of the warp.
-__device__ __forceinline__ float CombSinkhornLanes4(const float* d, float S, float K, const float* scale,
-                                                    const float* base, const MixHyper& h, int lane) {
-  const float r = RsqrtMean(S, K, h.hc_norm_eps);
-  const int o = 8 + (lane & 15);  // 2n + n*i + j with n = 4
-  const float v = MixLogit(r, d[o], scale[2], base[o]);
-  float mx = fmaxf(v, ShflXor(v, 1));
-  mx = fmaxf(mx, ShflXor(mx, 2));
-  const float e = expf(__fsub_rn(v, mx));
-  float s = __fadd_rn(e, ShflXor(e, 1));
-  s = __fadd_rn(s, ShflXor(s, 2));
-  float P = __fadd_rn(__fdiv_rn(e, s), h.sinkhorn_eps);
+// comb for n = 4 on every lane of a warp, in registers (each lane runs the whole 4 x 4 Sinkhorn;
+// the caller stores lane l's P[l / 4][l % 4], lanes 16..31 mirror 0..15). The order of every
+// operation is the one of the xor-butterfly version this replaced (2026-12-02 finalize round):
+// row sums (P[i][0] + P[i][1]) + (P[i][2] + P[i][3]), column sums (P[0][j] + P[1][j]) + (P[2][j] +
+// P[3][j]), row max max(max(a, b), max(c, d)); IEEE add and fmaxf commute, so each lane of the
+// butterfly held exactly these bits. Why registers: a butterfly normalisation is 2 dependent
+// shuffles (~25 cycles each) + adds + rcp + mul, ~80 cycles, and the 2 * sinkhorn_iters of them
+// were the longest serial chain of the finalize kernel at decode sizes; without shuffles a
+// normalisation is 3 adds, a MUFU rcp and a mul (~35 cycles, 36 instructions per lane).
+// `r` = RsqrtMean(S, K, hc_norm_eps).
+__device__ __forceinline__ float CombSinkhornRegs4(const float* d, float r, const float* scale, const float* base,
+                                                   const MixHyper& h, int lane) {
+  constexpr int N = 4;
+  float P[N][N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) P[i][j] = MixLogit(r, d[2 * N + N * i + j], scale[2], base[2 * N + N * i + j]);
+    const float mx = fmaxf(fmaxf(P[i][0], P[i][1]), fmaxf(P[i][2], P[i][3]));
+#pragma unroll
+    for (int j = 0; j < N; ++j) P[i][j] = expf(__fsub_rn(P[i][j], mx));
+    const float s = __fadd_rn(__fadd_rn(P[i][0], P[i][1]), __fadd_rn(P[i][2], P[i][3]));
+#pragma unroll
+    for (int j = 0; j < N; ++j) P[i][j] = __fadd_rn(__fdiv_rn(P[i][j], s), h.sinkhorn_eps);
+  }
   auto column_step = [&] {
-    float c = __fadd_rn(P, ShflXor(P, 4));
-    c = __fadd_rn(c, ShflXor(c, 8));
-    P = __fmul_rn(P, SinkhornRcp(__fadd_rn(c, h.sinkhorn_eps)));
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float c = __fadd_rn(__fadd_rn(P[0][j], P[1][j]), __fadd_rn(P[2][j], P[3][j]));
+      const float inv = SinkhornRcp(__fadd_rn(c, h.sinkhorn_eps));
+#pragma unroll
+      for (int i = 0; i < N; ++i) P[i][j] = __fmul_rn(P[i][j], inv);
+    }
   };
   column_step();
   for (int it = 1; it < h.sinkhorn_iters; ++it) {
-    float rs = __fadd_rn(P, ShflXor(P, 1));
-    rs = __fadd_rn(rs, ShflXor(rs, 2));
-    P = __fmul_rn(P, SinkhornRcp(__fadd_rn(rs, h.sinkhorn_eps)));
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float rs = __fadd_rn(__fadd_rn(P[i][0], P[i][1]), __fadd_rn(P[i][2], P[i][3]));
+      const float inv = SinkhornRcp(__fadd_rn(rs, h.sinkhorn_eps));
+#pragma unroll
+      for (int j = 0; j < N; ++j) P[i][j] = __fmul_rn(P[i][j], inv);
+    }
     column_step();
   }
-  return P;
+  // Lane l's element without a dynamically indexed register array (which would go to local memory).
+  const int li = (lane >> 2) & 3, lj = lane & 3;
+  float out = P[0][0];
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (i == li && j == lj) out = P[i][j];
+  return out;
 }
-#endif
 
 // post[j] and comb = Sinkhorn(rowwise softmax(L) + eps), spec/mhc.md "Mix". One thread, registers.
 // Each normalisation multiplies by one reciprocal (SinkhornRcp) instead of dividing every element:

@@ -1,9 +1,10 @@
 // The mHC finalize kernel, shared by both paths: reduces the split partials in a fixed order
 // (split 0, 1, 2, ...), computes the mixes (sigmoid gates, Sinkhorn) and y = RMSNorm(Collapse).
 //
-// Grid (1-D): blocks [0, T) are "y blocks", one token each; blocks [T, T + ceil(T / warps)) are
-// "mix blocks", one warp per token, whose lane 0 runs the ~1-2 us of serial Sinkhorn math. The two
-// kinds run concurrently, so Sinkhorn overlaps the bandwidth work of the y blocks. In normal mode
+// Grid (1-D): blocks [0, T) are "y blocks", one token each; blocks [T, T + ceil(T / mix_warps))
+// are "mix blocks", one warp per token (warps 0..mix_warps-1), each running the token's ~1 us of
+// serial Sinkhorn math. The two kinds run concurrently, so Sinkhorn overlaps the bandwidth work of
+// the y blocks. In normal mode
 // both kinds compute pre from the same partials with the same code (ComputePre), so the collapse
 // uses exactly the bits written to new_pre_mix.
 // Included by mhc_gpu.cu only.
@@ -41,6 +42,7 @@ struct FinalizeParams {
   float* new_comb;         // [T, n, n]
   int64_t tokens;
   int64_t C;
+  int mix_warps;           // tokens per mix block (1..kFinalizeWarps), a launch choice: same bits
 };
 
 __device__ __forceinline__ void WarpSync() {
@@ -69,27 +71,26 @@ __device__ __forceinline__ float ReduceSplits(const float* __restrict__ p, int n
 }
 
 // The mixes of one token (n = 4) on one warp, from its split partials `part` ([nsplit][stride]: 24
-// dots, sum R'^2): fixed-order split reduction (one lane per output), Sinkhorn on the lanes
-// (CombSinkhornLanes4), gates on lane 0. `dsum` is 25 floats of shared memory owned by the warp.
-// Must be called by all lanes of the warp.
+// dots, sum R'^2): fixed-order split reduction (one lane per output), then the Sinkhorn on every
+// lane in registers (CombSinkhornRegs4) and the 8 gates on lanes 0..7, one gate per lane, in the
+// same straight-line code so the scheduler can overlap the two chains (the gates used to run on
+// lane 0 after the Sinkhorn). Each gate is ComputePre's / ComputePost's expression for its index,
+// so new_pre_mix keeps the bits that normal mode's y blocks collapse with. `dsum` is 25 floats of
+// shared memory owned by the warp. Must be called by all lanes of the warp.
 __device__ __forceinline__ void MixWarp4(const float* part, int nsplit, int stride, float k_count, const float* scale,
                                          const float* base, const MixHyper& hyper, float* dsum, int64_t t,
                                          float* new_pre, float* new_post, float* new_comb, int lane) {
   constexpr int N = 4, M = N * (N + 2);
   for (int o = lane; o <= M; o += kWarpSize) dsum[o] = ReduceSplits(part + o, nsplit, stride);
   WarpSync();
-  const float P = CombSinkhornLanes4(dsum, dsum[M], k_count, scale, base, hyper, lane);
+  const float r = RsqrtMean(dsum[M], k_count, hyper.hc_norm_eps);
+  const int g = lane & (2 * N - 1);  // lanes 0..3: pre[g]; 4..7: post[g - 4] (others: duplicates)
+  const float gate = Sigmoid(MixLogit(r, dsum[g], g < N ? scale[0] : scale[1], base[g]));
+  const float gate_out = g < N ? __fadd_rn(gate, hyper.hc_pre_eps) : __fmul_rn(gate, hyper.post_scale);
+  const float P = CombSinkhornRegs4(dsum, r, scale, base, hyper, lane);
   if (lane < N * N) new_comb[t * N * N + lane] = P;
-  if (lane == 0) {
-    float pre[N], post[N];
-    ComputePre<N>(dsum, dsum[M], k_count, scale, base, hyper, pre);
-    ComputePost<N>(dsum, dsum[M], k_count, scale, base, hyper, post);
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      new_pre[t * N + j] = pre[j];
-      new_post[t * N + j] = post[j];
-    }
-  }
+  if (lane < N) new_pre[t * N + lane] = gate_out;
+  else if (lane < 2 * N) new_post[t * N + lane - N] = gate_out;
   WarpSync();  // dsum may be reused by the warp's next token
 }
 
@@ -110,11 +111,11 @@ __global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizePa
 
   if (int64_t(blockIdx.x) >= T) {
     // ---- mix block: one warp per token ----
-    const int64_t t = (int64_t(blockIdx.x) - T) * kFinalizeWarps + warp;
-    if (t >= T) return;
+    const int64_t t = (int64_t(blockIdx.x) - T) * p.mix_warps + warp;
+    if (warp >= p.mix_warps || t >= T) return;
     const float* part = p.partials + t * p.nsplit * p.stride;
     if constexpr (N == 4 && kWarpSize >= 16) {
-      // The whole warp runs the Sinkhorn (CombSinkhornLanes4); lane 0 writes the gates.
+      // The whole warp runs the Sinkhorn (CombSinkhornRegs4) and the gates.
       MixWarp4(part, p.nsplit, p.stride, p.k_count, p.scale, p.base, p.hyper, dsum[warp], t, p.new_pre, p.new_post,
                p.new_comb, lane);
     } else {

@@ -97,8 +97,17 @@ T* Offset(const TensorView& v, int64_t t0, int64_t per_token) {
   return v.data == nullptr ? nullptr : static_cast<T*>(v.data) + t0 * per_token;
 }
 
+// Mix warps per finalize mix block: 4 up to this many tokens (each mix warp then has an SM
+// sub-partition to itself: warp w issues on sub-partition w % 4, and the register Sinkhorn is
+// issue-bound, ~72 instructions per iteration, when two warps share one), the full 8 above, where
+// the y blocks' bandwidth sets the time and fewer blocks schedule faster. A launch choice only: a
+// token's arithmetic is the same in either (BatchInvariance crosses the boundary).
+constexpr int64_t kFinalizeNarrowMixMaxTokens = 1024;
+constexpr int kFinalizeNarrowMixWarps = 4;
+
 template <int N, bool kVec>
 absl::Status LaunchFinalize(FinalizeParams fp, const GpuContext& ctx) {
+  fp.mix_warps = fp.tokens <= kFinalizeNarrowMixMaxTokens ? kFinalizeNarrowMixWarps : mhc::kFinalizeWarps;
   const int64_t nvec = (fp.C + 7) / 8, nchunk = (fp.C + 127) / 128;
   const size_t smem = size_t(nvec + nchunk) * sizeof(float);
   auto kernel = mhc::MhcFinalizeKernel<N, kVec>;
@@ -111,7 +120,7 @@ absl::Status LaunchFinalize(FinalizeParams fp, const GpuContext& ctx) {
       return LaunchStatus("MhcFinalizeKernel attribute");
     }
   }
-  const int64_t blocks = fp.tokens + (fp.has_mixes ? (fp.tokens + mhc::kFinalizeWarps - 1) / mhc::kFinalizeWarps : 0);
+  const int64_t blocks = fp.tokens + (fp.has_mixes ? (fp.tokens + fp.mix_warps - 1) / fp.mix_warps : 0);
 #if FL_HIP
   kernel<<<dim3(unsigned(blocks)), mhc::kFinalizeThreads, smem, ctx.stream>>>(fp);
 #else
