@@ -38,7 +38,7 @@ struct ServerConfig {
   int queue_capacity = 64;
   // Dynamic batching (server/exec/executor.h): token budget of one launch (0: off) and how long the
   // first request of a batch may wait for compatible ones (0: only those already queued).
-  int64_t max_batch_tokens = 256;
+  int64_t max_batch_tokens = 64;
   int64_t max_queue_delay_us = 0;
   // Compute admission by memory (docs/operations.md): the request and response bytes of every
   // compute call admitted and not yet finished (queued, running or sending) stay under this; a call

@@ -122,15 +122,15 @@ if want smoke; then
 fi
 # The data path (BENCHMARKS.md, end-to-end table; issue 12): each row beside its transport floor
 # (fusedctl bench --echo_floor: a bare gRPC echo of the same byte counts over the same channel
-# options, from the same run), and dynamic batching on (--max_batch_tokens=256) and off (0) at
+# options, from the same run), and dynamic batching on (--max_batch_tokens=64, the default) and off (0) at
 # concurrency 16 with T = 1 decode requests.
 if want dataplane; then
   echo "== data path: end-to-end rows with their echo floor; batching on/off"
-  for batching in 256 0; do
+  for batching in 64 0; do
     start_server 50181 50182 "$OUT/server-dataplane-$batching.log" --max_batch_tokens=$batching
     { C="--target=127.0.0.1:50181"
       echo "---- --max_batch_tokens=$batching"
-      if [ "$batching" = 256 ]; then
+      if [ "$batching" = 64 ]; then
         ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=6s --echo_floor
         ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=6s --echo_floor
         ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=6s --echo_floor
@@ -145,7 +145,7 @@ if want dataplane; then
     kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
   done
   # The same A/B on the CPU backend (2 threads, like the CI machine; this host is otherwise idle).
-  for batching in 256 0; do
+  for batching in 64 0; do
     start_server 50183 50184 "$OUT/server-dataplane-cpu-$batching.log" --backend=cpu --cpu_threads=2 \
       --max_batch_tokens=$batching
     { C="--target=127.0.0.1:50183"

@@ -18,7 +18,8 @@
 
 namespace fusedlayer::server {
 
-// Owns the batch's host buffers and remembers where each call's outputs go.
+// Holds the batch's host buffers (from a per-thread cache: one BatchAssembly at a time per thread)
+// and remembers where each call's outputs go.
 class BatchAssembly {
  public:
   // The batched arguments of `calls` (at least one; all compatible: same stage, mode, aux flag and
@@ -40,7 +41,7 @@ class BatchAssembly {
                                     int64_t total_tokens);
   void* NewBuffer(size_t bytes);
 
-  std::vector<std::unique_ptr<char[]>> buffers_;
+  size_t next_buffer_ = 0;  // slots of the per-thread buffer cache taken by this batch
   std::vector<OutputSlices> outputs_;
   MhcArgs mhc_;
   SwaArgs swa_;
