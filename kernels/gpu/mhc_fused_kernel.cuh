@@ -39,11 +39,6 @@ struct FusedParams {
   float* partials;            // [T, C/128, 26]
   int64_t tokens;
   int64_t C;
-#if FL_MHC_FUSED_PARAMS_PAD
-  // Measurement build only (mhc_tuning.h): the 184-byte parameter block of the removed one-launch
-  // mode, to time the effect of the block's size on the pass's code (MHC_GPU_NOTES.md, wave round).
-  unsigned char pad[88];
-#endif
 };
 
 #if !FL_HIP

@@ -24,10 +24,3 @@
 #ifndef FL_MHC_SINGLE_TILE_MAX_TOKENS
 #define FL_MHC_SINGLE_TILE_MAX_TOKENS 1024
 #endif
-
-// 1: FusedParams padded to the size it had with the one-launch mode's fields (184 bytes instead of
-// 96). The wave round saw +4% at T = 64 when those fields went, from a different parameter-load
-// schedule; this knob times that effect on the current code. Never set in production builds.
-#ifndef FL_MHC_FUSED_PARAMS_PAD
-#define FL_MHC_FUSED_PARAMS_PAD 0
-#endif
