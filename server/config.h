@@ -36,9 +36,10 @@ struct ServerConfig {
   int64_t max_tokens = int64_t{1} << 20;
   int64_t max_message_bytes = int64_t{1} << 30;
   int queue_capacity = 64;
-  // Dynamic batching (server/exec/executor.h): token budget of one launch (0: off) and how long the
+  // Dynamic batching (server/exec/executor.h): token budget of one launch (0: off, the default, as
+  // Triton's dynamic batcher is off until configured; 64 is a decode-sized budget) and how long the
   // first request of a batch may wait for compatible ones (0: only those already queued).
-  int64_t max_batch_tokens = 64;
+  int64_t max_batch_tokens = 0;
   int64_t max_queue_delay_us = 0;
   // Compute admission by memory (docs/operations.md): the request and response bytes of every
   // compute call admitted and not yet finished (queued, running or sending) stay under this; a call

@@ -23,8 +23,9 @@ ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 20, "largest token count accepted; 
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{1} << 30,
           "largest gRPC message received or sent, bytes (T=4096 at C=7168 needs ~470 MB)");
 ABSL_FLAG(int32_t, queue_capacity, 64, "device executor queue length; when full, RESOURCE_EXHAUSTED");
-ABSL_FLAG(int64_t, max_batch_tokens, 64,
-          "dynamic batching: compatible queued requests share one launch up to this many tokens (0: off)");
+ABSL_FLAG(int64_t, max_batch_tokens, 0,
+          "dynamic batching: compatible queued requests share one launch up to this many tokens (0: off; 64 is "
+          "a decode-sized budget)");
 ABSL_FLAG(int64_t, max_queue_delay_us, 0,
           "dynamic batching: how long (microseconds) a request may wait for compatible ones to join its launch "
           "(0: only requests already queued)");

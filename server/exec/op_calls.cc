@@ -2,20 +2,10 @@
 
 #include <utility>
 
+#include "common/status_macros.h"
 #include "exec/device_staging.h"
 
 namespace fusedlayer::server {
-namespace {
-
-// Assigns *out = decoded view or returns its error from the enclosing function.
-#define FL_ASSIGN_VIEW(out, expr)            \
-  do {                                       \
-    absl::StatusOr<TensorView> _v = (expr);  \
-    if (!_v.ok()) return _v.status();        \
-    (out) = *_v;                             \
-  } while (0)
-
-}  // namespace
 
 absl::StatusOr<RunStats> RunMhcCall(Backend& backend, const PreparedMhcWeights& weights, const MhcArgs& host,
                                     Path path) {
@@ -23,12 +13,12 @@ absl::StatusOr<RunStats> RunMhcCall(Backend& backend, const PreparedMhcWeights& 
   MhcArgs dev = host;
   for (auto [dst, src] : {std::pair{&dev.x, &host.x}, {&dev.residual, &host.residual}, {&dev.post_mix, &host.post_mix},
                           {&dev.comb_mix, &host.comb_mix}, {&dev.pre_mix, &host.pre_mix}}) {
-    FL_ASSIGN_VIEW(*dst, staging.Input(*src));
+    FL_ASSIGN_OR_RETURN(*dst, staging.Input(*src));
   }
   for (auto [dst, src] : {std::pair{&dev.new_residual, &host.new_residual}, {&dev.new_pre_mix, &host.new_pre_mix},
                           {&dev.new_post_mix, &host.new_post_mix}, {&dev.new_comb_mix, &host.new_comb_mix},
                           {&dev.y, &host.y}, {&dev.aux, &host.aux}}) {
-    FL_ASSIGN_VIEW(*dst, staging.Output(*src));
+    FL_ASSIGN_OR_RETURN(*dst, staging.Output(*src));
   }
   absl::StatusOr<RunStats> stats = backend.RunMhc(weights, dev, path);
   if (!stats.ok()) return stats.status();
@@ -40,10 +30,10 @@ absl::StatusOr<RunStats> RunSwaCall(Backend& backend, const PreparedSwaWeights& 
                                     Path path) {
   DeviceStaging staging(backend);
   SwaArgs dev = host;
-  FL_ASSIGN_VIEW(dev.qr_kv, staging.Input(host.qr_kv));
+  FL_ASSIGN_OR_RETURN(dev.qr_kv, staging.Input(host.qr_kv));
   for (auto [dst, src] : {std::pair{&dev.q_fp8, &host.q_fp8}, {&dev.q_scale, &host.q_scale}, {&dev.kv, &host.kv},
                           {&dev.q_proj, &host.q_proj}}) {
-    FL_ASSIGN_VIEW(*dst, staging.Output(*src));
+    FL_ASSIGN_OR_RETURN(*dst, staging.Output(*src));
   }
   absl::StatusOr<RunStats> stats = backend.RunSwa(weights, dev, path);
   if (!stats.ok()) return stats.status();

@@ -5,20 +5,13 @@
 #include <utility>
 #include <vector>
 
+#include "common/status_macros.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "weights/weight_set.h"  // ProtoFallbackReason
 
 namespace fusedlayer::server {
 namespace {
-
-// Assigns *out = decoded view or returns its error from the enclosing function.
-#define FL_ASSIGN_VIEW(out, expr)            \
-  do {                                       \
-    absl::StatusOr<TensorView> _v = (expr);  \
-    if (!_v.ok()) return _v.status();        \
-    (out) = *_v;                             \
-  } while (0)
 
 absl::Status CheckTokens(int64_t tokens, int64_t max_tokens, const char* what) {
   if (tokens > max_tokens) {
@@ -282,7 +275,7 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
   if (!T.ok()) return T.status();
   if (absl::Status s = CheckTokens(*T, max_tokens, "x"); !s.ok()) return s;
   a.tokens = *T;
-  FL_ASSIGN_VIEW(a.x, DecodeTensor(req.x(), "x", DType::kBF16, {*T, C}));
+  FL_ASSIGN_OR_RETURN(a.x, DecodeTensor(req.x(), "x", DType::kBF16, {*T, C}));
 
   if (a.stage == MhcStage::kFirst) {
     const char* why = "for stage FIRST (x is the embedding)";
@@ -291,15 +284,15 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
       if (absl::Status s = ExpectAbsent(present, name, why); !s.ok()) return s;
     }
   } else {
-    FL_ASSIGN_VIEW(a.residual, DecodeTensor(req.residual(), "residual", DType::kBF16, {*T, n, C}));
-    FL_ASSIGN_VIEW(a.post_mix, DecodeTensor(req.post_mix(), "post_mix", DType::kFP32, {*T, n}));
-    FL_ASSIGN_VIEW(a.comb_mix, DecodeTensor(req.comb_mix(), "comb_mix", DType::kFP32, {*T, n, n}));
+    FL_ASSIGN_OR_RETURN(a.residual, DecodeTensor(req.residual(), "residual", DType::kBF16, {*T, n, C}));
+    FL_ASSIGN_OR_RETURN(a.post_mix, DecodeTensor(req.post_mix(), "post_mix", DType::kFP32, {*T, n}));
+    FL_ASSIGN_OR_RETURN(a.comb_mix, DecodeTensor(req.comb_mix(), "comb_mix", DType::kFP32, {*T, n, n}));
     if (req.has_pre_mix()) {
       if (absl::Status s = ExpectAbsent(a.mode == MhcMode::kNormal, "pre_mix", "in NORMAL mode (y uses the new pre mix)");
           !s.ok()) {
         return s;
       }
-      FL_ASSIGN_VIEW(a.pre_mix, DecodeTensor(req.pre_mix(), "pre_mix", DType::kFP32, {*T, n}));
+      FL_ASSIGN_OR_RETURN(a.pre_mix, DecodeTensor(req.pre_mix(), "pre_mix", DType::kFP32, {*T, n}));
     }
   }
 
@@ -328,7 +321,7 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
   if (!M.ok()) return M.status();
   if (absl::Status s = CheckTokens(*M, max_tokens, "qr_kv"); !s.ok()) return s;
   a.tokens = *M;
-  FL_ASSIGN_VIEW(a.qr_kv, DecodeStrided2D(req.qr_kv(), "qr_kv", DType::kBF16, Q + D));
+  FL_ASSIGN_OR_RETURN(a.qr_kv, DecodeStrided2D(req.qr_kv(), "qr_kv", DType::kBF16, Q + D));
 
   a.q_fp8 = AllocateOutput(resp->mutable_q_fp8(), Fp8DType(p.fp8_format), {*M, Q});
   if (p.scale_layout == ScaleLayout::kRowMajor) {

@@ -442,4 +442,20 @@ v1::SwaNormQuantResponse Reference::RunSwa(const v1::SwaNormQuantRequest& req, P
   return ::testing::AssertionSuccess();
 }
 
+void ExpectMhcEqual(const v1::MhcSeamResponse& got, const v1::MhcSeamResponse& want) {
+  EXPECT_TRUE(TensorsBitwiseEqual(got.new_residual(), want.new_residual())) << "new_residual";
+  EXPECT_TRUE(TensorsBitwiseEqual(got.new_pre_mix(), want.new_pre_mix())) << "new_pre_mix";
+  EXPECT_TRUE(TensorsBitwiseEqual(got.new_post_mix(), want.new_post_mix())) << "new_post_mix";
+  EXPECT_TRUE(TensorsBitwiseEqual(got.new_comb_mix(), want.new_comb_mix())) << "new_comb_mix";
+  EXPECT_TRUE(TensorsBitwiseEqual(got.y(), want.y())) << "y";
+  EXPECT_TRUE(TensorsBitwiseEqual(got.aux(), want.aux())) << "aux";
+}
+
+void ExpectSwaEqual(const v1::SwaNormQuantResponse& got, const v1::SwaNormQuantResponse& want) {
+  EXPECT_TRUE(TensorsBitwiseEqual(got.q_fp8(), want.q_fp8())) << "q_fp8";
+  EXPECT_TRUE(TensorsBitwiseEqual(got.q_scale(), want.q_scale())) << "q_scale";
+  EXPECT_TRUE(TensorsBitwiseEqual(got.kv(), want.kv())) << "kv";
+  EXPECT_TRUE(TensorsBitwiseEqual(got.q_proj(), want.q_proj())) << "q_proj";
+}
+
 }  // namespace fusedlayer::testing

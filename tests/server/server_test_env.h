@@ -142,5 +142,8 @@ class Reference {
 
 // Tensor equality: dtype, shape and every byte.
 ::testing::AssertionResult TensorsBitwiseEqual(const v1::Tensor& actual, const v1::Tensor& expected);
+// Every output tensor of the responses bitwise equal (EXPECT-style, naming the output).
+void ExpectMhcEqual(const v1::MhcSeamResponse& got, const v1::MhcSeamResponse& want);
+void ExpectSwaEqual(const v1::SwaNormQuantResponse& got, const v1::SwaNormQuantResponse& want);
 
 }  // namespace fusedlayer::testing
