@@ -6,8 +6,10 @@
 #   scripts/soak.sh PATH/TO/fusedlayer_server PATH/TO/fusedctl
 #   SOAK_CLIENTS=64 SOAK_SECONDS=300 scripts/soak.sh build/server/fusedlayer_server build/client/fusedctl
 #
-# Environment (defaults): SOAK_CLIENTS=32, SOAK_SECONDS=60, SOAK_WARMUP=5 (seconds at full
-# concurrency before the RSS baseline), SOAK_MAX_RSS_GROWTH_MB=64, SOAK_CPU_THREADS=2.
+# Environment (defaults): SOAK_CLIENTS=32, SOAK_SECONDS=60, SOAK_WARMUP=20 (seconds at full
+# concurrency before the RSS baseline: long enough for the allocator arenas of 32 concurrent 4.4 MiB
+# requests to reach their peak; with 5 s two clean-clone CI runs measured 65.7 and 65.2 MiB of
+# "growth" that a run with the baseline taken later did not show), SOAK_MAX_RSS_GROWTH_MB=64, SOAK_CPU_THREADS=2.
 # The server runs with --max_tokens=256 so that `tokens_over_limit` (T = 257, INVALID_ARGUMENT) is
 # cheap enough to send; valid requests use T <= 64. Every process it starts is killed on exit.
 set -euo pipefail
@@ -23,7 +25,7 @@ for b in "$SERVER" "$FUSEDCTL"; do
 done
 CLIENTS="${SOAK_CLIENTS:-32}"
 SECONDS_="${SOAK_SECONDS:-60}"
-WARMUP="${SOAK_WARMUP:-5}"
+WARMUP="${SOAK_WARMUP:-20}"
 MAX_RSS="${SOAK_MAX_RSS_GROWTH_MB:-64}"
 CPU_THREADS="${SOAK_CPU_THREADS:-2}"
 
