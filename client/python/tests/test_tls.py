@@ -31,8 +31,11 @@ def pki(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mtls_server(pki):
+    # Transport only: without a token file the server needs --allow_unauthenticated_tls to start
+    # (mTLS alone authorizes no rights; docs/security.md). Tokens over TLS are test_auth's.
     s = ServerProcess(extra_args=[f"--tls_cert={pki / 'server.pem'}", f"--tls_key={pki / 'server.key'}",
-                                  f"--tls_client_ca={pki / 'ca.pem'}"], demo_weights=False)
+                                  f"--tls_client_ca={pki / 'ca.pem'}", "--allow_unauthenticated_tls"],
+                      demo_weights=False)
     yield s
     s.stop()
 
