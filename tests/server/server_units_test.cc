@@ -290,6 +290,21 @@ TEST(Config, DisableFusedAndLimits) {
   }
   c.drain_seconds = 3600;
   EXPECT_TRUE(c.Validate().ok());
+  // Dynamic batching: token budget in [0, 2^20], queue delay in [0, 60 s].
+  for (const int64_t bad : {int64_t{-1}, (int64_t{1} << 20) + 1}) {
+    c.max_batch_tokens = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  c.max_batch_tokens = int64_t{1} << 20;
+  EXPECT_TRUE(c.Validate().ok());
+  c.max_batch_tokens = 64;
+  for (const int64_t bad : {int64_t{-1}, int64_t{60'000'001}}) {
+    c.max_queue_delay_us = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  c.max_queue_delay_us = 60'000'000;
+  EXPECT_TRUE(c.Validate().ok());
+  c.max_queue_delay_us = 0;
   // The new admission limits.
   c.max_concurrent_streams = 0;
   EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
