@@ -719,7 +719,8 @@ def check_runtime_libs(stage, build_dir):
         header = cublas_header(build_dir)
         major = re.search(r"^#define CUBLAS_VER_MAJOR (\d+)", header.read_text(), re.M).group(1) if header else None
         if major is None:
-            fail(str(build_dir), "cannot find cublas_api.h of the CUDA toolkit the build used (CMakeCache.txt)")
+            fail(str(build_dir), "cannot find cublas_api.h of the CUDA toolkit the build used "
+                 "(ninja -t deps, CMakeCache.txt, CMakeCUDACompiler.cmake)")
         elif major != cuda_major:
             fail(where, f"the build dlopens libcublasLt.so.{major} but ARG CUDA_VERSION is {cuda_major}.x")
         if 'ldconfig -p | grep -q "libcublasLt\\.so\\.${CUDA_VERSION%%.*} "' not in " ".join(a for i, a in body if i == "RUN"):
@@ -728,18 +729,44 @@ def check_runtime_libs(stage, build_dir):
 
 
 def cublas_header(build_dir):
-    """cublas_api.h of the toolkit in BUILD_DIR's CMakeCache.txt (CUDAToolkit_INCLUDE_DIR or nvcc)."""
-    cache = (pathlib.Path(build_dir) / "CMakeCache.txt")
+    """cublas_api.h of the toolkit the build in BUILD_DIR compiled against.
+
+    First the header the compiler itself read (ninja's dependency log: exact, whatever the toolkit's
+    layout), then the toolkit folders CMake recorded (CMakeCache.txt, CMakeCUDACompiler.cmake) and the
+    folder of the real nvcc behind any symlink, each with its targets/<arch>/include."""
+    import subprocess
+    build_dir = pathlib.Path(build_dir)
+    if (build_dir / "build.ninja").is_file():
+        try:
+            deps = subprocess.run(["ninja", "-C", str(build_dir), "-t", "deps"], capture_output=True,
+                                  text=True, timeout=120).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            deps = ""
+        for line in deps.splitlines():
+            h = pathlib.Path(line.strip())
+            if h.name == "cublas_api.h" and h.is_file():
+                return h
+    cache = build_dir / "CMakeCache.txt"
     if not cache.is_file():
         return None
-    text = cache.read_text()
-    dirs = re.findall(r"^CUDAToolkit_INCLUDE_DIR(?::\w+)?=(.+)$", text, re.M)
-    dirs += [str(pathlib.Path(n).parent.parent / "include")
-             for n in re.findall(r"^CMAKE_CUDA_COMPILER(?::\w+)?=(.+)$", text, re.M)]
-    for d in dirs:
-        h = pathlib.Path(d.strip()) / "cublas_api.h"
-        if h.is_file():
-            return h
+    texts = [cache.read_text()] + [f.read_text() for f in build_dir.glob("CMakeFiles/*/CMakeCUDACompiler.cmake")]
+    roots = []
+    for text in texts:
+        roots += re.findall(r"^CUDAToolkit_\w*INCLUDE_DIR(?::\w+)?=(.+)$", text, re.M)
+        roots += re.findall(r"^FIND_PACKAGE_MESSAGE_DETAILS_CUDAToolkit:INTERNAL=\[([^\]]+)\]", text, re.M)
+        roots += [d for v in re.findall(r'^set\(CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES "([^"]*)"\)', text, re.M)
+                  for d in v.split(";")]
+        roots += [str(pathlib.Path(r) / "include")
+                  for r in re.findall(r'^set\(CMAKE_CUDA_COMPILER_TOOLKIT_ROOT "([^"]+)"\)', text, re.M)]
+        for n in re.findall(r"^CMAKE_CUDA_COMPILER(?::\w+)?=(.+)$", text, re.M):
+            for nvcc in {pathlib.Path(n.strip()), pathlib.Path(n.strip()).resolve()}:
+                roots.append(str(nvcc.parent.parent / "include"))
+    for d in roots:
+        d = pathlib.Path(d.strip())
+        for inc in [d] + sorted(d.parent.glob("targets/*/include")):
+            h = inc / "cublas_api.h"
+            if h.is_file():
+                return h
     return None
 
 
