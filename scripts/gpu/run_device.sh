@@ -144,6 +144,25 @@ if want dataplane; then
     } >> "$OUT/dataplane.log" 2>&1
     kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
   done
+  # Device lanes A/B (issue 12 item 1, docs/operations.md "Device lanes"): the same binary with one
+  # lane (the serial data path) and the default (auto = 4), batching off so only the lanes differ.
+  # Targets: server p50 mHC T = 64 <= 0.5 ms, SWA M = 64 <= 60 us, req/s at c16 >= 3x c1.
+  for lanes in 1 0; do
+    start_server 50185 50186 "$OUT/server-dataplane-lanes-$lanes.log" --max_batch_tokens=0 --device_lanes=$lanes
+    { C="--target=127.0.0.1:50185"
+      echo "---- --device_lanes=$lanes (0 = auto), --max_batch_tokens=0"
+      grep -h "device lanes:" "$OUT/server-dataplane-lanes-$lanes.log" || true
+      for op in mhc swa; do
+        for conc in 1 4 16; do
+          ./fusedctl bench $C --op=$op --weight_set=v4-pro/demo --tokens=64 --concurrency=$conc --duration=5s
+        done
+      done
+      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=5s
+      python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50186/metrics').read().decode())" \
+        | grep -E '^fusedlayer_host_staging_'
+    } >> "$OUT/dataplane.log" 2>&1
+    kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
+  done
   # The same A/B on the CPU backend (2 threads, like the CI machine; this host is otherwise idle).
   for batching in 64 0; do
     start_server 50183 50184 "$OUT/server-dataplane-cpu-$batching.log" --backend=cpu --cpu_threads=2 \
