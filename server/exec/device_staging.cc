@@ -75,7 +75,11 @@ absl::Status LaneStaging::Stage() {
     t.offset = total;
     total += AlignUp(t.bytes);
   }
-  if (total == 0) return absl::OkStatus();
+  if (total == 0) {
+    // Nothing to move (e.g. T = 0): the kernels get no memory, as from a zero-byte Allocate.
+    for (Tensor& t : tensors_) t.dev->data = nullptr;
+    return absl::OkStatus();
+  }
   absl::StatusOr<HostStagingPool::Lease> block = pool_.Acquire(total);
   if (!block.ok()) return block.status();
   block_ = std::move(*block);

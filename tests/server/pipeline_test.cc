@@ -101,7 +101,7 @@ TEST(Pipeline, LaneCallsAreBitwiseTheCpuPathOnBothPaths) {
   ASSERT_NE(f.device_lanes, nullptr);
   ASSERT_EQ(f.device_lanes->lanes(), 2);
   for (Path path : {Path::kFused, Path::kUnfused}) {
-    for (int64_t tokens : {1, 7, 64, 300}) {  // 300: x is 1.2 MiB, staged in two chunks
+    for (int64_t tokens : {0, 1, 7, 64, 300}) {  // 300: x is 1.2 MiB, staged in two chunks
       SCOPED_TRACE(::testing::Message() << "path " << static_cast<int>(path) << " T = " << tokens);
       v1::MhcSeamRequest mreq;
       v1::MhcSeamResponse mresp;
