@@ -428,6 +428,39 @@ TEST(Pipeline, ControlAndBackgroundTasksAreSerialisedAcrossWorkers) {
   EXPECT_EQ(plain_counter, 40);
 }
 
+// How many lanes a server gets: auto = 4 bounded by the backend; the CPU backend none (one worker,
+// host views); flags outside their bounds refused at startup.
+TEST(Pipeline, LaneCountsAndFlagBounds) {
+  std::unique_ptr<Backend> cpu = CreateCpuBackend(BackendOptions{.num_threads = 1});
+  auto on_cpu = DeviceLanes::Create(*cpu, /*requested=*/8, size_t{1} << 20);
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  EXPECT_EQ((*on_cpu)->lanes(), 0);
+  EXPECT_EQ((*on_cpu)->workers(), 1);
+  EXPECT_EQ((*on_cpu)->For(0).lane, nullptr);  // zero copy on the backend itself
+  EXPECT_EQ((*on_cpu)->staging(), nullptr);
+
+  LaneTestBackend two(/*max_lanes=*/2);
+  auto bounded = DeviceLanes::Create(two, 8, size_t{1} << 20);
+  ASSERT_TRUE(bounded.ok());
+  EXPECT_EQ((*bounded)->lanes(), 2);
+  EXPECT_EQ((*bounded)->For(-1).lane, nullptr);  // off the workers: the default context
+  EXPECT_NE((*bounded)->For(1).lane, nullptr);
+  LaneTestBackend many(/*max_lanes=*/16);
+  auto automatic = DeviceLanes::Create(many, 0, size_t{1} << 20);
+  ASSERT_TRUE(automatic.ok());
+  EXPECT_EQ((*automatic)->lanes(), server::kDefaultDeviceLanes);
+
+  server::ServerConfig cfg = TestConfig();
+  EXPECT_TRUE(cfg.Validate().ok());
+  cfg.device_lanes = 17;
+  EXPECT_TRUE(absl::IsInvalidArgument(cfg.Validate()));
+  cfg.device_lanes = -1;
+  EXPECT_TRUE(absl::IsInvalidArgument(cfg.Validate()));
+  cfg.device_lanes = 16;
+  cfg.host_staging_bytes = (uint64_t{1} << 20) - 1;
+  EXPECT_TRUE(absl::IsInvalidArgument(cfg.Validate()));
+}
+
 // ---- through the gRPC service -------------------------------------------------------------------
 
 server::ServerConfig LaneConfig(int lanes, int64_t batch_tokens) {
