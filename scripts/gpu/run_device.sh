@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 # Every failing suite or sanitizer run sets `failed`; the script exits non-zero at the end.
 failed=0
 if want tests; then
-  for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests; do
+  for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests; do
     [ -x ./$t ] || { echo "$t not in this bundle"; continue; }
     echo "== $t" >> "$OUT/tests.log"; timeout 240 ./$t --gtest_brief=1 > /tmp/$t.log 2>&1; rc=$?
     cat /tmp/$t.log >> "$OUT/tests.log"; echo "$t rc=$rc"; tail -3 /tmp/$t.log
