@@ -76,7 +76,13 @@ absl::Status Executor::Enqueue(Item item) {
     if (item.bounded) ++bounded_queued_;
     queue_.push_back(std::move(item));
   }
-  cv_.notify_one();
+  // With several workers, every one must see the arrival: a worker forming a batch waits for it
+  // beside idle ones that may not take it (Loop).
+  if (workers_.size() > 1) {
+    cv_.notify_all();
+  } else {
+    cv_.notify_one();
+  }
   return absl::OkStatus();
 }
 
@@ -97,11 +103,19 @@ void Executor::Loop(int index) {
       const auto background_ready = [this] {
         return !stopping_ && !background_paused_ && !background_running_ && !background_.empty();
       };
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || background_ready(); });
-      if (!queue_.empty()) {
+      // While another worker is forming a batch (its queue delay), the queue is its to take from:
+      // it ends the wait as soon as something it cannot batch arrives, then wakes us all.
+      const auto serving_ready = [this] { return !queue_.empty() && forming_batches_ == 0; };
+      cv_.wait(lock, [&] { return stopping_ || serving_ready() || background_ready(); });
+      if (serving_ready()) {
         item = std::move(queue_.front());
         queue_.pop_front();
         if (item.bounded) --bounded_queued_;
+        if (item.batchable) {
+          // Without releasing the lock: no other worker takes a task this batch could have had.
+          RunBatchable(std::move(item), lock);
+          continue;
+        }
       } else if (background_ready()) {
         // Only from an empty main queue: serving work never waits behind background work.
         ++background_started_;
@@ -114,11 +128,6 @@ void Executor::Loop(int index) {
       } else {
         continue;  // woken for a background task another worker is already running
       }
-    }
-    if (item.batchable) {
-      std::unique_lock<std::mutex> lock(mu_);
-      RunBatchable(std::move(item), lock);
-      continue;
     }
     if (item.bounded) {
       std::move(item.task)(SecondsSince(item.enqueued));  // a plain compute task: on this worker's lane
@@ -161,6 +170,7 @@ void Executor::RunBatchable(Item first, std::unique_lock<std::mutex>& lock) {
   const auto deadline = first.enqueued + batching_.max_queue_delay;
   items.push_back(std::move(first));
   if (batching) {
+    ++forming_batches_;
     for (;;) {
       TakeCompatible(items, tokens);
       // The delay is spent only while the device would otherwise idle: other work waiting (a task
@@ -172,6 +182,8 @@ void Executor::RunBatchable(Item first, std::unique_lock<std::mutex>& lock) {
       // Woken by every Enqueue (and Stop): look again for arrivals until the deadline.
       cv_.wait_until(lock, deadline);
     }
+    --forming_batches_;
+    cv_.notify_all();  // the other workers may take what is left in the queue
   }
   lock.unlock();
   std::vector<std::unique_ptr<BatchableTask>> batch;

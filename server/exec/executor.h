@@ -139,6 +139,9 @@ class Executor {
   size_t bounded_queued_ = 0;  // compute tasks in queue_
   bool stopping_ = false;
   bool background_running_ = false;  // a background task has started and not finished
+  // Workers taking compatible tasks into their batch (RunBatchable): the others leave the queue to
+  // them until they launch, so a batch gets what a single worker would have given it.
+  int forming_batches_ = 0;
   // Held while a control or background task runs: they drive the backend's default context and
   // the weight manager, which are single-threaded (backend.h).
   std::mutex serial_mu_;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -426,6 +427,50 @@ TEST(Pipeline, ControlAndBackgroundTasksAreSerialisedAcrossWorkers) {
   ex.Stop();
   EXPECT_EQ(max_inside.load(), 1);
   EXPECT_EQ(plain_counter, 40);
+}
+
+// Dynamic batching with several workers: while one worker forms a batch (its queue delay), the
+// others leave the queue to it, so the batch gets every compatible task a single worker would have
+// (without that, two workers would each hold a part of the batch until the delay ran out).
+class CountingTask final : public server::BatchableTask {
+ public:
+  CountingTask(int id, std::vector<std::vector<int>>* launches, std::mutex* mu) : id_(id), launches_(launches), mu_(mu) {}
+  int64_t tokens() const override { return 1; }
+  bool batchable() const override { return true; }
+  bool CompatibleWith(const BatchableTask& other) const override {
+    return dynamic_cast<const CountingTask*>(&other) != nullptr;
+  }
+
+ private:
+  void RunBatch(std::vector<std::unique_ptr<BatchableTask>>& batch, const std::vector<double>&) override {
+    std::vector<int> ids;
+    for (const auto& t : batch) ids.push_back(static_cast<const CountingTask&>(*t).id_);
+    std::lock_guard<std::mutex> lock(*mu_);
+    launches_->push_back(ids);
+  }
+  const int id_;
+  std::vector<std::vector<int>>* const launches_;
+  std::mutex* const mu_;
+};
+
+TEST(Pipeline, BatchFormingWithSeveralWorkersGetsEveryCompatibleTask) {
+  std::vector<std::vector<int>> launches;
+  std::mutex mu;
+  {
+    // An hour of delay: the batch launches when its 8-token budget is full, or the test times out.
+    Executor ex(64, server::BatchingOptions{8, std::chrono::hours(1)}, /*workers=*/3);
+    for (int i = 0; i < 8; ++i) ASSERT_TRUE(ex.SubmitBatchable(std::make_unique<CountingTask>(i, &launches, &mu)).ok());
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!launches.empty()) break;
+      }
+      std::this_thread::yield();
+    }
+    ex.Stop();
+  }
+  ASSERT_EQ(launches.size(), 1u);
+  EXPECT_EQ(launches[0], (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}));
 }
 
 // How many lanes a server gets: auto = 4 bounded by the backend; the CPU backend none (one worker,
