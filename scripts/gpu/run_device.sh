@@ -182,7 +182,8 @@ fi
 # Old and new server in one session (METHOD.md: compare binaries on the same machine, back to back):
 # the bundle carries a baseline server as fusedlayer_server_base (build_and_bundle.sh BASE_SERVER=...).
 # Each row runs against the baseline and then the new server, same flags, same client; the new
-# server's rows also get their echo floor. AB_ROWS / AB_SECONDS / AB_FLAGS override the defaults.
+# server's rows also get their echo floor. AB_ROWS / AB_SECONDS / AB_FLAGS (both servers) override the
+# defaults; AB_NEW_FLAGS adds a third pass of the new server with those flags (e.g. --device_lanes=1).
 if want ab; then
   if [ ! -x ./fusedlayer_server_base ]; then
     echo "== ab: no fusedlayer_server_base in this bundle (build_and_bundle.sh BASE_SERVER=...)"; failed=1
@@ -190,10 +191,14 @@ if want ab; then
     ab_seconds=${AB_SECONDS:-4}
     ab_rows=${AB_ROWS:-"mhc:64:1 mhc:64:16 mhc:1:1 mhc:1:16 swa:64:1 swa:64:16 swa:1:16"}
     echo "== ab: baseline vs new server (${ab_seconds} s per row): $ab_rows" | tee "$OUT/ab.log"
-    for which in base new; do
+    passes="base new"; [ -n "${AB_NEW_FLAGS:-}" ] && passes="base new new+"
+    for which in $passes; do
       server=./fusedlayer_server; [ "$which" = base ] && server=./fusedlayer_server_base
+      extra=""; [ "$which" = new+ ] && extra="$AB_NEW_FLAGS"
+      [ "$which" = new+ ] && echo "---- new+ = new server with $AB_NEW_FLAGS" >> "$OUT/ab.log"
+      # shellcheck disable=SC2086
       $server --demo_weights --backend=cuda --address=127.0.0.1:50191 --metrics_address=127.0.0.1:50192 \
-        ${AB_FLAGS:-} > "$OUT/server-ab-$which.log" 2>&1 &
+        ${AB_FLAGS:-} $extra > "$OUT/server-ab-$which.log" 2>&1 &
       pid=$!
       for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:50191 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
       for row in $ab_rows; do
