@@ -26,7 +26,7 @@
 #include "fusedlayer/numeric.h"
 #include "gpu_context.h"
 #include "gpu_runtime.h"
-#include "mhc_gpu.h"
+#include "mhc_launch.h"
 
 namespace fl = fusedlayer;
 namespace gpu = fusedlayer::gpu;

@@ -35,8 +35,8 @@
 #include "fusedlayer/swa.h"
 #include "gpu_context.h"
 #include "gpu_runtime.h"
-#include "swa_gpu.h"
-#include "swa_kernels.h"
+#include "swa_launch.h"
+#include "swa_kernel_launch.h"
 #include "wq_b_cublaslt.h"
 
 namespace fl = fusedlayer;

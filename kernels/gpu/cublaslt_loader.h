@@ -5,7 +5,7 @@
 // through prometheus-cpp) creates its threads with a ~100 KB stack, so its pthread_create fails and
 // the server cannot serve metrics. A library loaded with dlopen keeps its TLS out of the thread
 // stacks (glibc allocates it on first use in each thread). It also lets a CUDA build start on a host
-// without cuBLAS: the wq_b projection then uses our own kernel (swa_gpu.cc).
+// without cuBLAS: the wq_b projection then uses our own kernel (swa_launch.cc).
 #pragma once
 
 #include <cublasLt.h>

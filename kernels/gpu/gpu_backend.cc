@@ -11,9 +11,9 @@
 #include "gpu_backend_factory.h"
 #include "gpu_context.h"
 #include "gpu_runtime.h"
-#include "mhc_gpu.h"
-#include "swa_gpu.h"
-#include "swa_kernels.h"
+#include "mhc_launch.h"
+#include "swa_launch.h"
+#include "swa_kernel_launch.h"
 
 
 namespace fusedlayer {

@@ -178,6 +178,52 @@ __device__ __forceinline__ T Shfl(T v, int src_lane, int width = kWarpSize) {
   return __shfl_sync(0xffffffffu, v, src_lane, width);
 #endif
 }
+// ---- Programmatic dependent launch (PDL), the one implementation for both ops --------------------
+// On CUDA sm_90+ a kernel launched with the programmatic-stream-serialization attribute may be
+// scheduled while the previous kernel on its stream is still finishing: what overlaps is launch
+// and block scheduling, never data, because every such kernel calls GridDependencyWait() (the
+// previous grid has completed and its memory is visible) before its first global access. A
+// producer may call LaunchDependents() to let its dependent be scheduled early; the dependent's
+// wait is still for the producer's whole grid. Both are no-ops on HIP and older targets.
+__device__ __forceinline__ void GridDependencyWait() {
+#if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void LaunchDependents() {
+#if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Launches `kernel` on `stream` and returns the launch's error. With `pdl` (CUDA) the launch
+// carries the programmatic-stream-serialization attribute; HIP, or a launch that refuses the
+// attribute, gets a plain launch (the kernel's GridDependencyWait is then trivially satisfied by
+// stream order), so PDL is only ever a latency optimisation, never a condition for correctness.
+template <typename... KArgs, typename... Args>
+gpuError_t LaunchKernel(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t dynamic_smem,
+                        gpuStream_t stream, Args... args) {
+#if !FL_HIP
+  if (pdl) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = dynamic_smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, kernel, KArgs(args)...) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();  // refused: launch without the attribute below
+  }
+#else
+  (void)pdl;
+#endif
+  kernel<<<grid, block, dynamic_smem, stream>>>(KArgs(args)...);
+  return gpuGetLastError();
+}
 #endif
 
 }  // namespace fusedlayer::gpu

@@ -1,5 +1,5 @@
 // The SWA wq_b projection through cuBLASLt's block-scaled FP8 matmul (CUDA only; the HIP build and
-// e4m3fnuz weight sets keep swa_wq_b_gemm.cu). The header has no cuBLAS types, so swa_gpu.h can
+// e4m3fnuz weight sets keep swa_wq_b_launch.cu). The header has no cuBLAS types, so swa_launch.h can
 // hold a plan in every build; wq_b_cublaslt.cc is compiled into CUDA builds only.
 //
 // Mapping (measured in bench/gpu/experiments/wq_b_cublaslt.cu): row-major q_proj[M, N] is the
@@ -24,7 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "gpu_context.h"
-#include "swa_kernels.h"
+#include "swa_kernel_launch.h"
 
 namespace fusedlayer::gpu {
 
@@ -47,7 +47,7 @@ struct WqbLtPlan {
 
 // Pins the algorithm for (n, k) on ctx's device; creates the context's cuBLASLt handle and
 // workspace on first use (ctx.wq_b_lt). Errors (no sm_90 block scaling, no algorithm valid for
-// every row count, cuBLASLt failures) mean "use swa_wq_b_gemm.cu for this weight set".
+// every row count, cuBLASLt failures) mean "use swa_wq_b_launch.cu for this weight set".
 // plan_rows: the row count whose heuristic choice is pinned (benchmarks compare choices).
 absl::StatusOr<WqbLtPlan> PlanWqbCublasLt(GpuContext& ctx, int n, int k, int64_t plan_rows = kWqbLtPlanRows);
 

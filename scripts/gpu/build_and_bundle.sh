@@ -10,6 +10,8 @@
 #   GPU_STAGE=.gpu-x GPU_PACK=.gpu-pack-x   stage/pack folders (so several people can bundle at once;
 #                                           both must match /.gpu*/ in .gitignore)
 #   GPU_TARGETS="gpu_mhc_tests bench_mhc_gpu" a subset of the targets below (faster builds)
+#   BASE_SERVER=path/to/old/fusedlayer_server  bundles it as fusedlayer_server_base for run_device.sh's
+#                                           "ab" step (old and new binary in one device session)
 # The bundle script is the design repository's tools/bundle-runtime.sh (BUNDLE_RUNTIME overrides).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -28,10 +30,18 @@ cmake --build "$build" -j2 --target "${targets[@]}"
 rm -rf "$stage"
 exes=()
 for t in "${targets[@]}"; do exes+=("$(find "$build" -type f -name "$t" -perm -u+x | head -1)"); done
+base_copy=""
+if [ -n "${BASE_SERVER:-}" ]; then
+  # A distinct file name before bundling, so the runtime bundler treats it as an executable of its own.
+  base_copy=$(mktemp -d)/fusedlayer_server_base
+  cp "$BASE_SERVER" "$base_copy"
+  exes+=("$base_copy")
+fi
 "$bundle" "$stage" "${exes[@]}"
 # Symbols are most of the size and the device run needs none (sanitizer reports still name the
 # kernels: device code keeps -lineinfo).
 for e in "${exes[@]}"; do strip -s "$stage/$(basename "$e")"; done
+[ -n "$base_copy" ] && rm -rf "$(dirname "$base_copy")"
 cp "$root/bench/gpu/torch_peers.py" "$root/bench/gpu/torch_mhc_peer.py" "$root/scripts/gpu/run_device.sh" "$stage/"
 mkdir -p "$pack"
 tar cJf "$pack/gpu_bundle.tar.xz" -C "$stage" .

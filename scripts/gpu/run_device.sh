@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
-#   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow)
+#   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab)
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"tests sanitize bench torch smoke dataplane shadow"}
+STEPS=${STEPS:-"tests sanitize bench torch smoke dataplane shadow"}  # and "ab" (needs a baseline server, below)
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # start_server PORT METRICS_PORT LOG [extra flags...]: a CUDA-backend server with the demo weights in
 # the background (pid in $pid), returning once its health check answers (or after 60 s).
@@ -197,6 +197,40 @@ if want shadow; then
   } > "$OUT/shadow.log" 2>&1
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/shadow.log"
   cat "$OUT/shadow.log"
+fi
+# Old and new server in one session (METHOD.md: compare binaries on the same machine, back to back):
+# the bundle carries a baseline server as fusedlayer_server_base (build_and_bundle.sh BASE_SERVER=...).
+# Each row runs against the baseline and then the new server, same flags, same client; the new
+# server's rows also get their echo floor. AB_ROWS / AB_SECONDS / AB_FLAGS (both servers) override the
+# defaults; AB_NEW_FLAGS adds a third pass of the new server with those flags (e.g. --device_lanes=1).
+if want ab; then
+  if [ ! -x ./fusedlayer_server_base ]; then
+    echo "== ab: no fusedlayer_server_base in this bundle (build_and_bundle.sh BASE_SERVER=...)"; failed=1
+  else
+    ab_seconds=${AB_SECONDS:-4}
+    ab_rows=${AB_ROWS:-"mhc:64:1 mhc:64:16 mhc:1:1 mhc:1:16 swa:64:1 swa:64:16 swa:1:16"}
+    echo "== ab: baseline vs new server (${ab_seconds} s per row): $ab_rows" | tee "$OUT/ab.log"
+    passes="base new"; [ -n "${AB_NEW_FLAGS:-}" ] && passes="base new new+"
+    for which in $passes; do
+      server=./fusedlayer_server; [ "$which" = base ] && server=./fusedlayer_server_base
+      extra=""; [ "$which" = new+ ] && extra="$AB_NEW_FLAGS"
+      [ "$which" = new+ ] && echo "---- new+ = new server with $AB_NEW_FLAGS" >> "$OUT/ab.log"
+      # shellcheck disable=SC2086
+      $server --demo_weights --backend=cuda --address=127.0.0.1:50191 --metrics_address=127.0.0.1:50192 \
+        ${AB_FLAGS:-} $extra > "$OUT/server-ab-$which.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:50191 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+      for row in $ab_rows; do
+        IFS=: read -r op tokens conc <<< "$row"
+        echo "---- $which $op T=$tokens c=$conc" >> "$OUT/ab.log"
+        floor=""; [ "$which" = new ] && [ "$conc" = 1 ] && floor=--echo_floor
+        ./fusedctl bench --target=127.0.0.1:50191 --op=$op --weight_set=v4-pro/demo --tokens=$tokens \
+          --concurrency=$conc --duration=${ab_seconds}s $floor >> "$OUT/ab.log" 2>&1 || echo "bench failed" >> "$OUT/ab.log"
+      done
+      kill -TERM $pid; wait $pid; echo "$which server exit rc=$?" >> "$OUT/ab.log"
+    done
+    cat "$OUT/ab.log"
+  fi
 fi
 echo "run_device: failed=$failed"
 exit $failed

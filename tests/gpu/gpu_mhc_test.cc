@@ -22,7 +22,7 @@
 #include "fusedlayer/numeric.h"
 #include "gpu_context.h"
 #include "gtest/gtest.h"
-#include "mhc_gpu.h"
+#include "mhc_launch.h"
 #include "mhc_reference.h"
 #include "test_util.h"
 
@@ -507,7 +507,7 @@ TEST_F(GpuMhcTest, BatchInvariance) {
   // subsets (the tile choice depends on T; the arithmetic must not). C = 7168, T = 200 (13 tiles x
   // 56 chunks = 728 CTAs, more than 3 per SM on any GPU with < 243 SMs) runs the pass's 4-CTA/SM
   // 16-token instance for the batch and the 3-CTA/SM one for the subsets (both paths). T = 1100 also
-  // runs the finalize kernel with 8 mix warps per block, its subsets with 4 (mhc_gpu.cu).
+  // runs the finalize kernel with 8 mix warps per block, its subsets with 4 (mhc_launch.cu).
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{7168, 77}, {1000, 77}, {512, 1100}, {7168, 200}};
   for (MhcMode mode : {MhcMode::kShifted, MhcMode::kNormal})
     for (const auto& [C, T] : shapes) {

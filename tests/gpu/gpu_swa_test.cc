@@ -26,8 +26,8 @@
 #include "gpu_context.h"
 #include "gpu_runtime.h"
 #include "gtest/gtest.h"
-#include "swa_gpu.h"
-#include "swa_kernels.h"
+#include "swa_launch.h"
+#include "swa_kernel_launch.h"
 #include "swa_quant_check.h"
 #include "test_util.h"
 

@@ -1,6 +1,6 @@
 // The equivalence check behind GpuSwa.QuantEncodingMatchesIeeeDivision: test code, compiled into
 // gpu_swa_tests only (CUDA: nvcc; HIP: hipcc, see tests/gpu/CMakeLists.txt). It runs the kernels'
-// quantization arithmetic (kernels/gpu/swa_quant_math.cuh) on device and compares it bitwise with
+// quantization arithmetic (kernels/gpu/device/swa_quant_math.cuh) on device and compares it bitwise with
 // the contract's formulas spelled literally.
 #include "gpu_runtime.h"
 #include "swa_quant_check.h"
@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "fusedlayer/numeric.h"
-#include "swa_quant_math.cuh"
+#include "device/swa_quant_math.cuh"
 
 namespace fusedlayer::gpu {
 namespace {

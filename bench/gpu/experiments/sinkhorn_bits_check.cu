@@ -12,7 +12,7 @@
 #include <random>
 #include <vector>
 
-#include "mhc_device_math.cuh"
+#include "device/mhc_device_math.cuh"
 
 using namespace fusedlayer::gpu;
 using namespace fusedlayer::gpu::mhc;

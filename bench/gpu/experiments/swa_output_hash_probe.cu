@@ -6,11 +6,11 @@
 // configuration. Build it once against the reference kernel source and once against the changed one;
 // a kernel change that claims bit-exactness must print identical lines.
 //   W=/path/to/tree; F="-O2 -DNDEBUG -DFUSEDLAYER_HAS_GPU=1 -arch=sm_90a -std=c++20 -I$W/kernels/include -I$W/kernels/cpu"
-//   nvcc $F -I<dir with the reference swa_kernels.h> -I$W/kernels/gpu -o probe_ref swa_output_hash_probe.cu <ref swa_norm_quant.cu>
+//   nvcc $F -I<dir with the reference swa_kernel_launch.h> -I$W/kernels/gpu -o probe_ref swa_output_hash_probe.cu <ref swa_row_launch.cu>
 //   nvcc $F -I$W/kernels/gpu -o probe_new swa_output_hash_probe.cu $W/kernels/gpu/swa_norm_quant.cu
 //   ./probe_ref > ref.txt; ./probe_new > new.txt; cmp ref.txt new.txt
 #include "gpu_runtime.h"
-#include "swa_kernels.h"
+#include "swa_kernel_launch.h"
 #include <cstdio>
 #include <cstring>
 #include <vector>

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "gpu_runtime.h"
-#include "swa_kernels.h"
+#include "swa_kernel_launch.h"
 
 using fusedlayer::Bf16ToFloat;
 using fusedlayer::Fp8Format;

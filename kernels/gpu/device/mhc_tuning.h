@@ -6,7 +6,7 @@
 
 // Minimum resident CTAs per SM of the 16-token-tile fused pass instances (register budget): 3 =
 // up to 170 registers, no spills. 4 measured -11% at C = 7168, T = 128 (one wave instead of 1.13)
-// but +1-2% at T <= 64 from spills (MHC_GPU_NOTES.md, bf16 fn round, v1); mhc_gpu.cu picks the
+// but +1-2% at T <= 64 from spills (MHC_GPU_NOTES.md, bf16 fn round, v1); mhc_launch.cu picks the
 // 4-CTA/SM instance itself where the grid exceeds one 3-CTA/SM wave.
 #ifndef FL_MHC_TILE16_MIN_BLOCKS
 #define FL_MHC_TILE16_MIN_BLOCKS 3

@@ -1,5 +1,5 @@
 // The SWA kernels' fp8 quantization arithmetic (spec/swa.md "Group quant"), device code shared by
-// swa_norm_quant.cu and the GPU test's bitwise check of it against the contract's formulas
+// swa_row_launch.cu and the GPU test's bitwise check of it against the contract's formulas
 // (tests/gpu/swa_quant_check.cu). One source for CUDA and HIP. Include after gpu_runtime.h.
 #pragma once
 

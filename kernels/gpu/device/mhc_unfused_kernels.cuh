@@ -3,10 +3,10 @@
 //   MhcBroadcastKernel first stage: R_0 = e on every stream.
 //   MhcMixesKernel     per-split partials of the mixes GEMM and of sum(R'^2) (split over C by a
 //                      function of C only; fp32 FMA), reduced in fixed order by MhcFinalizeKernel.
-// Included by mhc_gpu.cu only.
+// Included by mhc_launch.cu only.
 #pragma once
 
-#include "mhc_device_math.cuh"
+#include "device/mhc_device_math.cuh"
 
 namespace fusedlayer::gpu::mhc {
 

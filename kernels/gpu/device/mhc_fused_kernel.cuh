@@ -12,12 +12,12 @@
 // the mixes tolerance (MHC_GPU_NOTES.md, "bf16 fn round"). B fragments are loaded once per warp and
 // used for every tile. The chunk partial is the fixed-order sum of the 4 warps' values, so the
 // reduction order is a function of C only.
-// Included by mhc_gpu.cu only.
+// Included by mhc_launch.cu only.
 #pragma once
 
-#include "mhc_device_math.cuh"
-#include "mhc_finalize_kernel.cuh"
-#include "mhc_tuning.h"
+#include "device/mhc_device_math.cuh"
+#include "device/mhc_finalize_kernel.cuh"
+#include "device/mhc_tuning.h"
 
 namespace fusedlayer::gpu::mhc {
 
@@ -65,7 +65,7 @@ __device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1,
 // so the choice may depend on T without breaking batch invariance.
 //
 // kMinBlocks (> 0): minimum resident CTAs per SM for this instance's register budget instead of
-// the defaults in mhc_tuning.h (mhc_gpu.cu runs a 4-CTA/SM 16-token instance when the grid exceeds one wave
+// the defaults in mhc_tuning.h (mhc_launch.cu runs a 4-CTA/SM 16-token instance when the grid exceeds one wave
 // of the default instance). Register allocation only: the arithmetic and its order are unchanged.
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false, int kTiles = 2,
           int kMinBlocks = 0>
@@ -74,11 +74,9 @@ __global__ void __launch_bounds__(kFusedThreads, kMinBlocks > 0 ? kMinBlocks
                                                                 : 3)
     MhcFusedPassKernel(FusedParams p) {
   static_assert(!kGemmOnly || (kMix && !kShifted && !kAux), "the GEMM-only pass writes partials only");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Let the finalize kernel (launched with programmatic stream serialization) become resident now;
-  // its griddepcontrol.wait still waits for this whole grid to finish and its writes to be visible.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  // Let the finalize kernel (programmatic dependent launch) become resident now; its
+  // GridDependencyWait still waits for this whole grid to finish and its writes to be visible.
+  LaunchDependents();
   constexpr int N = 4;
   constexpr int kStreams = kFirst ? 1 : N;   // distinct streams feeding the GEMM
   constexpr int kSteps = kStreams * 2;       // k16 steps per warp: 8 channels x streams per lane / 4
@@ -117,7 +115,7 @@ __global__ void __launch_bounds__(kFusedThreads, kMinBlocks > 0 ? kMinBlocks
     }
 
   // B fragments: fn as bf16 hi + lo parts, laid out per (32-channel quad, k16 step, n-tile, lane)
-  // by the host (mhc_gpu.cu BuildFragments), read with ld.global.nc (L2-resident weights).
+  // by the host (mhc_launch.cu BuildFragments), read with ld.global.nc (L2-resident weights).
   const uint4* frag = p.frag + size_t(quad) * kSteps * 3 * 32 + lane;
   uint4 bq[kSteps][3];  // compile-time indices only: a register lives from its load to its MMA
   if constexpr (kMix && kEarlyB) {

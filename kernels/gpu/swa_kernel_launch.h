@@ -1,4 +1,4 @@
-// Raw kernel launchers of the SWA op, shared by swa_gpu.cc, the GPU tests and the benchmark.
+// Raw kernel launchers of the SWA op, shared by swa_launch.cc, the GPU tests and the benchmark.
 // Pointers are device pointers; every launcher enqueues on `stream` and returns the launch error.
 #pragma once
 
@@ -59,7 +59,7 @@ gpuError_t LaunchSwaGroupQuant(const uint16_t* q_bf16, int64_t tokens, int q_ran
 
 // q_proj[m, n] = bf16( sum_kb As[m,kb] * Bs[n/128,kb] * sum_{k in kb} fp8(A[m,k]) fp8(B[n,k]) ),
 // fp32 accumulation. A = q codes [M, K] (K = Q), B = wq_b codes [N, K], Bs [N/128, K/128].
-// Our CUDA-core kernel: the fallback and HIP implementation (swa_gpu.cc picks per weight set).
+// Our CUDA-core kernel: the fallback and HIP implementation (swa_launch.cc picks per weight set).
 gpuError_t LaunchWqbGemm(const uint8_t* a, const float* a_scale, const SwaScaleLayout& a_layout, const uint8_t* b,
                          const float* b_scale, uint16_t* out, int64_t tokens, int n, int k, Fp8Format fmt,
                          gpuStream_t stream);

@@ -7,10 +7,10 @@
 // the y blocks. In normal mode
 // both kinds compute pre from the same partials with the same code (ComputePre), so the collapse
 // uses exactly the bits written to new_pre_mix.
-// Included by mhc_gpu.cu only.
+// Included by mhc_launch.cu only.
 #pragma once
 
-#include "mhc_device_math.cuh"
+#include "device/mhc_device_math.cuh"
 
 namespace fusedlayer::gpu::mhc {
 
@@ -104,10 +104,8 @@ __global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizePa
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t T = p.tokens, C = p.C;
-#if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched with programmatic stream serialization: wait for the producer kernel's writes.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  // Launched with programmatic dependent launch: wait for the producer kernel's writes.
+  GridDependencyWait();
 
   if (int64_t(blockIdx.x) >= T) {
     // ---- mix block: one warp per token ----

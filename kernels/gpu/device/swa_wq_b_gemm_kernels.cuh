@@ -2,7 +2,7 @@
 // with 1x128 activation scales and 128x128 weight scales (spec/swa.md "Optional projection").
 //
 // On CUDA, e4m3fn weight sets use cuBLASLt instead (wq_b_cublaslt.cc, chosen per weight set at load in
-// swa_gpu.cc); this kernel serves HIP, e4m3fnuz, and sets for which no single cuBLASLt algorithm is
+// swa_launch.cc); this kernel serves HIP, e4m3fnuz, and sets for which no single cuBLASLt algorithm is
 // valid for every M. The file also holds LaunchWqbPack, the cuBLASLt path's operand staging.
 //
 // A portable CUDA-core kernel (one source for CUDA and HIP; CDNA2 has no FP8 matrix unit): fp8
@@ -10,16 +10,19 @@
 // each 128-wide K block, and the block's partial sum is scaled by As[m,kb] * Bs[n/128,kb] before it
 // joins the running fp32 sum, exactly the contract's formula. Tiles: 64x64 outputs per 256-thread
 // block, 4x4 per thread, K staged 32 at a time.
+//
+// Device code only; the launchers are in ../swa_wq_b_launch.cu.
+#pragma once
+
 // The runtime header first: under hipcc it provides the intrinsics numeric.h uses.
 #include "gpu_runtime.h"
-#include "swa_kernels.h"
+#include "swa_kernel_launch.h"
 
 #include <cstdint>
 
 #include "fusedlayer/numeric.h"
 
-namespace fusedlayer::gpu {
-namespace {
+namespace fusedlayer::gpu::swa_wq_b {
 
 constexpr int kBM = 64, kBN = 64, kBK = 32, kKBlock = 128, kThreads = 256;
 static_assert(kKBlock % kBN == 0, "a block's columns must share one weight-scale row");
@@ -132,27 +135,4 @@ __global__ void WqbPackKernel(WqbPackParams p) {
   }
 }
 
-}  // namespace
-
-gpuError_t LaunchWqbPack(const WqbPackParams& p, gpuStream_t stream) {
-  const int G = p.k / kKBlock;
-  const int64_t total = (p.main_scale != nullptr ? int64_t(G) * p.main_rows : 0) +
-                        (p.tail_scale != nullptr ? int64_t(G) * 4 : 0) + (p.tail_a != nullptr ? int64_t(4) * p.k : 0);
-  if (total == 0) return gpuSuccess;
-  const int64_t blocks = (total + kThreads - 1) / kThreads;
-  WqbPackKernel<<<dim3(unsigned(blocks < 1024 ? blocks : 1024)), dim3(kThreads), 0, stream>>>(p);
-  return gpuGetLastError();
-}
-
-gpuError_t LaunchWqbGemm(const uint8_t* a, const float* a_scale, const SwaScaleLayout& a_layout, const uint8_t* b,
-                         const float* b_scale, uint16_t* out, int64_t tokens, int n, int k, Fp8Format fmt,
-                         gpuStream_t stream) {
-  if (tokens == 0 || n == 0) return gpuSuccess;
-  const bool a_vec = reinterpret_cast<uintptr_t>(a) % 8 == 0;  // K % 128 == 0 keeps rows aligned
-  const dim3 grid(unsigned(n / kBN), unsigned((tokens + kBM - 1) / kBM));
-  WqbGemmKernel<<<grid, dim3(kThreads), 0, stream>>>(a, a_scale, a_layout, b, b_scale, out, tokens, n, k, fmt,
-                                                     a_vec);
-  return gpuGetLastError();
-}
-
-}  // namespace fusedlayer::gpu
+}  // namespace fusedlayer::gpu::swa_wq_b

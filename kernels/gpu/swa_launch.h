@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "fusedlayer/backend.h"
 #include "gpu_context.h"
-#include "swa_kernels.h"
+#include "swa_kernel_launch.h"
 #include "wq_b_cublaslt.h"
 
 namespace fusedlayer::gpu {
@@ -31,7 +31,7 @@ class GpuSwaWeights final : public PreparedSwaWeights {
 
   // The wq_b GEMM, fixed per weight set at load so that every M takes the same implementation
   // and algorithm (batch invariance): cuBLASLt block-scaled FP8 with a pinned algorithm (CUDA,
-  // e4m3fn, when one algorithm is valid for every row count), else our kernel (swa_wq_b_gemm.cu:
+  // e4m3fn, when one algorithm is valid for every row count), else our kernel (swa_wq_b_launch.cu:
   // HIP, e4m3fnuz, or cuBLASLt unavailable; logged at load).
   enum class WqbImpl { kNone, kOwnKernel, kCublasLt };
   WqbImpl wq_b_impl = WqbImpl::kNone;

@@ -2,7 +2,7 @@
 // query and the launcher. The launcher only enqueues work on ctx.stream (no synchronisation), so
 // it can be captured into a CUDA/HIP graph; the backend adds events and the sync.
 //
-// Paths (kernels in mhc_*.cuh, host code in mhc_gpu.cu):
+// Paths (kernels in mhc_*.cuh, host code in mhc_launch.cu):
 //   unfused (every n in 1..8, every C): post kernel -> mixes GEMM partials -> finalize kernel
 //     (fixed-order split reduction, sigmoid gates + Sinkhorn, collapse + RMSNorm). The mixes GEMM
 //     is the fused pass's tensor-core code in GEMM-only mode where the fused path exists (n = 4,

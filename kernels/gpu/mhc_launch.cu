@@ -3,17 +3,17 @@
 // gpu_runtime.h before anything that pulls in fusedlayer/numeric.h: under hipcc its device branch
 // needs the HIP intrinsics (__float_as_uint) declared first.
 #include "gpu_runtime.h"
-#include "mhc_gpu.h"
+#include "mhc_launch.h"
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "mhc_finalize_kernel.cuh"
-#include "mhc_fused_kernel.cuh"
-#include "mhc_tuning.h"
-#include "mhc_unfused_kernels.cuh"
+#include "device/mhc_finalize_kernel.cuh"
+#include "device/mhc_fused_kernel.cuh"
+#include "device/mhc_tuning.h"
+#include "device/mhc_unfused_kernels.cuh"
 
 namespace fusedlayer::gpu {
 namespace {
@@ -69,11 +69,11 @@ std::vector<uint32_t> BuildFragments(int64_t C, int streams, Row row) {
   return out;
 }
 
-absl::Status LaunchStatus(const char* what) {
-  const gpuError_t err = gpuGetLastError();
+absl::Status LaunchStatus(gpuError_t err, const char* what) {
   if (err == gpuSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, " launch failed: ", gpuGetErrorString(err)));
 }
+absl::Status LaunchStatus(const char* what) { return LaunchStatus(gpuGetLastError(), what); }
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -121,26 +121,13 @@ absl::Status LaunchFinalize(FinalizeParams fp, const GpuContext& ctx) {
     }
   }
   const int64_t blocks = fp.tokens + (fp.has_mixes ? (fp.tokens + fp.mix_warps - 1) / fp.mix_warps : 0);
-#if FL_HIP
-  kernel<<<dim3(unsigned(blocks)), mhc::kFinalizeThreads, smem, ctx.stream>>>(fp);
-#else
   // Programmatic dependent launch: the finalize kernel is launched while its producer drains and
-  // waits in griddepcontrol.wait (MhcFinalizeKernel) for the producer's memory, hiding the launch
-  // gap between the two kernels (~1-2 us at decode sizes). The producer never triggers early, so
-  // the wait is for its full completion.
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(blocks));
-  cfg.blockDim = dim3(mhc::kFinalizeThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = ctx.stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, fp) != cudaSuccess) return LaunchStatus("MhcFinalizeKernel (PDL)");
-#endif
-  return LaunchStatus("MhcFinalizeKernel");
+  // waits in GridDependencyWait (MhcFinalizeKernel) for the producer's memory, hiding the launch
+  // gap between the two kernels (~1-2 us at decode sizes). The producer triggers early
+  // (LaunchDependents), but the wait is still for its full completion.
+  return LaunchStatus(
+      LaunchKernel(/*pdl=*/true, kernel, dim3(unsigned(blocks)), dim3(mhc::kFinalizeThreads), smem, ctx.stream, fp),
+      "MhcFinalizeKernel");
 }
 
 template <int N>

@@ -18,10 +18,14 @@
 // All variants add the squares in one fixed tree (ChunkSq), which depends on the row width only:
 // results are batch invariant and bitwise identical across the variants, and kv is bitwise equal
 // between the fused and unfused paths. Measurements: bench/gpu/SWA_GPU_RESULTS.md.
+//
+// Device code only (kernels and their helpers); the launchers are in ../swa_row_launch.cu.
+#pragma once
+
 // The runtime header first: under hipcc it provides the intrinsics numeric.h uses.
 #include "gpu_runtime.h"
-#include "swa_kernels.h"
-#include "swa_quant_math.cuh"
+#include "swa_kernel_launch.h"
+#include "device/swa_quant_math.cuh"
 
 #include <algorithm>
 #include <cstdint>
@@ -33,8 +37,7 @@
 #include <cuda_fp8.h>
 #endif
 
-namespace fusedlayer::gpu {
-namespace {
+namespace fusedlayer::gpu::swa_rows {
 
 constexpr int kRowTeam = 32;         // threads per token row
 constexpr int kChunk = 8;            // bf16 elements per 16-byte access
@@ -263,22 +266,8 @@ __device__ __forceinline__ void StoreCodes(uint8_t* p, const uint2& c, bool vec)
   }
 }
 
-// Programmatic dependent launch (sm_90+): the launchers set the programmatic-serialization
-// attribute, so a kernel may be scheduled while the previous kernel in the stream is still
-// finishing. Every kernel waits (griddepcontrol.wait: the previous grid has completed and its
-// memory is visible) before its first global access, then lets its own dependents be scheduled;
-// what overlaps is launch and block scheduling, never data. No-ops on HIP and older targets.
-__device__ __forceinline__ void GridDependencyWait() {
-#if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void LaunchDependents() {
-#if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
+// Programmatic dependent launch: every kernel calls GridDependencyWait() before its first global
+// access, then LaunchDependents() (gpu_runtime.h).
 struct RowFlags {
   bool vec_in;     // qr_kv base 16-byte aligned and row stride a multiple of 8 elements
   bool vec_kv;     // kv base 16-byte aligned and D a multiple of 8
@@ -579,119 +568,4 @@ __global__ void __launch_bounds__(256) SwaGroupQuantKernel(const uint16_t* q_bf1
   }
 }
 
-using RowKernelFn = void (*)(SwaRowParams, RowFlags);
-
-template <RowMode kMode, Fp8Format kFmt, int KD>
-RowKernelFn PickKq(int kq) {
-  // Chunk counts are rounded up to an instantiated one (masked chunks cost registers, not
-  // bandwidth); DeepSeek's Q = 1024 / 1280 / 1536 are exactly 4 / 5 / 6.
-  if (kq <= 2) return SwaRowKernel<2, KD, kMode, kFmt>;
-  if (kq <= 4) return SwaRowKernel<4, KD, kMode, kFmt>;
-  if (kq == 5) return SwaRowKernel<5, KD, kMode, kFmt>;
-  if (kq == 6) return SwaRowKernel<6, KD, kMode, kFmt>;
-  return SwaRowKernel<8, KD, kMode, kFmt>;
-}
-
-template <RowMode kMode, Fp8Format kFmt>
-RowKernelFn PickRowKernel(int q_rank, int head_dim, const RowFlags& f) {
-  const int kq = (q_rank / kChunk + kRowTeam - 1) / kRowTeam;
-  const int kd = ((head_dim + kChunk - 1) / kChunk + kRowTeam - 1) / kRowTeam;
-  const bool aligned = f.vec_in && f.vec_kv && f.vec_codes && head_dim % kChunk == 0;
-  if (aligned && kq <= kMaxResidentQChunks && kd <= kMaxResidentDChunks) {
-    return kd <= 2 ? PickKq<kMode, kFmt, 2>(kq) : PickKq<kMode, kFmt, 4>(kq);
-  }
-  return SwaRowKernel<0, 0, kMode, kFmt>;
-}
-
-// Launch with the programmatic-serialization attribute (PDL, see GridDependencyWait); HIP and a
-// refused attribute fall back to a plain launch.
-template <typename... KArgs, typename... Args>
-gpuError_t LaunchPdl(bool pdl, void (*kernel)(KArgs...), int64_t grid, int block, gpuStream_t stream, Args... args) {
-#if !FL_HIP
-  if (pdl) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(grid));
-  cfg.blockDim = dim3(unsigned(block));
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, KArgs(args)...) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();
-  }
-#else
-  (void)pdl;
-#endif
-  kernel<<<dim3(unsigned(grid)), dim3(unsigned(block)), 0, stream>>>(KArgs(args)...);
-  return gpuGetLastError();
-}
-
-template <RowMode kMode>
-gpuError_t LaunchRows(const SwaRowParams& p, int sm_count, gpuStream_t stream) {
-  if (p.tokens == 0) return gpuSuccess;
-  const bool fmt_fn = kMode == RowMode::kNormOnly || p.fp8_format == Fp8Format::kE4M3FN;
-  {
-    // Up to 8 rows per multiprocessor, one block per row with one chunk per thread (Q <= 2048,
-    // D <= 1024, aligned): the latency-bound regime (31 registers: 8 blocks of 256 per SM).
-    const bool aligned = (reinterpret_cast<uintptr_t>(p.qr_kv) % 16 == 0) && (p.row_stride % kChunk == 0) &&
-                         (reinterpret_cast<uintptr_t>(p.kv) % 16 == 0) && (p.head_dim % kChunk == 0) &&
-                         (kMode == RowMode::kNormOnly || reinterpret_cast<uintptr_t>(p.q_fp8) % 8 == 0);
-    const int nqt = (p.q_rank / kChunk + kRowTeam - 1) / kRowTeam;
-    const int nkt = (p.head_dim / kChunk + kRowTeam - 1) / kRowTeam;
-    // Measured (SWA_GPU_RESULTS.md, round 7): one row per block wins up to M = 8 x SMs (Q = 1536,
-    // M = 1024: 3.96 against 5.18 us cold, 3.35 against 4.06 warm) and loses from about 16 x SMs.
-    const int64_t wide_max = p.wide_rows_max >= 0 ? p.wide_rows_max : int64_t(8) * (sm_count > 0 ? sm_count : 1);
-    if (aligned && nqt <= 8 && nkt <= kWideMaxTeams - 8 && p.tokens <= wide_max) {
-      return fmt_fn ? LaunchPdl(p.pdl, SwaRowWideKernel<kMode, Fp8Format::kE4M3FN>, p.tokens, (nqt + nkt) * kRowTeam, stream,
-                                p, nqt)
-                    : LaunchPdl(p.pdl, SwaRowWideKernel<kMode, Fp8Format::kE4M3FNUZ>, p.tokens, (nqt + nkt) * kRowTeam,
-                                stream, p, nqt);
-    }
-  }
-  // Few rows: 2 rows per block spreads them over more multiprocessors (latency-bound regime);
-  // many rows: 8 rows (256 threads) per block.
-  const int rows_per_block = p.tokens <= int64_t(4) * (sm_count > 0 ? sm_count : 1) ? 2 : 8;
-  const int64_t blocks = (p.tokens + rows_per_block - 1) / rows_per_block;
-  RowFlags f;
-  f.vec_in = (reinterpret_cast<uintptr_t>(p.qr_kv) % 16 == 0) && (p.row_stride % kChunk == 0);
-  f.vec_kv = (reinterpret_cast<uintptr_t>(p.kv) % 16 == 0) && (p.head_dim % kChunk == 0);
-  // The norm step writes no codes (q_fp8 unused); its bf16 q goes to the aligned workspace.
-  f.vec_codes = kMode == RowMode::kNormOnly || reinterpret_cast<uintptr_t>(p.q_fp8) % 8 == 0;
-  // The norm step writes no codes: one format's instances serve it.
-  RowKernelFn fn = fmt_fn ? PickRowKernel<kMode, Fp8Format::kE4M3FN>(p.q_rank, p.head_dim, f)
-                          : PickRowKernel<kMode, Fp8Format::kE4M3FNUZ>(p.q_rank, p.head_dim, f);
-  return LaunchPdl(p.pdl, fn, blocks, rows_per_block * kRowTeam, stream, p, f);
-}
-
-}  // namespace
-
-
-gpuError_t ProbeSwaKernelImage() {
-  gpuFuncAttributes attr;
-  return gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(SwaGroupQuantKernel<Fp8Format::kE4M3FN>));
-}
-
-gpuError_t LaunchSwaFusedRows(const SwaRowParams& p, int sm_count, gpuStream_t stream) {
-  return LaunchRows<RowMode::kFused>(p, sm_count, stream);
-}
-
-gpuError_t LaunchSwaNormRows(const SwaRowParams& p, int sm_count, gpuStream_t stream) {
-  return LaunchRows<RowMode::kNormOnly>(p, sm_count, stream);
-}
-
-gpuError_t LaunchSwaGroupQuant(const uint16_t* q_bf16, int64_t tokens, int q_rank, uint8_t* q_fp8, float* q_scale,
-                               const SwaScaleLayout& layout, Fp8Format fmt, bool ue8m0, gpuStream_t stream, bool pdl) {
-  if (tokens == 0) return gpuSuccess;
-  const int groups = q_rank / kGroup;
-  const int64_t threads = tokens * groups * kGroupLanes;
-  const int block = 256;
-  const int64_t blocks = (threads + block - 1) / block;
-  auto* kernel = fmt == Fp8Format::kE4M3FN ? SwaGroupQuantKernel<Fp8Format::kE4M3FN>
-                                           : SwaGroupQuantKernel<Fp8Format::kE4M3FNUZ>;
-  return LaunchPdl(pdl, kernel, blocks, block, stream, q_bf16, tokens, groups, q_fp8, q_scale, layout, ue8m0);
-}
-
-}  // namespace fusedlayer::gpu
+}  // namespace fusedlayer::gpu::swa_rows

@@ -1,11 +1,11 @@
 // SWA op on the GPU: weight upload, capability query and the launch sequence of each path.
-#include "swa_gpu.h"
+#include "swa_launch.h"
 
 #include <cmath>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
-#include "swa_kernels.h"
+#include "swa_kernel_launch.h"
 
 namespace fusedlayer::gpu {
 namespace {
