@@ -57,6 +57,9 @@ if want sanitize; then
   # that failed cudaMalloc as 2 API errors, so it is left out here.
   sanitize memcheck-gpu_swa_tests memcheck ./gpu_swa_tests --gtest_brief=1 --gtest_filter='-*BackendIdentityAndErrors*' &
   sanitize memcheck-swa_contract_tests memcheck ./swa_contract_tests --gtest_brief=1 --gtest_filter='*cuda*' &
+  # Lanes: four streams at once through pinned staging (stream-ordered allocation, async copies,
+  # one event wait each): an early reuse of staging or device memory is a memcheck error.
+  [ -x ./gpu_lanes_tests ] && sanitize memcheck-gpu_lanes_tests memcheck ./gpu_lanes_tests --gtest_brief=1 &
   # The SWA graph/fused tests run cuBLASLt's wq_b GEMM (nvjet_sm90_qqtst_*: closed source,
   # warp-specialised; its producer and consumer warps are ordered by mbarriers). racecheck reports
   # 32 hazards there (potential WAR on shared memory between those warps; the tests' outputs are
