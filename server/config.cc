@@ -83,6 +83,13 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_queue_delay_us must be in [0, 60000000], got ", max_queue_delay_us));
   }
+  if (device_lanes < 0 || device_lanes > 16) {
+    return absl::InvalidArgumentError(absl::StrCat("--device_lanes must be in [0, 16] (0: auto), got ", device_lanes));
+  }
+  if (host_staging_bytes < (uint64_t{1} << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--host_staging_bytes must be at least 1 MiB (1048576), got ", host_staging_bytes));
+  }
   if (queue_capacity < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--queue_capacity must be >= 1, got ", queue_capacity));
   }

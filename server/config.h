@@ -41,6 +41,13 @@ struct ServerConfig {
   // first request of a batch may wait for compatible ones (0: only those already queued).
   int64_t max_batch_tokens = 0;
   int64_t max_queue_delay_us = 0;
+  // Device lanes (server/exec/device_lanes.h): streams per GPU, each with its own executor worker,
+  // so one request's copies overlap another's kernel. 0 = auto (4 on a GPU); a host-accessible
+  // backend (CPU) always has one worker. At most 16.
+  int device_lanes = 0;
+  // The bound on page-locked host staging memory the lanes hold (in use + kept for reuse); a
+  // request whose tensors need more is RESOURCE_EXHAUSTED. GPU backends only.
+  uint64_t host_staging_bytes = uint64_t{1} << 30;
   // Compute admission by memory (docs/operations.md): the request and response bytes of every
   // compute call admitted and not yet finished (queued, running or sending) stay under this; a call
   // that would go over is refused with RESOURCE_EXHAUSTED before its response is allocated.

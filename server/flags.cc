@@ -29,6 +29,12 @@ ABSL_FLAG(int64_t, max_batch_tokens, 0,
 ABSL_FLAG(int64_t, max_queue_delay_us, 0,
           "dynamic batching: how long (microseconds) a request may wait for compatible ones to join its launch "
           "(0: only requests already queued)");
+ABSL_FLAG(int32_t, device_lanes, 0,
+          "GPU: lanes (streams, each with its own executor worker) per device, so one request's copies overlap "
+          "another's kernel; 0 = auto (4), at most 16. The CPU backend always runs one worker");
+ABSL_FLAG(uint64_t, host_staging_bytes, uint64_t{1} << 30,
+          "GPU: bound on the page-locked host staging memory the lanes hold (in use + kept for reuse); a request "
+          "whose tensors need more is RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint64_t, max_inflight_bytes, 0,
           "compute admission: request + response bytes of all admitted compute calls (queued, running, "
           "sending) stay under this; beyond it RESOURCE_EXHAUSTED before anything is allocated. "
@@ -92,6 +98,8 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
   c.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   c.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  c.device_lanes = absl::GetFlag(FLAGS_device_lanes);
+  c.host_staging_bytes = absl::GetFlag(FLAGS_host_staging_bytes);
   c.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   c.grpc_memory_quota_bytes = absl::GetFlag(FLAGS_grpc_memory_quota_bytes);
   c.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);

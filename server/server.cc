@@ -109,7 +109,16 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   BatchingOptions batching;
   batching.max_batch_tokens = cfg.max_batch_tokens;
   batching.max_queue_delay = std::chrono::microseconds(cfg.max_queue_delay_us);
-  srv->executor_ = std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching);
+  absl::StatusOr<std::unique_ptr<DeviceLanes>> lanes =
+      DeviceLanes::Create(be, cfg.device_lanes, static_cast<size_t>(cfg.host_staging_bytes), srv->metrics_->registry().get());
+  if (!lanes.ok()) return lanes.status();
+  srv->lanes_ = std::move(*lanes);
+  if (srv->lanes_->lanes() > 0) {
+    LogInfo("device lanes: ", srv->lanes_->lanes(), " (--device_lanes), pinned staging up to ", cfg.host_staging_bytes,
+            " bytes (--host_staging_bytes)");
+  }
+  srv->executor_ =
+      std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching, srv->lanes_->workers());
   shadow::ShadowOptions shadow_options;
   shadow_options.sample_rate = cfg.shadow_sample_rate;
   shadow_options.queue_size = cfg.shadow_queue_size;
@@ -136,7 +145,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   srv->weights_->FinishStartup();
 
   srv->service_ = std::make_unique<FusedLayerService>(cfg, identity, be, *srv->executor_, *srv->weights_,
-                                                      *srv->metrics_, *srv->shadow_);
+                                                      *srv->metrics_, *srv->shadow_, *srv->lanes_);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

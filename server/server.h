@@ -63,6 +63,8 @@ class FusedLayerServer {
   std::unique_ptr<Metrics> metrics_;
   // Declared before the executor so it outlives the background tasks the executor drops at Stop.
   std::unique_ptr<shadow::ShadowVerifier> shadow_;
+  // The device's lanes: outlive the executor's workers that run on them, die before the backend.
+  std::unique_ptr<DeviceLanes> lanes_;
   std::unique_ptr<Executor> executor_;
   Health health_;
   std::unique_ptr<WeightManager> weights_;

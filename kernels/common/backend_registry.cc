@@ -28,6 +28,15 @@ void DeviceBuffer::Reset() {
   free_ = nullptr;
 }
 
+// Host-accessible backends need neither staging nor lanes: the server hands them host views.
+absl::StatusOr<DeviceBuffer> Backend::AllocateHostStaging(size_t) {
+  return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend has no host staging (host-accessible)"));
+}
+
+absl::StatusOr<std::unique_ptr<Lane>> Backend::CreateLane() {
+  return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend has no lanes"));
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view kind, const BackendOptions& options) {
   if (kind == "cpu") return CreateCpuBackend(options);
 #if FUSEDLAYER_HAS_GPU

@@ -1,7 +1,9 @@
 // The GPU backend (CUDA or HIP, one source): device memory, synchronous copies on the backend's
-// stream, and the mHC / SWA launchers timed with events.
+// stream, and the mHC / SWA launchers timed with events; lanes (backend.h) with their own streams,
+// scratch and events for the server's pipelined serving path; page-locked staging memory.
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -28,10 +30,164 @@ class GpuEvent {
   GpuEvent(const GpuEvent&) = delete;
   GpuEvent& operator=(const GpuEvent&) = delete;
   absl::Status Init() { return gpu::GpuStatus(gpuEventCreate(&ev_), "event create"); }
+  // An event used only to wait on (no timestamps: cheaper to record).
+  absl::Status InitNoTiming() {
+    return gpu::GpuStatus(gpuEventCreateWithFlags(&ev_, gpuEventDisableTiming), "event create");
+  }
   gpuEvent_t get() const { return ev_; }
 
  private:
   gpuEvent_t ev_ = nullptr;
+};
+
+// The device's default stream-ordered pool, keeping freed memory for reuse (release threshold =
+// unlimited), or null when the runtime has none or FUSEDLAYER_NO_GPU_STAGING_POOL=1 (see
+// GpuBackend::InitStagingPool).
+gpuMemPool_t StreamOrderedPool(int device) {
+  if (const char* off = std::getenv("FUSEDLAYER_NO_GPU_STAGING_POOL"); off != nullptr && std::string(off) == "1") {
+    return nullptr;
+  }
+  gpuMemPool_t pool = nullptr;
+  if (gpuDeviceGetDefaultMemPool(&pool, device) != gpuSuccess || pool == nullptr) {
+    (void)gpuGetLastError();
+    return nullptr;
+  }
+  uint64_t keep_all = ~uint64_t{0};
+  if (gpuMemPoolSetAttribute(pool, gpuMemPoolAttrReleaseThreshold, &keep_all) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return nullptr;
+  }
+  return pool;
+}
+
+absl::StatusOr<DeviceBuffer> PlainDeviceBuffer(size_t bytes) {
+  auto mem = gpu::GpuAlloc(bytes);
+  if (!mem.ok()) return mem.status();
+  return DeviceBuffer(mem->release(), bytes, [](void* p) { (void)gpuFree(p); });
+}
+
+// Device memory for request tensors, stream-ordered on `stream` when `pool` is set: allocation and
+// release are queue operations on the stream (no driver call, no device-wide sync); the release of
+// a buffer is ordered after the work queued on the stream before it.
+absl::StatusOr<DeviceBuffer> StreamOrderedBuffer(size_t bytes, gpuMemPool_t pool, gpuStream_t stream) {
+  if (bytes == 0) return DeviceBuffer();
+  if (pool == nullptr) return PlainDeviceBuffer(bytes);
+  void* p = nullptr;
+  gpuError_t err = gpuMallocAsync(&p, bytes, stream);
+  if (err == gpuErrorMemoryAllocation) {
+    // The pool may hold free blocks too fragmented for this size: give them back, retry once.
+    (void)gpuGetLastError();
+    (void)gpuStreamSynchronize(stream);
+    (void)gpuMemPoolTrimTo(pool, 0);
+    err = gpuMallocAsync(&p, bytes, stream);
+  }
+  if (err != gpuSuccess) {
+    (void)gpuGetLastError();
+    if (err == gpuErrorMemoryAllocation) {
+      return absl::ResourceExhaustedError(absl::StrCat("device memory: ", bytes, " bytes for a request buffer"));
+    }
+    // Anything else (e.g. a size the pool refuses outright): the plain allocator decides.
+    return PlainDeviceBuffer(bytes);
+  }
+  return DeviceBuffer(p, bytes, [stream](void* q) { (void)gpuFreeAsync(q, stream); });
+}
+
+// A lane: its own GpuContext (stream, scratch blocks, cuBLASLt state), timing events around the
+// op, and one more event that Wait() synchronises on. Driven by one thread at a time (its
+// executor worker); lanes run concurrently with each other and with the backend's default context.
+//
+// Lifetimes: the events and the stream live as long as the lane; the destructor waits for the
+// stream (GpuContext's destructor) before anything it owns is freed. Staging and device memory
+// are the caller's (backend.h): it keeps them until Wait() returns.
+class GpuLane final : public Lane {
+ public:
+  GpuLane(std::unique_ptr<GpuContext> ctx, gpuMemPool_t pool, int64_t fused_max_tokens)
+      : ctx_(std::move(ctx)), pool_(pool), fused_max_tokens_(fused_max_tokens) {}
+  // Queued work (a caller that never waited) finishes before the events and the stream go.
+  ~GpuLane() override { (void)gpuStreamSynchronize(ctx_->stream); }
+
+  absl::Status Init() {
+    if (absl::Status s = start_.Init(); !s.ok()) return s;
+    if (absl::Status s = stop_.Init(); !s.ok()) return s;
+    return done_.InitNoTiming();
+  }
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    if (absl::Status s = Bind(); !s.ok()) return s;
+    return StreamOrderedBuffer(bytes, pool_, ctx_->stream);
+  }
+  absl::Status EnqueueCopyToDevice(void* dst, const void* src, size_t bytes) override {
+    return Enqueue(dst, src, bytes, gpuMemcpyHostToDevice, "copy to device");
+  }
+  absl::Status EnqueueCopyToHost(void* dst, const void* src, size_t bytes) override {
+    return Enqueue(dst, src, bytes, gpuMemcpyDeviceToHost, "copy to host");
+  }
+  absl::Status EnqueueMhc(const PreparedMhcWeights& weights, const MhcArgs& args, Path path) override {
+    return Timed([&] {
+      return gpu::LaunchMhcGpu(static_cast<const gpu::GpuMhcWeights&>(weights), args, path, *ctx_, fused_max_tokens_);
+    });
+  }
+  absl::Status EnqueueSwa(const PreparedSwaWeights& weights, const SwaArgs& args, Path path) override {
+    return Timed([&] {
+      return gpu::LaunchSwaGpu(static_cast<const gpu::GpuSwaWeights&>(weights), args, path, *ctx_, fused_max_tokens_);
+    });
+  }
+
+  absl::StatusOr<RunStats> Wait() override {
+    const bool timed = timed_;
+    timed_ = false;
+    // One event of this lane: waits for this stream's work only, never the whole device.
+    absl::Status s = gpu::GpuStatus(gpuEventRecord(done_.get(), ctx_->stream), "event record");
+    if (s.ok()) s = gpu::GpuStatus(gpuEventSynchronize(done_.get()), "lane work");
+    if (!s.ok()) {
+      (void)gpuGetLastError();  // a non-sticky error must not fail the lane's next request
+      return absl::InternalError(s.message());
+    }
+    RunStats stats;
+    if (timed) {
+      float ms = 0.0f;
+      if (absl::Status t = gpu::GpuStatus(gpuEventElapsedTime(&ms, start_.get(), stop_.get()), "event time"); !t.ok()) {
+        (void)gpuGetLastError();
+        return absl::InternalError(t.message());
+      }
+      stats.kernel_seconds = double(ms) * 1e-3;
+    }
+    return stats;
+  }
+
+ private:
+  // The runtime's current device is per thread, and a lane's worker may be any thread.
+  absl::Status Bind() { return gpu::GpuStatus(gpuSetDevice(ctx_->device), "gpuSetDevice"); }
+
+  absl::Status Enqueue(void* dst, const void* src, size_t bytes, decltype(gpuMemcpyHostToDevice) kind,
+                       const char* what) {
+    if (bytes == 0) return absl::OkStatus();
+    if (absl::Status s = Bind(); !s.ok()) return s;
+    absl::Status s = gpu::GpuStatus(gpuMemcpyAsync(dst, src, bytes, kind, ctx_->stream), what);
+    if (!s.ok()) (void)gpuGetLastError();
+    return s;
+  }
+
+  // Enqueues `launch` (validation, then kernels) between the timing events; no wait here.
+  template <typename Fn>
+  absl::Status Timed(Fn&& launch) {
+    if (absl::Status s = Bind(); !s.ok()) return s;
+    if (absl::Status s = gpu::GpuStatus(gpuEventRecord(start_.get(), ctx_->stream), "event record"); !s.ok()) {
+      return absl::InternalError(s.message());
+    }
+    absl::Status launched = launch();
+    if (absl::Status s = gpu::GpuStatus(gpuEventRecord(stop_.get(), ctx_->stream), "event record"); !s.ok()) {
+      return absl::InternalError(s.message());
+    }
+    timed_ = launched.ok();
+    return launched;
+  }
+
+  std::unique_ptr<GpuContext> ctx_;
+  const gpuMemPool_t pool_;
+  const int64_t fused_max_tokens_;
+  GpuEvent start_, stop_, done_;
+  bool timed_ = false;  // an op was enqueued since the last Wait
 };
 
 class GpuBackend final : public Backend {
@@ -51,31 +207,33 @@ class GpuBackend final : public Backend {
   std::string arch() const override { return ctx_->arch; }
   bool host_accessible() const override { return false; }
 
-  // A request's staging buffers. With the stream-ordered pool (see InitStagingPool) allocation and
-  // release are queue operations on the backend's stream: no driver allocation and, unlike
-  // gpuFree, no device-wide synchronisation per buffer. Without it, plain gpuMalloc / gpuFree.
+  // A request's device buffers on the default context (warm-up, shadow runs; the serving path
+  // allocates on its lane). Stream-ordered on the default stream when the pool is available.
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    std::lock_guard<std::mutex> lock(default_mu_);
+    return StreamOrderedBuffer(bytes, pool_, ctx_->stream);
+  }
+
+  // Page-locked host memory for the lanes' staging (pooled and bounded by the server). Freeing
+  // it (gpuFreeHost) synchronises with the device: the pool frees only blocks no lane is using.
+  absl::StatusOr<DeviceBuffer> AllocateHostStaging(size_t bytes) override {
     if (bytes == 0) return DeviceBuffer();
-    if (!pool_) return PlainBuffer(bytes);
     void* p = nullptr;
-    gpuError_t err = gpuMallocAsync(&p, bytes, ctx_->stream);
-    if (err == gpuErrorMemoryAllocation) {
-      // The pool may hold free blocks too fragmented for this size: give them back, retry once.
+    if (gpuError_t err = gpuHostAlloc(&p, bytes); err != gpuSuccess) {
       (void)gpuGetLastError();
-      (void)gpuStreamSynchronize(ctx_->stream);
-      (void)gpuMemPoolTrimTo(pool_, 0);
-      err = gpuMallocAsync(&p, bytes, ctx_->stream);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("page-locked host memory: ", bytes, " bytes: ", gpuGetErrorString(err)));
     }
-    if (err != gpuSuccess) {
-      (void)gpuGetLastError();
-      if (err == gpuErrorMemoryAllocation) {
-        return absl::ResourceExhaustedError(absl::StrCat("device memory: ", bytes, " bytes for a request buffer"));
-      }
-      // Anything else (e.g. a size the pool refuses outright): the plain allocator decides.
-      return PlainBuffer(bytes);
-    }
-    gpuStream_t stream = ctx_->stream;
-    return DeviceBuffer(p, bytes, [stream](void* q) { (void)gpuFreeAsync(q, stream); });
+    return DeviceBuffer(p, bytes, [](void* q) { (void)gpuFreeHost(q); });
+  }
+
+  int max_lanes() const override { return 16; }
+  absl::StatusOr<std::unique_ptr<Lane>> CreateLane() override {
+    auto ctx = ctx_->CreateSibling();
+    if (!ctx.ok()) return ctx.status();
+    auto lane = std::make_unique<GpuLane>(std::move(*ctx), pool_, fused_max_tokens_);
+    if (absl::Status s = lane->Init(); !s.ok()) return s;
+    return std::unique_ptr<Lane>(std::move(lane));
   }
 
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
@@ -88,6 +246,7 @@ class GpuBackend final : public Backend {
   // ---- mHC ----------------------------------------------------------------------------------
   absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> PrepareMhc(const MhcHyperParams& params,
                                                                  const MhcWeightsHost& weights) override {
+    std::lock_guard<std::mutex> lock(default_mu_);
     auto w = gpu::PrepareMhcGpu(params, weights, *ctx_);
     if (!w.ok()) return w.status();
     return std::unique_ptr<PreparedMhcWeights>(std::move(*w));
@@ -97,6 +256,7 @@ class GpuBackend final : public Backend {
                                    fused_max_tokens_);
   }
   absl::StatusOr<RunStats> RunMhc(const PreparedMhcWeights& weights, const MhcArgs& args, Path path) override {
+    std::lock_guard<std::mutex> lock(default_mu_);
     return Timed([&] {
       return gpu::LaunchMhcGpu(static_cast<const gpu::GpuMhcWeights&>(weights), args, path, *ctx_,
                                fused_max_tokens_);
@@ -106,6 +266,7 @@ class GpuBackend final : public Backend {
   // ---- SWA ----------------------------------------------------------------------------------
   absl::StatusOr<std::unique_ptr<PreparedSwaWeights>> PrepareSwa(const SwaHyperParams& params,
                                                                  const SwaWeightsHost& weights) override {
+    std::lock_guard<std::mutex> lock(default_mu_);
     auto w = gpu::PrepareSwaGpu(params, weights, *ctx_);
     if (!w.ok()) return w.status();
     return std::unique_ptr<PreparedSwaWeights>(std::move(*w));
@@ -115,6 +276,7 @@ class GpuBackend final : public Backend {
                                    fused_max_tokens_);
   }
   absl::StatusOr<RunStats> RunSwa(const PreparedSwaWeights& weights, const SwaArgs& args, Path path) override {
+    std::lock_guard<std::mutex> lock(default_mu_);
     return Timed([&] {
       return gpu::LaunchSwaGpu(static_cast<const gpu::GpuSwaWeights&>(weights), args, path, *ctx_,
                                fused_max_tokens_);
@@ -122,40 +284,20 @@ class GpuBackend final : public Backend {
   }
 
  private:
-  static absl::StatusOr<DeviceBuffer> PlainBuffer(size_t bytes) {
-    auto mem = gpu::GpuAlloc(bytes);
-    if (!mem.ok()) return mem.status();
-    return DeviceBuffer(mem->release(), bytes, [](void* p) { (void)gpuFree(p); });
-  }
-
   // Request buffers come from the device's default stream-ordered pool, which keeps freed memory
   // for reuse instead of returning it to the driver at every synchronisation (release threshold =
-  // unlimited). What it retains is bounded by the largest request's tensors: the executor runs one
-  // job at a time on this device. Measured reason: per-request gpuMalloc + gpuFree (which waits
+  // unlimited). What it retains is bounded by the largest tensors of the requests running at once
+  // (one per lane, and the default context's). Measured reason: per-request gpuMalloc + gpuFree (which waits
   // for the whole device) was most of a small SWA request's executor time (BENCHMARKS.md). A
   // runtime without stream-ordered pools keeps plain allocation.
   // FUSEDLAYER_NO_GPU_STAGING_POOL=1 keeps plain allocation (like PyTorch's
   // PYTORCH_NO_CUDA_MEMORY_CACHING): for A/B measurement, or a driver whose pools misbehave.
-  void InitStagingPool() {
-    if (const char* off = std::getenv("FUSEDLAYER_NO_GPU_STAGING_POOL"); off != nullptr && std::string(off) == "1") {
-      return;
-    }
-    gpuMemPool_t pool = nullptr;
-    if (gpuDeviceGetDefaultMemPool(&pool, ctx_->device) != gpuSuccess || pool == nullptr) {
-      (void)gpuGetLastError();
-      return;
-    }
-    uint64_t keep_all = ~uint64_t{0};
-    if (gpuMemPoolSetAttribute(pool, gpuMemPoolAttrReleaseThreshold, &keep_all) != gpuSuccess) {
-      (void)gpuGetLastError();
-      return;
-    }
-    pool_ = pool;
-  }
+  void InitStagingPool() { pool_ = StreamOrderedPool(ctx_->device); }
 
   absl::Status Copy(void* dst, const void* src, size_t bytes, decltype(gpuMemcpyHostToDevice) kind,
                     const char* what) {
     if (bytes == 0) return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(default_mu_);
     if (absl::Status s = gpu::GpuStatus(gpuMemcpyAsync(dst, src, bytes, kind, ctx_->stream), what); !s.ok()) {
       return s;
     }
@@ -190,9 +332,12 @@ class GpuBackend final : public Backend {
   }
 
   std::unique_ptr<GpuContext> ctx_;
-  gpuMemPool_t pool_ = nullptr;  // null: plain gpuMalloc / gpuFree
+  gpuMemPool_t pool_ = nullptr;  // null: plain gpuMalloc / gpuFree (shared with the lanes)
   const int64_t fused_max_tokens_;
   GpuEvent start_, stop_;
+  // The default context (ctx_'s stream, scratch and events) is single-threaded: the methods that
+  // use it take this (backend.h). Lanes have their own and never take it.
+  std::mutex default_mu_;
 };
 
 }  // namespace

@@ -88,6 +88,25 @@ absl::StatusOr<std::unique_ptr<GpuContext>> GpuContext::Create(int device) {
   return ctx;
 }
 
+absl::StatusOr<std::unique_ptr<GpuContext>> GpuContext::CreateSibling() const {
+  if (absl::Status s = GpuStatus(gpuSetDevice(device), "gpuSetDevice"); !s.ok()) return s;
+  auto ctx = std::make_unique<GpuContext>();
+  ctx->device = device;
+  ctx->sm_count = sm_count;
+  ctx->cc_major = cc_major;
+  ctx->cc_minor = cc_minor;
+  ctx->arch = arch;
+  ctx->name = name;
+  ctx->l2_bytes = l2_bytes;
+  ctx->max_smem_per_block_optin = max_smem_per_block_optin;
+  if (absl::Status s = GpuStatus(gpuStreamCreateWithFlags(&ctx->stream, gpuStreamNonBlocking), "stream create");
+      !s.ok()) {
+    ctx->stream = nullptr;
+    return s;
+  }
+  return ctx;
+}
+
 GpuContext::~GpuContext() {
   if (stream != nullptr) (void)gpuStreamSynchronize(stream);
   wq_b_lt.reset();  // may hold a library handle and device memory used on the stream

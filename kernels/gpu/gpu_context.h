@@ -22,6 +22,10 @@ struct GpuContext {
   // Selects `device`, creates a non-blocking stream and reads the properties. Unavailable when the
   // runtime reports no device (no driver, no GPU, device index out of range).
   static absl::StatusOr<std::unique_ptr<GpuContext>> Create(int device);
+  // A context for a lane (backend.h): the same device and properties, its own non-blocking stream,
+  // and (created on demand, as here) its own scratch blocks and library state, so launchers on
+  // different contexts never share mutable state.
+  absl::StatusOr<std::unique_ptr<GpuContext>> CreateSibling() const;
 
   int device = 0;
   gpuStream_t stream = nullptr;

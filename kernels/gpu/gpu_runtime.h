@@ -27,6 +27,8 @@ using gpuError_t = hipError_t;
 #define gpuStreamDestroy hipStreamDestroy
 #define gpuStreamSynchronize hipStreamSynchronize
 #define gpuEventCreate hipEventCreate
+#define gpuEventCreateWithFlags hipEventCreateWithFlags
+#define gpuEventDisableTiming hipEventDisableTiming
 #define gpuEventDestroy hipEventDestroy
 #define gpuEventRecord hipEventRecord
 #define gpuEventSynchronize hipEventSynchronize
@@ -59,6 +61,8 @@ using gpuMemPool_t = hipMemPool_t;
 #define gpuMemPoolSetAttribute hipMemPoolSetAttribute
 #define gpuMemPoolTrimTo hipMemPoolTrimTo
 #define gpuMemPoolAttrReleaseThreshold hipMemPoolAttrReleaseThreshold
+#define gpuFreeHost hipHostFree
+inline hipError_t gpuHostAlloc(void** p, size_t bytes) { return hipHostMalloc(p, bytes, hipHostMallocDefault); }
 #else
 #include <cuda_runtime.h>
 #define FL_HIP 0
@@ -81,6 +85,8 @@ using gpuError_t = cudaError_t;
 #define gpuStreamDestroy cudaStreamDestroy
 #define gpuStreamSynchronize cudaStreamSynchronize
 #define gpuEventCreate cudaEventCreate
+#define gpuEventCreateWithFlags cudaEventCreateWithFlags
+#define gpuEventDisableTiming cudaEventDisableTiming
 #define gpuEventDestroy cudaEventDestroy
 #define gpuEventRecord cudaEventRecord
 #define gpuEventSynchronize cudaEventSynchronize
@@ -113,6 +119,8 @@ using gpuMemPool_t = cudaMemPool_t;
 #define gpuMemPoolSetAttribute cudaMemPoolSetAttribute
 #define gpuMemPoolTrimTo cudaMemPoolTrimTo
 #define gpuMemPoolAttrReleaseThreshold cudaMemPoolAttrReleaseThreshold
+#define gpuFreeHost cudaFreeHost
+inline cudaError_t gpuHostAlloc(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, cudaHostAllocDefault); }
 #endif
 
 // cudaGraphInstantiate lost its error-node/log arguments in CUDA 12; HIP 5.x still has them.

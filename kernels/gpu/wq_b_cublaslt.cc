@@ -1,8 +1,9 @@
 // cuBLASLt block-scaled FP8 for the SWA wq_b projection (see wq_b_cublaslt.h). CUDA builds only.
 //
 // The handle and the 32 MiB cuBLASLt workspace live per GpuContext (ctx.wq_b_lt): a context is one
-// device, one stream and one executor thread (backends are single-threaded), so every weight set
-// of the context can share them; all their work is serialised on ctx.stream. The pinned algorithm
+// device and one stream driven by one thread at a time (the backend's default context, or one
+// lane's: backend.h), so every weight set of the context can share them; all their work is
+// serialised on ctx.stream. Each lane creates its own on first use. The pinned algorithm
 // lives per weight set (it depends on N and K). Descriptors are initialised on the stack for every
 // call (cublasLt*Init: no allocation), so a plan is immutable and nothing else is cached.
 #include "wq_b_cublaslt.h"

@@ -21,7 +21,7 @@ if [ ! -f "$build/build.ninja" ]; then
   cmake -S "$root" -B "$build" -G Ninja -DFUSEDLAYER_CUDA=ON -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
     -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST
 fi
-targets=(mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests bench_mhc_gpu bench_swa_gpu
+targets=(mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests bench_mhc_gpu bench_swa_gpu
          fusedlayer_server fusedctl)
 [ -n "${GPU_TARGETS:-}" ] && read -r -a targets <<< "$GPU_TARGETS"
 stage=$root/${GPU_STAGE:-.gpu}

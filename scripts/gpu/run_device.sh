@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 # Every failing suite or sanitizer run sets `failed`; the script exits non-zero at the end.
 failed=0
 if want tests; then
-  for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests; do
+  for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests; do
     [ -x ./$t ] || { echo "$t not in this bundle"; continue; }
     echo "== $t" >> "$OUT/tests.log"; timeout 240 ./$t --gtest_brief=1 > /tmp/$t.log 2>&1; rc=$?
     cat /tmp/$t.log >> "$OUT/tests.log"; echo "$t rc=$rc"; tail -3 /tmp/$t.log
@@ -57,6 +57,9 @@ if want sanitize; then
   # that failed cudaMalloc as 2 API errors, so it is left out here.
   sanitize memcheck-gpu_swa_tests memcheck ./gpu_swa_tests --gtest_brief=1 --gtest_filter='-*BackendIdentityAndErrors*' &
   sanitize memcheck-swa_contract_tests memcheck ./swa_contract_tests --gtest_brief=1 --gtest_filter='*cuda*' &
+  # Lanes: four streams at once through pinned staging (stream-ordered allocation, async copies,
+  # one event wait each): an early reuse of staging or device memory is a memcheck error.
+  [ -x ./gpu_lanes_tests ] && sanitize memcheck-gpu_lanes_tests memcheck ./gpu_lanes_tests --gtest_brief=1 &
   # The SWA graph/fused tests run cuBLASLt's wq_b GEMM (nvjet_sm90_qqtst_*: closed source,
   # warp-specialised; its producer and consumer warps are ordered by mbarriers). racecheck reports
   # 32 hazards there (potential WAR on shared memory between those warps; the tests' outputs are
@@ -141,6 +144,25 @@ if want dataplane; then
       ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=6s
       python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50182/metrics').read().decode())" \
         | grep -E '^fusedlayer_batch_(requests|tokens)_(sum|count)'
+    } >> "$OUT/dataplane.log" 2>&1
+    kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
+  done
+  # Device lanes A/B (issue 12 item 1, docs/operations.md "Device lanes"): the same binary with one
+  # lane (the serial data path) and the default (auto = 4), batching off so only the lanes differ.
+  # Targets: server p50 mHC T = 64 <= 0.5 ms, SWA M = 64 <= 60 us, req/s at c16 >= 3x c1.
+  for lanes in 1 0; do
+    start_server 50185 50186 "$OUT/server-dataplane-lanes-$lanes.log" --max_batch_tokens=0 --device_lanes=$lanes
+    { C="--target=127.0.0.1:50185"
+      echo "---- --device_lanes=$lanes (0 = auto), --max_batch_tokens=0"
+      grep -h "device lanes:" "$OUT/server-dataplane-lanes-$lanes.log" || true
+      for op in mhc swa; do
+        for conc in 1 4 16; do
+          ./fusedctl bench $C --op=$op --weight_set=v4-pro/demo --tokens=64 --concurrency=$conc --duration=5s
+        done
+      done
+      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=5s
+      python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50186/metrics').read().decode())" \
+        | grep -E '^fusedlayer_host_staging_'
     } >> "$OUT/dataplane.log" 2>&1
     kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
   done

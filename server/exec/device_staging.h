@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "exec/host_staging_pool.h"
 #include "fusedlayer/backend.h"
 
 namespace fusedlayer::server {
@@ -30,6 +31,43 @@ class DeviceStaging {
   const bool direct_;
   std::vector<DeviceBuffer> buffers_;
   std::vector<std::pair<TensorView, TensorView>> outputs_;  // (host, device)
+};
+
+// A call's tensors on a lane (see exec/op_calls.h for the stages): Input/Output record where each
+// host view's device copy goes, Stage() takes one staging block for all of them, memcpy's the
+// inputs in and enqueues their copies to the device; after the op is enqueued, EnqueueCopiesBack()
+// queues the outputs' copies into the block, and Finish() waits once on the lane and memcpy's the
+// outputs into their host views. Finish() must be called once Stage() was (whatever failed in
+// between): the staging block goes back to the pool only after the lane's Wait(), when the device
+// no longer reads or writes it. Runs on the lane's worker.
+class LaneStaging {
+ public:
+  LaneStaging(Lane& lane, HostStagingPool& pool) : lane_(lane), pool_(pool) {}
+  ~LaneStaging();
+
+  // `*dev` is set by Stage() (empty views pass through unchanged).
+  void Input(const TensorView& host, TensorView* dev);
+  void Output(const TensorView& host, TensorView* dev);
+  absl::Status Stage();
+  absl::Status EnqueueCopiesBack();
+  // Waits for the lane; when `copy_out`, copies the outputs into their host views. The lane's
+  // error (Internal) if its work failed.
+  absl::StatusOr<RunStats> Finish(bool copy_out);
+
+ private:
+  struct Tensor {
+    TensorView host;
+    TensorView* dev;
+    size_t bytes = 0;
+    size_t offset = 0;  // in the staging block and in the device block alike
+    bool input = false;
+  };
+  Lane& lane_;
+  HostStagingPool& pool_;
+  std::vector<Tensor> tensors_;
+  HostStagingPool::Lease block_;
+  DeviceBuffer device_;
+  bool enqueued_ = false;  // work on the lane not yet waited for
 };
 
 // Bytes spanned by a view: from its first element to one past its last (strided rows included).

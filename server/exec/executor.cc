@@ -11,10 +11,19 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 }
 }  // namespace
 
-Executor::Executor(size_t capacity, BatchingOptions batching) : capacity_(capacity), batching_(batching) {
-  worker_ = std::thread([this] { Loop(); });
-  worker_id_ = worker_.get_id();
+// Which executor and worker the current thread is (set once when a worker starts).
+static thread_local const Executor* tls_executor = nullptr;
+static thread_local int tls_worker_index = -1;
+
+Executor::Executor(size_t capacity, BatchingOptions batching, int workers) : capacity_(capacity), batching_(batching) {
+  const int n = workers < 1 ? 1 : workers;
+  workers_.reserve(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) workers_.emplace_back([this, i] { Loop(i); });
 }
+
+bool Executor::OnWorker() const { return tls_executor == this; }
+
+int Executor::worker_index() const { return tls_executor == this ? tls_worker_index : -1; }
 
 Executor::~Executor() { Stop(); }
 
@@ -67,7 +76,13 @@ absl::Status Executor::Enqueue(Item item) {
     if (item.bounded) ++bounded_queued_;
     queue_.push_back(std::move(item));
   }
-  cv_.notify_one();
+  // With several workers, every one must see the arrival: a worker forming a batch waits for it
+  // beside idle ones that may not take it (Loop).
+  if (workers_.size() > 1) {
+    cv_.notify_all();
+  } else {
+    cv_.notify_one();
+  }
   return absl::OkStatus();
 }
 
@@ -76,32 +91,58 @@ size_t Executor::queued() const {
   return queue_.size();
 }
 
-void Executor::Loop() {
+void Executor::Loop(int index) {
+  tls_executor = this;
+  tls_worker_index = index;
   for (;;) {
     Item item;
+    bool background = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      const auto background_ready = [this] { return !stopping_ && !background_paused_ && !background_.empty(); };
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || background_ready(); });
-      if (!queue_.empty()) {
+      // One background task at a time: the other workers stay free for serving work.
+      const auto background_ready = [this] {
+        return !stopping_ && !background_paused_ && !background_running_ && !background_.empty();
+      };
+      // While another worker is forming a batch (its queue delay), the queue is its to take from:
+      // it ends the wait as soon as something it cannot batch arrives, then wakes us all.
+      const auto serving_ready = [this] { return !queue_.empty() && forming_batches_ == 0; };
+      cv_.wait(lock, [&] { return stopping_ || serving_ready() || background_ready(); });
+      if (serving_ready()) {
         item = std::move(queue_.front());
         queue_.pop_front();
         if (item.bounded) --bounded_queued_;
+        if (item.batchable) {
+          // Without releasing the lock: no other worker takes a task this batch could have had.
+          RunBatchable(std::move(item), lock);
+          continue;
+        }
       } else if (background_ready()) {
         // Only from an empty main queue: serving work never waits behind background work.
         ++background_started_;
+        background_running_ = true;
+        background = true;
         item = std::move(background_.front());
         background_.pop_front();
-      } else {
+      } else if (stopping_) {
         return;  // stopping and drained (background tasks are dropped by Stop)
+      } else {
+        continue;  // woken for a background task another worker is already running
       }
     }
-    if (item.batchable) {
-      std::unique_lock<std::mutex> lock(mu_);
-      RunBatchable(std::move(item), lock);
-      continue;
+    if (item.bounded) {
+      std::move(item.task)(SecondsSince(item.enqueued));  // a plain compute task: on this worker's lane
+    } else {
+      std::lock_guard<std::mutex> serial(serial_mu_);
+      std::move(item.task)(SecondsSince(item.enqueued));
+      item.task = nullptr;  // its captures are released under serial_mu_ too
     }
-    std::move(item.task)(SecondsSince(item.enqueued));
+    if (background) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        background_running_ = false;
+      }
+      cv_.notify_all();  // another worker may take the next background task
+    }
   }
 }
 
@@ -129,6 +170,7 @@ void Executor::RunBatchable(Item first, std::unique_lock<std::mutex>& lock) {
   const auto deadline = first.enqueued + batching_.max_queue_delay;
   items.push_back(std::move(first));
   if (batching) {
+    ++forming_batches_;
     for (;;) {
       TakeCompatible(items, tokens);
       // The delay is spent only while the device would otherwise idle: other work waiting (a task
@@ -140,6 +182,8 @@ void Executor::RunBatchable(Item first, std::unique_lock<std::mutex>& lock) {
       // Woken by every Enqueue (and Stop): look again for arrivals until the deadline.
       cv_.wait_until(lock, deadline);
     }
+    --forming_batches_;
+    cv_.notify_all();  // the other workers may take what is left in the queue
   }
   lock.unlock();
   std::vector<std::unique_ptr<BatchableTask>> batch;
@@ -156,11 +200,15 @@ void Executor::RunBatchable(Item first, std::unique_lock<std::mutex>& lock) {
 void Executor::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && !worker_.joinable()) return;
+    bool joined = stopping_;
+    for (const std::thread& t : workers_) joined = joined && !t.joinable();
+    if (joined) return;
     stopping_ = true;
   }
   cv_.notify_all();
-  if (worker_.joinable() && !OnWorker()) worker_.join();
+  for (std::thread& t : workers_) {
+    if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
+  }
   std::deque<Item> dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -1,7 +1,16 @@
-// The per-device executor: one worker thread that owns the Backend (backends are single-threaded,
-// backend.h) and runs every device-touching task in FIFO order: compute requests, weight uploads
-// (Prepare*), warm-ups. gRPC reactors never block: they validate inline, Submit a task, and the
-// task finishes the RPC from the worker.
+// The per-device executor: one worker thread per device lane (--device_lanes, exec/device_lanes.h;
+// one on the CPU backend), all taking device-touching tasks from ONE queue in FIFO order: compute
+// requests, weight uploads (Prepare*), warm-ups. gRPC reactors never block: they validate inline,
+// Submit a task, and the task finishes the RPC from the worker. A compute task runs on its
+// worker's lane (worker_index()), so while one lane's kernel runs another copies its request in.
+//
+// Ordering with several workers: tasks START in queue order; up to `workers` run at once, so a
+// later task may finish first. Control and background tasks (they drive the backend's default
+// context and the weight manager, backend.h) run one at a time, never two at once, but alongside
+// compute tasks on other lanes. What still holds: a request can only name a weight set already
+// published (the RPC looks it up before queueing), so an upload finishes before any request that
+// uses it starts; an unload takes the set out of the registry at once, and the requests already
+// holding it keep it (and its device memory) alive until their responses are built.
 //
 // The queue is bounded (--queue_capacity): Submit on a full queue is RESOURCE_EXHAUSTED at once,
 // so overload turns into fast, explicit back-pressure instead of unbounded latency. Control tasks
@@ -69,7 +78,8 @@ class Executor {
   // A task gets the seconds it waited in the queue.
   using Task = absl::AnyInvocable<void(double queue_seconds) &&>;
 
-  explicit Executor(size_t capacity, BatchingOptions batching = {});
+  // `workers` >= 1 threads take from the queue (one per device lane).
+  explicit Executor(size_t capacity, BatchingOptions batching = {}, int workers = 1);
   ~Executor();  // Stop()
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -84,7 +94,7 @@ class Executor {
   // Background tasks: run only when the main queue is empty (Unavailable after Stop()).
   absl::Status SubmitBackground(Task task);
   // Runs every queued compute and control task, drops the background tasks that have not started,
-  // then joins the worker. Idempotent.
+  // then joins the workers. Idempotent.
   void Stop();
 
   // Test hook: while paused the worker starts no background task (they stay queued); serving and
@@ -96,8 +106,11 @@ class Executor {
 
   size_t capacity() const { return capacity_; }
   size_t queued() const;  // tasks waiting (not counting the running one)
-  // True on the worker thread (for assertions and for refusing to block on ourselves).
-  bool OnWorker() const { return std::this_thread::get_id() == worker_id_; }
+  int workers() const { return static_cast<int>(workers_.size()); }
+  // True on one of this executor's workers (for assertions and for refusing to block on ourselves).
+  bool OnWorker() const;
+  // The index in [0, workers()) of the worker running the calling task (its lane); -1 elsewhere.
+  int worker_index() const;
 
  private:
   struct Item {
@@ -113,7 +126,7 @@ class Executor {
   // Runs a batchable item together with what dynamic batching adds to it (mu_ held on entry and
   // exit, released while the batch runs).
   void RunBatchable(Item first, std::unique_lock<std::mutex>& lock);
-  void Loop();
+  void Loop(int index);
 
   const size_t capacity_;
   const BatchingOptions batching_;
@@ -125,8 +138,14 @@ class Executor {
   uint64_t background_started_ = 0;
   size_t bounded_queued_ = 0;  // compute tasks in queue_
   bool stopping_ = false;
-  std::thread worker_;
-  std::thread::id worker_id_;
+  bool background_running_ = false;  // a background task has started and not finished
+  // Workers taking compatible tasks into their batch (RunBatchable): the others leave the queue to
+  // them until they launch, so a batch gets what a single worker would have given it.
+  int forming_batches_ = 0;
+  // Held while a control or background task runs: they drive the backend's default context and
+  // the weight manager, which are single-threaded (backend.h).
+  std::mutex serial_mu_;
+  std::vector<std::thread> workers_;  // filled in the constructor, before any task is accepted
 };
 
 }  // namespace fusedlayer::server

@@ -4,38 +4,71 @@
 
 #include "common/status_macros.h"
 #include "exec/device_staging.h"
+#include "exec/host_staging_pool.h"
 
 namespace fusedlayer::server {
+namespace {
 
-absl::StatusOr<RunStats> RunMhcCall(Backend& backend, const PreparedMhcWeights& weights, const MhcArgs& host,
+// The lane path (op_calls.h): stage, enqueue the op, queue the copies back, wait once.
+template <typename Args, typename Enqueue>
+absl::StatusOr<RunStats> RunOnLane(const ExecTarget& target, const Args& dev, LaneStaging& staging,
+                                   Enqueue&& enqueue) {
+  absl::Status launched = staging.Stage();
+  if (launched.ok()) launched = enqueue(dev);
+  if (launched.ok()) launched = staging.EnqueueCopiesBack();
+  absl::StatusOr<RunStats> waited = staging.Finish(/*copy_out=*/launched.ok());
+  if (!launched.ok()) return launched;  // a validation or allocation error, as the default path reports it
+  return waited;
+}
+
+}  // namespace
+
+absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcWeights& weights, const MhcArgs& host,
                                     Path path) {
-  DeviceStaging staging(backend);
   MhcArgs dev = host;
-  for (auto [dst, src] : {std::pair{&dev.x, &host.x}, {&dev.residual, &host.residual}, {&dev.post_mix, &host.post_mix},
-                          {&dev.comb_mix, &host.comb_mix}, {&dev.pre_mix, &host.pre_mix}}) {
+  const auto inputs = {std::pair{&dev.x, &host.x}, {&dev.residual, &host.residual}, {&dev.post_mix, &host.post_mix},
+                       {&dev.comb_mix, &host.comb_mix}, {&dev.pre_mix, &host.pre_mix}};
+  const auto outputs = {std::pair{&dev.new_residual, &host.new_residual}, {&dev.new_pre_mix, &host.new_pre_mix},
+                        {&dev.new_post_mix, &host.new_post_mix}, {&dev.new_comb_mix, &host.new_comb_mix},
+                        {&dev.y, &host.y}, {&dev.aux, &host.aux}};
+  if (target.lane != nullptr) {
+    LaneStaging staging(*target.lane, *target.staging);
+    for (auto [dst, src] : inputs) staging.Input(*src, dst);
+    for (auto [dst, src] : outputs) staging.Output(*src, dst);
+    return RunOnLane(target, dev, staging,
+                     [&](const MhcArgs& a) { return target.lane->EnqueueMhc(weights, a, path); });
+  }
+  DeviceStaging staging(target.backend);
+  for (auto [dst, src] : inputs) {
     FL_ASSIGN_OR_RETURN(*dst, staging.Input(*src));
   }
-  for (auto [dst, src] : {std::pair{&dev.new_residual, &host.new_residual}, {&dev.new_pre_mix, &host.new_pre_mix},
-                          {&dev.new_post_mix, &host.new_post_mix}, {&dev.new_comb_mix, &host.new_comb_mix},
-                          {&dev.y, &host.y}, {&dev.aux, &host.aux}}) {
+  for (auto [dst, src] : outputs) {
     FL_ASSIGN_OR_RETURN(*dst, staging.Output(*src));
   }
-  absl::StatusOr<RunStats> stats = backend.RunMhc(weights, dev, path);
+  absl::StatusOr<RunStats> stats = target.backend.RunMhc(weights, dev, path);
   if (!stats.ok()) return stats.status();
   if (absl::Status s = staging.CopyOutputsBack(); !s.ok()) return s;
   return stats;
 }
 
-absl::StatusOr<RunStats> RunSwaCall(Backend& backend, const PreparedSwaWeights& weights, const SwaArgs& host,
+absl::StatusOr<RunStats> RunSwaCall(const ExecTarget& target, const PreparedSwaWeights& weights, const SwaArgs& host,
                                     Path path) {
-  DeviceStaging staging(backend);
   SwaArgs dev = host;
+  const auto outputs = {std::pair{&dev.q_fp8, &host.q_fp8}, {&dev.q_scale, &host.q_scale}, {&dev.kv, &host.kv},
+                        {&dev.q_proj, &host.q_proj}};
+  if (target.lane != nullptr) {
+    LaneStaging staging(*target.lane, *target.staging);
+    staging.Input(host.qr_kv, &dev.qr_kv);
+    for (auto [dst, src] : outputs) staging.Output(*src, dst);
+    return RunOnLane(target, dev, staging,
+                     [&](const SwaArgs& a) { return target.lane->EnqueueSwa(weights, a, path); });
+  }
+  DeviceStaging staging(target.backend);
   FL_ASSIGN_OR_RETURN(dev.qr_kv, staging.Input(host.qr_kv));
-  for (auto [dst, src] : {std::pair{&dev.q_fp8, &host.q_fp8}, {&dev.q_scale, &host.q_scale}, {&dev.kv, &host.kv},
-                          {&dev.q_proj, &host.q_proj}}) {
+  for (auto [dst, src] : outputs) {
     FL_ASSIGN_OR_RETURN(*dst, staging.Output(*src));
   }
-  absl::StatusOr<RunStats> stats = backend.RunSwa(weights, dev, path);
+  absl::StatusOr<RunStats> stats = target.backend.RunSwa(weights, dev, path);
   if (!stats.ok()) return stats.status();
   if (absl::Status s = staging.CopyOutputsBack(); !s.ok()) return s;
   return stats;

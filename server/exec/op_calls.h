@@ -1,13 +1,28 @@
-// One compute call of each op on the executor: the call (backend arguments over host views of the
-// request and response bytes, built by rpc/proto_convert.h's Decode*Request) and its run: stage the
-// views on the device when the backend is not host-accessible, launch `path`, copy the outputs back
-// into the response bytes. Executor thread (it drives the backend).
+// One compute call of each op: the call (backend arguments over host views of the request and
+// response bytes, built by rpc/proto_convert.h's Decode*Request) and its run on `path`.
+//
+// Where it runs (ExecTarget):
+//   - host-accessible backend (CPU): the host views are handed to the kernels as they are, no copy;
+//   - a lane (exec/device_lanes.h), the serving path of a GPU: the request's tensors are memcpy'd
+//     into ONE block of pinned staging (exec/host_staging_pool.h), copied to the device with
+//     stream-ordered copies, the op runs, the outputs are copied back into the staging block, and
+//     the call waits once on its lane (an event, never a device-wide sync) before memcpy'ing the
+//     outputs into the response bytes:
+//
+//       request bytes --memcpy--> staging --H2D--> device --kernel--> device --D2H--> staging
+//                                                                       --memcpy--> response bytes
+//       (host, the lane's worker)  (async on the lane's stream ..................)  (after Wait)
+//
+//   - otherwise the backend's default context, synchronously (exec/device_staging.h): warm-up and
+//     shadow verification, which are rare and serialised by the executor.
 #pragma once
 
 #include "absl/status/statusor.h"
 #include "fusedlayer/backend.h"
 
 namespace fusedlayer::server {
+
+class HostStagingPool;
 
 struct MhcCall {
   MhcArgs args;  // host views: inputs over the request, outputs over the response
@@ -19,9 +34,24 @@ struct SwaCall {
   SwaShapeQuery query;
 };
 
-absl::StatusOr<RunStats> RunMhcCall(Backend& backend, const PreparedMhcWeights& weights, const MhcArgs& host_args,
-                                    Path path);
-absl::StatusOr<RunStats> RunSwaCall(Backend& backend, const PreparedSwaWeights& weights, const SwaArgs& host_args,
-                                    Path path);
+struct ExecTarget {
+  Backend& backend;
+  Lane* lane = nullptr;                // null: the backend's default context (or host views on a CPU)
+  HostStagingPool* staging = nullptr;  // set with `lane`
+};
+
+absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcWeights& weights,
+                                    const MhcArgs& host_args, Path path);
+absl::StatusOr<RunStats> RunSwaCall(const ExecTarget& target, const PreparedSwaWeights& weights,
+                                    const SwaArgs& host_args, Path path);
+// On the backend's default context.
+inline absl::StatusOr<RunStats> RunMhcCall(Backend& backend, const PreparedMhcWeights& weights,
+                                           const MhcArgs& host_args, Path path) {
+  return RunMhcCall(ExecTarget{backend}, weights, host_args, path);
+}
+inline absl::StatusOr<RunStats> RunSwaCall(Backend& backend, const PreparedSwaWeights& weights,
+                                           const SwaArgs& host_args, Path path) {
+  return RunSwaCall(ExecTarget{backend}, weights, host_args, path);
+}
 
 }  // namespace fusedlayer::server

@@ -97,8 +97,10 @@ absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(con
   absl::StatusOr<PathDecision> decision = ChoosePath(Rpc::kOp, preference, service_.config_.fused_disabled(Rpc::kOp),
                                                      [&] { return Rpc::Support(backend, part, call); });
   if (!decision.ok()) return decision.status();
+  // This worker's lane (or the backend itself on a host-accessible backend).
+  const ExecTarget target = service_.lanes_.For(service_.executor_.worker_index());
   return RunWithFallback(Rpc::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what,
-                         [&](Path path) { return Rpc::Run(backend, part, call, path); });
+                         [&](Path path) { return Rpc::Run(target, part, call, path); });
 }
 
 template <typename Rpc>

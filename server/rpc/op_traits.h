@@ -40,8 +40,8 @@ struct MhcRpc {
   static FusedSupport Support(Backend& backend, const Prepared& w, const MhcCall& c) {
     return backend.MhcFusedSupport(w, c.query);
   }
-  static absl::StatusOr<RunStats> Run(Backend& backend, const Prepared& w, const MhcCall& c, Path path) {
-    return RunMhcCall(backend, w, c.args, path);
+  static absl::StatusOr<RunStats> Run(const ExecTarget& target, const Prepared& w, const MhcCall& c, Path path) {
+    return RunMhcCall(target, w, c.args, path);
   }
   static v1::Verification Verify(shadow::ShadowVerifier& shadow, const WeightSet& set, const Request& request,
                                  const Response& response) {
@@ -88,8 +88,8 @@ struct SwaRpc {
   static FusedSupport Support(Backend& backend, const Prepared& w, const SwaCall& c) {
     return backend.SwaFusedSupport(w, c.query);
   }
-  static absl::StatusOr<RunStats> Run(Backend& backend, const Prepared& w, const SwaCall& c, Path path) {
-    return RunSwaCall(backend, w, c.args, path);
+  static absl::StatusOr<RunStats> Run(const ExecTarget& target, const Prepared& w, const SwaCall& c, Path path) {
+    return RunSwaCall(target, w, c.args, path);
   }
   static v1::Verification Verify(shadow::ShadowVerifier& shadow, const WeightSet& set, const Request& request,
                                  const Response& response) {

@@ -13,11 +13,12 @@ namespace fusedlayer::server {
 
 FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend,
                                      Executor& executor, WeightManager& weights, Metrics& metrics,
-                                     shadow::ShadowVerifier& shadow)
+                                     shadow::ShadowVerifier& shadow, const DeviceLanes& lanes)
     : config_(config),
       identity_(std::move(identity)),
       backend_(backend),
       executor_(executor),
+      lanes_(lanes),
       weights_(weights),
       metrics_(metrics),
       shadow_(shadow),

@@ -11,6 +11,7 @@
 
 #include "common/byte_budget.h"
 #include "config.h"
+#include "exec/device_lanes.h"
 #include "exec/executor.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.grpc.pb.h"
@@ -33,7 +34,7 @@ struct ServerIdentity {
 class FusedLayerService final : public v1::FusedLayer::CallbackService {
  public:
   FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend, Executor& executor,
-                    WeightManager& weights, Metrics& metrics, shadow::ShadowVerifier& shadow);
+                    WeightManager& weights, Metrics& metrics, shadow::ShadowVerifier& shadow, const DeviceLanes& lanes);
 
   grpc::ServerUnaryReactor* MhcSeam(grpc::CallbackServerContext* ctx, const v1::MhcSeamRequest* request,
                                     v1::MhcSeamResponse* response) override;
@@ -80,6 +81,7 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   const ServerIdentity identity_;
   Backend& backend_;
   Executor& executor_;
+  const DeviceLanes& lanes_;  // where each executor worker runs compute
   WeightManager& weights_;
   Metrics& metrics_;
   shadow::ShadowVerifier& shadow_;

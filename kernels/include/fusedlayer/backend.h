@@ -2,8 +2,19 @@
 // (the host CPU, one CUDA or HIP GPU), its memory and its kernels. The server sees only this header:
 // no CUDA or HIP type leaks out of kernels/.
 //
-// Thread safety: one backend is driven by one executor thread at a time (the server's per-device
-// executor). Prepared weights are immutable after Prepare* returns and may be shared between calls.
+// Thread safety (what may run concurrently):
+//   - The Backend's own methods (Allocate, Copy*, Prepare*, Run*) use its default context (a GPU
+//     backend: one stream, one scratch set): call them from one thread at a time. The server calls
+//     them only from control and background tasks and verify runs, which its executor serialises.
+//     *FusedSupport, kind/device_name/arch/host_accessible, max_lanes and AllocateHostStaging are
+//     safe from any thread at any time.
+//   - Each Lane (CreateLane) is driven by one thread at a time, its owner; different lanes run at
+//     the same time as each other and as the default context (a GPU: separate streams, scratch
+//     blocks, library handles and events; the device overlaps their copies and kernels).
+//   - Prepared weights are immutable after Prepare* returns: any lane and the default context may
+//     read them at once. Their memory is freed when the last owner drops them, so an owner must
+//     outlive every Wait of the work that reads them (the server's requests hold a reference to
+//     their weight set until their response is built).
 #pragma once
 
 #include <cstddef>
@@ -76,6 +87,8 @@ struct BackendOptions {
   int64_t fused_max_tokens = int64_t{1} << 20;
 };
 
+class Lane;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -89,6 +102,15 @@ class Backend {
 
   // Memory for request tensors. ResourceExhausted when the device is out of memory.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
+  // Page-locked host memory the device copies from and to asynchronously (a lane's staging;
+  // the server pools and bounds it, server/exec/host_staging_pool.h). ResourceExhausted when the
+  // system refuses it. A host-accessible backend needs none: Unimplemented.
+  virtual absl::StatusOr<DeviceBuffer> AllocateHostStaging(size_t bytes);
+  // How many lanes this backend can run concurrently; 0: none (host-accessible backends run on
+  // their default context, with their own internal parallelism).
+  virtual int max_lanes() const { return 0; }
+  // A new lane (see Lane). Unimplemented where max_lanes() is 0.
+  virtual absl::StatusOr<std::unique_ptr<Lane>> CreateLane();
   virtual absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;
 
@@ -110,6 +132,34 @@ class Backend {
                                        const SwaShapeQuery& query) const = 0;
   virtual absl::StatusOr<RunStats> RunSwa(const PreparedSwaWeights& weights, const SwaArgs& args,
                                           Path path) = 0;
+};
+
+// One in-order queue of device work with its own resources (a GPU: a stream, its scratch blocks,
+// library handles and timing events). Work is enqueued without waiting; Wait() waits once for all
+// of it. A request on a lane: host tensors memcpy'd into staging (Backend::AllocateHostStaging),
+// EnqueueCopyToDevice of each input, Enqueue{Mhc,Swa}, EnqueueCopyToHost of each output into
+// staging, Wait(), then the outputs read from staging. Until Wait() returns, the staging and
+// device memory named by enqueued work must stay alive and the staging must not be touched.
+class Lane {
+ public:
+  virtual ~Lane() = default;  // waits for the lane's queued work
+
+  // Device memory whose release (the DeviceBuffer's destruction) is ordered after the work
+  // already enqueued on this lane, so it may be dropped before Wait(). ResourceExhausted when out
+  // of device memory.
+  virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
+  // `host` must be staging memory from Backend::AllocateHostStaging.
+  virtual absl::Status EnqueueCopyToDevice(void* device_dst, const void* host_src, size_t bytes) = 0;
+  virtual absl::Status EnqueueCopyToHost(void* host_dst, const void* device_src, size_t bytes) = 0;
+  // Validates the arguments (InvalidArgument / FailedPrecondition as Run* would, nothing enqueued)
+  // and enqueues the op on `path` between timing events.
+  virtual absl::Status EnqueueMhc(const PreparedMhcWeights& weights, const MhcArgs& args, Path path) = 0;
+  virtual absl::Status EnqueueSwa(const PreparedSwaWeights& weights, const SwaArgs& args, Path path) = 0;
+  // Waits for everything enqueued since the last Wait (one wait on an event of this lane, never a
+  // device-wide synchronisation). kernel_seconds: device time of the op enqueued since the last
+  // Wait (0 when none). An error of the queued work (a faulting kernel, a failed copy) is returned
+  // here as Internal; the lane stays usable for the next request.
+  virtual absl::StatusOr<RunStats> Wait() = 0;
 };
 
 // The CPU backend, always available (kernels/cpu).

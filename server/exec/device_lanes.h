@@ -1,0 +1,45 @@
+// The device's lanes (backend.h, Lane) and the pinned staging pool they share: what each executor
+// worker runs its compute tasks on. One worker per lane (--device_lanes); a host-accessible
+// backend (CPU) has no lanes and one worker that hands the kernels host views (zero copy), its
+// parallelism being inside the backend (its thread pool).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "exec/host_staging_pool.h"
+#include "exec/op_calls.h"
+#include "fusedlayer/backend.h"
+
+namespace fusedlayer::server {
+
+// The lanes a GPU gets when --device_lanes is 0 (auto), and the most that may be asked for.
+inline constexpr int kDefaultDeviceLanes = 4;
+inline constexpr int kMaxDeviceLanes = 16;
+
+class DeviceLanes {
+ public:
+  // `requested`: 0 = kDefaultDeviceLanes (bounded by backend.max_lanes()); a backend without lanes
+  // gets none whatever is asked. `staging_bytes`: the pinned pool's bound (--host_staging_bytes).
+  // Unavailable when a lane cannot be created.
+  static absl::StatusOr<std::unique_ptr<DeviceLanes>> Create(Backend& backend, int requested, size_t staging_bytes,
+                                                             prometheus::Registry* registry = nullptr);
+
+  // Executor workers to run: the lanes, or 1 without lanes.
+  int workers() const { return lanes_.empty() ? 1 : static_cast<int>(lanes_.size()); }
+  int lanes() const { return static_cast<int>(lanes_.size()); }
+  // Where the executor's worker `worker_index` runs compute (Executor::worker_index()): its lane,
+  // or the backend itself without lanes (or off the workers, index -1).
+  ExecTarget For(int worker_index) const;
+  HostStagingPool* staging() const { return staging_.get(); }
+
+ private:
+  DeviceLanes(Backend& backend) : backend_(backend) {}
+  Backend& backend_;
+  std::unique_ptr<HostStagingPool> staging_;
+  std::vector<std::unique_ptr<Lane>> lanes_;
+};
+
+}  // namespace fusedlayer::server

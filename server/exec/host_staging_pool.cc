@@ -1,0 +1,157 @@
+#include "exec/host_staging_pool.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace fusedlayer::server {
+namespace {
+constexpr size_t kMinClassBytes = size_t{64} << 10;
+}  // namespace
+
+HostStagingPool::Lease& HostStagingPool::Lease::operator=(Lease&& o) noexcept {
+  if (this != &o) {
+    Release();
+    pool_ = o.pool_;
+    block_ = std::move(o.block_);
+    discard_ = o.discard_;
+    o.pool_ = nullptr;
+    o.discard_ = false;
+  }
+  return *this;
+}
+
+void HostStagingPool::Lease::Release() {
+  if (pool_ != nullptr) pool_->Return(std::move(block_), discard_);
+  pool_ = nullptr;
+  discard_ = false;
+}
+
+HostStagingPool::HostStagingPool(Backend& backend, size_t limit_bytes, prometheus::Registry* registry)
+    : backend_(backend), limit_(limit_bytes) {
+  if (registry == nullptr) return;
+  auto& bytes = prometheus::BuildGauge()
+                    .Name("fusedlayer_host_staging_bytes")
+                    .Help("Page-locked host staging memory of the device lanes: in_use (held by running requests), "
+                          "held (in use + kept for reuse), limit (--host_staging_bytes)")
+                    .Register(*registry);
+  in_use_gauge_ = &bytes.Add({{"state", "in_use"}});
+  held_gauge_ = &bytes.Add({{"state", "held"}});
+  limit_gauge_ = &bytes.Add({{"state", "limit"}});
+  limit_gauge_->Set(static_cast<double>(limit_));
+  waits_counter_ = &prometheus::BuildCounter()
+                        .Name("fusedlayer_host_staging_waits_total")
+                        .Help("Requests that waited for host staging memory held by other lanes (raise "
+                              "--host_staging_bytes if this grows with load)")
+                        .Register(*registry)
+                        .Add({});
+}
+
+HostStagingPool::~HostStagingPool() {
+  std::lock_guard<std::mutex> lock(mu_);
+  kept_.clear();  // every lease was returned (its owners are gone): frees the kept blocks
+}
+
+size_t HostStagingPool::ClassBytes(size_t bytes) const {
+  size_t c = kMinClassBytes;
+  while (c < bytes && c <= limit_ / 2) c *= 2;
+  if (c < bytes) c = bytes;  // above half the bound: the exact size (it still fits the bound)
+  return c > limit_ && bytes <= limit_ ? limit_ : c;
+}
+
+absl::StatusOr<HostStagingPool::Lease> HostStagingPool::Acquire(size_t bytes) {
+  if (bytes > limit_) {
+    return absl::ResourceExhaustedError(absl::StrCat("the request's tensors need ", bytes,
+                                                     " bytes of host staging memory, more than the server's bound of ",
+                                                     limit_, " (--host_staging_bytes)"));
+  }
+  const size_t want = ClassBytes(bytes);
+  Lease lease;
+  std::vector<DeviceBuffer> evicted;  // freed outside the lock (freeing pinned memory is slow)
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    bool waited = false;
+    for (;;) {
+      // A kept block of a size that serves this request without wasting more than its class.
+      auto it = kept_.lower_bound(bytes);
+      if (it != kept_.end() && it->first <= want) {
+        lease.block_ = std::move(it->second);
+        kept_bytes_ -= it->first;
+        kept_.erase(it);
+        in_use_bytes_ += lease.block_.bytes();
+        break;
+      }
+      if (in_use_bytes_ + want <= limit_) {
+        // Room once kept blocks of other sizes are given back: evict the largest first.
+        while (in_use_bytes_ + kept_bytes_ + want > limit_ && !kept_.empty()) {
+          auto last = std::prev(kept_.end());
+          kept_bytes_ -= last->first;
+          evicted.push_back(std::move(last->second));
+          kept_.erase(last);
+        }
+        in_use_bytes_ += want;  // reserved before the allocation, outside the lock
+        break;
+      }
+      if (!waited) {
+        waited = true;
+        ++waits_;
+        if (waits_counter_ != nullptr) waits_counter_->Increment();
+      }
+      freed_.wait(lock);
+    }
+    UpdateGauges();
+  }
+  evicted.clear();
+  if (lease.block_.data() == nullptr) {
+    absl::StatusOr<DeviceBuffer> block = backend_.AllocateHostStaging(want);
+    if (!block.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_use_bytes_ -= want;
+      UpdateGauges();
+      freed_.notify_all();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("host staging memory (", want, " bytes): ", block.status().message()));
+    }
+    lease.block_ = std::move(*block);
+  }
+  lease.pool_ = this;
+  return lease;
+}
+
+void HostStagingPool::Return(DeviceBuffer block, bool discard) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_use_bytes_ -= block.bytes();
+    if (!discard) {
+      kept_bytes_ += block.bytes();
+      const size_t bytes = block.bytes();
+      kept_.emplace(bytes, std::move(block));
+    }
+    UpdateGauges();
+  }
+  freed_.notify_all();
+  // A discarded block is freed here, outside the lock, when `block` goes out of scope.
+}
+
+void HostStagingPool::UpdateGauges() {
+  if (in_use_gauge_ == nullptr) return;
+  in_use_gauge_->Set(static_cast<double>(in_use_bytes_));
+  held_gauge_->Set(static_cast<double>(in_use_bytes_ + kept_bytes_));
+}
+
+size_t HostStagingPool::in_use_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_use_bytes_;
+}
+
+size_t HostStagingPool::held_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_use_bytes_ + kept_bytes_;
+}
+
+uint64_t HostStagingPool::waits() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waits_;
+}
+
+}  // namespace fusedlayer::server

@@ -1,0 +1,88 @@
+// The bounded pool of page-locked host staging memory that lanes copy through (exec/op_calls.h).
+// Pinned memory is expensive to allocate (cudaHostAlloc maps and locks pages: ~ms per MiB) and
+// takes physical memory from the whole machine, so blocks are kept for reuse in power-of-two size
+// classes and everything the pool holds (in use + kept) stays under --host_staging_bytes.
+//
+// A request takes ONE block for all of its tensors (inputs and outputs) before it enqueues any
+// work and gives it back after its lane's Wait(): a request never holds one block while waiting
+// for another, so lanes waiting for the bound cannot deadlock each other. A request larger than
+// the whole bound is refused at once (RESOURCE_EXHAUSTED naming the flag), never waits forever.
+// When the bound is taken by other lanes' requests, Acquire waits for one of them to finish.
+// Thread-safe.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "absl/status/statusor.h"
+#include "fusedlayer/backend.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
+
+namespace fusedlayer::server {
+
+class HostStagingPool {
+ public:
+  // A block handed out by Acquire; gives it back to the pool when destroyed.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& o) noexcept { *this = std::move(o); }
+    Lease& operator=(Lease&& o) noexcept;
+    ~Lease() { Release(); }
+    char* data() const { return static_cast<char*>(block_.data()); }
+    size_t bytes() const { return block_.bytes(); }
+    // The device may still be using the block (its lane's Wait failed): free it instead of
+    // keeping it for reuse.
+    void Discard() { discard_ = true; }
+    void Release();
+
+   private:
+    friend class HostStagingPool;
+    HostStagingPool* pool_ = nullptr;
+    DeviceBuffer block_;
+    bool discard_ = false;
+  };
+
+  // `limit_bytes`: the bound on what the pool holds. `registry` (optional): the pool's gauges.
+  HostStagingPool(Backend& backend, size_t limit_bytes, prometheus::Registry* registry = nullptr);
+  ~HostStagingPool();
+  HostStagingPool(const HostStagingPool&) = delete;
+  HostStagingPool& operator=(const HostStagingPool&) = delete;
+
+  // A block of at least `bytes` (> 0). ResourceExhausted at once when `bytes` is over the bound,
+  // or when the system refuses page-locked memory; otherwise may wait for other requests' blocks.
+  absl::StatusOr<Lease> Acquire(size_t bytes);
+
+  size_t limit_bytes() const { return limit_; }
+  size_t in_use_bytes() const;
+  size_t held_bytes() const;  // in use + kept for reuse
+  uint64_t waits() const;     // Acquire calls that had to wait for the bound (tests, metrics)
+
+  // The size class a request of `bytes` gets: the next power of two from 64 KiB, but never more
+  // than the bound (a request that fits the bound always fits its class).
+  size_t ClassBytes(size_t bytes) const;
+
+ private:
+  void Return(DeviceBuffer block, bool discard);
+  void UpdateGauges();  // mu_ held
+
+  Backend& backend_;
+  const size_t limit_;
+  mutable std::mutex mu_;
+  std::condition_variable freed_;
+  std::multimap<size_t, DeviceBuffer> kept_;  // free blocks by size
+  size_t kept_bytes_ = 0;
+  size_t in_use_bytes_ = 0;
+  uint64_t waits_ = 0;
+  prometheus::Gauge* in_use_gauge_ = nullptr;
+  prometheus::Gauge* held_gauge_ = nullptr;
+  prometheus::Gauge* limit_gauge_ = nullptr;
+  prometheus::Counter* waits_counter_ = nullptr;
+};
+
+}  // namespace fusedlayer::server
