@@ -1,5 +1,7 @@
 #include "auth/token_auth_processor.h"
 
+#include "auth/caller_identity.h"
+
 #include <openssl/crypto.h>
 
 #include "absl/strings/ascii.h"
@@ -26,7 +28,10 @@ bool RightForMethod(absl::string_view path, uint8_t* right) {
   }
   if (!absl::StartsWith(path, kFusedLayerPrefix)) return false;
   const absl::string_view method = path.substr(kFusedLayerPrefix.size());
-  if (method == "MhcSeam" || method == "SwaNormQuant" || method == "GetServerInfo" || method == "ListWeightSets") {
+  // The shared-memory RPCs act only on the caller's own regions (auth/caller_identity.h).
+  if (method == "MhcSeam" || method == "SwaNormQuant" || method == "GetServerInfo" || method == "ListWeightSets" ||
+      method == "RegisterSystemSharedMemory" || method == "SystemSharedMemoryStatus" ||
+      method == "UnregisterSystemSharedMemory") {
     *right = kRightCompute;
     return true;
   }
@@ -87,6 +92,15 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata, grp
                                      ", which ", path.substr(path.rfind('/') + 1), " needs"));
   }
   context->AddProperty(kRightsProperty, RightsName(rights));
+  // Who owns what this call creates (shared-memory regions): a digest prefix, never the token.
+  static constexpr char kHex[] = "0123456789abcdef";
+  const TokenDigest digest = DigestToken(token);
+  std::string identity = "token:";
+  for (int i = 0; i < 8; ++i) {
+    identity.push_back(kHex[digest[i] >> 4]);
+    identity.push_back(kHex[digest[i] & 15]);
+  }
+  context->AddProperty(kIdentityProperty, identity);
   return grpc::Status::OK;
 }
 
