@@ -1,13 +1,14 @@
 // The identity a call acts as, for what belongs to an identity (shared-memory regions,
 // server/transport/shared_memory.h):
-//   - a bearer token (--auth_tokens_file): "token:" + the first 16 hex digits of the token's SHA-256
-//     (set by TokenAuthProcessor as the AuthContext property "fusedlayer.identity"; the token itself
-//     is never kept or shown);
-//   - else a verified TLS client certificate (mutual TLS): "cert:" + its peer identity (the
-//     subject alternative name, else the common name, as gRPC reports it);
+//   - with bearer tokens configured (--auth_tokens_file): "token:" + the first 16 hex digits of the
+//     SHA-256 of the call's token (the TokenAuthProcessor admitted the call, so the token is valid;
+//     the token itself is never kept or shown). Read from the call's own metadata: gRPC's
+//     AuthContext is per connection, and two tokens can share one connection;
+//   - else a verified TLS client certificate (mutual TLS, per connection): "cert:" + its peer
+//     identity (subject alternative name, else common name, as gRPC reports it);
 //   - else "anonymous": with no authentication configured every caller is the one anonymous
-//     identity (docs/security.md), so same-host clients that share a plaintext server share regions'
-//     namespace and limits.
+//     identity (docs/security.md), so same-host clients of a plaintext server share one region
+//     namespace and one set of limits.
 #pragma once
 
 #include <string>
@@ -16,8 +17,6 @@
 
 namespace fusedlayer::server::auth {
 
-inline constexpr char kIdentityProperty[] = "fusedlayer.identity";
-
-std::string CallerIdentity(const grpc::ServerContextBase& ctx);
+std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_configured);
 
 }  // namespace fusedlayer::server::auth

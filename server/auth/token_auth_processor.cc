@@ -1,7 +1,5 @@
 #include "auth/token_auth_processor.h"
 
-#include "auth/caller_identity.h"
-
 #include <openssl/crypto.h>
 
 #include "absl/strings/ascii.h"
@@ -66,8 +64,12 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata, grp
   bool has_token = false;
   auto auth = auth_metadata.find("authorization");
   if (auth != auth_metadata.end()) {
-    // Consumed whatever its shape: a malformed header must not reach a handler either.
-    consumed_auth_metadata->insert({std::string(View(auth->first)), std::string(View(auth->second))});
+    // Not consumed: the handlers need it to know which token a call acts as (auth/caller_identity.h).
+    // The AuthContext given here belongs to the connection, not the call (gRPC 1.51's server auth
+    // filter passes the channel's context), so a per-call identity cannot ride in it: two tokens
+    // on one connection would read as whichever called first. Only CallerIdentity reads the header,
+    // and only as a digest; a call that reaches a handler carried a valid token.
+    (void)consumed_auth_metadata;
     const absl::string_view value = View(auth->second);
     // RFC 7235: the scheme is case-insensitive; one space, then the token.
     if (value.size() > 7 && absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) {
@@ -92,15 +94,6 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata, grp
                                      ", which ", path.substr(path.rfind('/') + 1), " needs"));
   }
   context->AddProperty(kRightsProperty, RightsName(rights));
-  // Who owns what this call creates (shared-memory regions): a digest prefix, never the token.
-  static constexpr char kHex[] = "0123456789abcdef";
-  const TokenDigest digest = DigestToken(token);
-  std::string identity = "token:";
-  for (int i = 0; i < 8; ++i) {
-    identity.push_back(kHex[digest[i] >> 4]);
-    identity.push_back(kHex[digest[i] & 15]);
-  }
-  context->AddProperty(kIdentityProperty, identity);
   return grpc::Status::OK;
 }
 

@@ -240,7 +240,7 @@ absl::Status FusedLayerService::StartCompute(UnaryCall* call, typename Rpc::Mess
   std::unique_ptr<transport::TensorTransfer> transfer;
   uint64_t staged_bytes = 0;
   if (transport::UsesSharedMemory(*request)) {
-    transfer = std::make_unique<transport::TensorTransfer>(&shared_memory_, auth::CallerIdentity(*call->context()));
+    transfer = std::make_unique<transport::TensorTransfer>(&shared_memory_, auth::CallerIdentity(*call->context(), !config_.auth_tokens_file.empty()));
     staged_bytes = transport::SharedMemoryInputBytes(*request);
   }
   if (absl::Status s = AdmitComputeBytes(call, *response_bytes, staged_bytes); !s.ok()) return s;

@@ -14,7 +14,7 @@ grpc::ServerUnaryReactor* FusedLayerService::RegisterSystemSharedMemory(
   auto* call = new UnaryCall(metrics_, Method::kRegisterSystemSharedMemory, config_.max_message_bytes, ctx, request,
                              response);
   absl::Status s = AdmitDuringDrain();
-  if (s.ok()) s = shared_memory_.Register(auth::CallerIdentity(*ctx), *request);
+  if (s.ok()) s = shared_memory_.Register(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), *request);
   call->Complete(std::move(s));
   return call;
 }
@@ -25,7 +25,7 @@ grpc::ServerUnaryReactor* FusedLayerService::SystemSharedMemoryStatus(grpc::Call
   auto* call =
       new UnaryCall(metrics_, Method::kSystemSharedMemoryStatus, config_.max_message_bytes, ctx, request, response);
   absl::StatusOr<v1::SystemSharedMemoryStatusResponse> status =
-      shared_memory_.Status(auth::CallerIdentity(*ctx), request->name());
+      shared_memory_.Status(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name());
   if (status.ok()) *response = std::move(*status);
   call->Complete(status.status());
   return call;
@@ -38,7 +38,7 @@ grpc::ServerUnaryReactor* FusedLayerService::UnregisterSystemSharedMemory(
       new UnaryCall(metrics_, Method::kUnregisterSystemSharedMemory, config_.max_message_bytes, ctx, request, response);
   // Allowed while draining: a client cleaning up on its way out must be able to.
   absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> done =
-      shared_memory_.Unregister(auth::CallerIdentity(*ctx), request->name());
+      shared_memory_.Unregister(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name());
   if (done.ok()) *response = std::move(*done);
   call->Complete(done.status());
   return call;

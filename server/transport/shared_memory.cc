@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -418,10 +419,21 @@ absl::Status TensorTransfer::WriteOutputs() {
 
 namespace {
 uint64_t SaturatingAdd(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+// What will be staged is at most min(byte_size, what the shape needs): a tensor is read only when
+// the two agree (else INVALID_ARGUMENT before any read), so neither number alone, whichever a client
+// inflates, turns a wrong reference into RESOURCE_EXHAUSTED.
 uint64_t InputBytes(std::initializer_list<const v1::Tensor*> ts) {
   uint64_t sum = 0;
   for (const v1::Tensor* t : ts) {
-    if (t->has_shared_memory()) sum = SaturatingAdd(sum, t->shared_memory().byte_size());
+    if (!t->has_shared_memory()) continue;
+    uint64_t shape_bytes = 4;  // the widest dtype; the real one is checked at decode
+    for (int64_t d : t->shape()) {
+      if (d < 0 || __builtin_mul_overflow(shape_bytes, static_cast<uint64_t>(d), &shape_bytes)) {
+        shape_bytes = UINT64_MAX;
+        break;
+      }
+    }
+    sum = SaturatingAdd(sum, std::min(shape_bytes, t->shared_memory().byte_size()));
   }
   return sum;
 }

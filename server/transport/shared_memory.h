@@ -177,7 +177,7 @@ class TensorTransfer {
 // True when the request names any shared-memory tensor (input or output placement).
 bool UsesSharedMemory(const v1::MhcSeamRequest& request);
 bool UsesSharedMemory(const v1::SwaNormQuantRequest& request);
-// Bytes the request's shared-memory inputs will be staged in (admission, before reading),
+// At least the bytes the request's shared-memory inputs will be staged in (admission, before reading),
 // saturating at UINT64_MAX.
 uint64_t SharedMemoryInputBytes(const v1::MhcSeamRequest& request);
 uint64_t SharedMemoryInputBytes(const v1::SwaNormQuantRequest& request);
