@@ -190,7 +190,8 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
 
   // O_RDWR: outputs are written. glibc's shm_open adds O_NOFOLLOW and O_CLOEXEC, and the key is one
   // path component (CheckKey), so nothing outside /dev/shm can be named.
-  const int fd = ::shm_open(req.key().c_str(), O_RDWR, 0);
+  // O_NONBLOCK: a FIFO placed under /dev/shm must not block the gRPC thread in open().
+  const int fd = ::shm_open(req.key().c_str(), O_RDWR | O_NONBLOCK, 0);
   if (fd < 0) {
     const int e = errno;
     if (e == ENOENT) return absl::NotFoundError(absl::StrCat("no shared-memory object ", req.key()));

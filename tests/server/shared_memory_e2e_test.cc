@@ -317,6 +317,15 @@ TEST(SharedMemory, BadRegistrationsHaveTheirStatus) {
   for (const std::string& name : std::vector<std::string>{"", "a/b", std::string(129, 'n'), "sp ace"}) {
     EXPECT_EQ(reg(name, obj.key(), 0, 64), StatusCode::kInvalidArgument) << name;
   }
+  {  // Not a shared-memory object: a FIFO or a directory under /dev/shm (and opening a FIFO must not block).
+    const std::string fifo = "/fl-test-fifo-" + RandomHex(12), dir = "/fl-test-dir-" + RandomHex(12);
+    ASSERT_EQ(::mkfifo(("/dev/shm" + fifo).c_str(), 0600), 0);
+    ASSERT_EQ(::mkdir(("/dev/shm" + dir).c_str(), 0700), 0);
+    EXPECT_EQ(reg("a", fifo, 0, 64), StatusCode::kInvalidArgument);
+    EXPECT_NE(reg("a", dir, 0, 64), StatusCode::kOk);
+    ::unlink(("/dev/shm" + fifo).c_str());
+    ::rmdir(("/dev/shm" + dir).c_str());
+  }
   EXPECT_EQ(reg("a", obj.key(), 0, 0), StatusCode::kInvalidArgument);           // empty
   EXPECT_EQ(reg("a", obj.key(), 0, 8193), StatusCode::kInvalidArgument);        // past the object's end
   EXPECT_EQ(reg("a", obj.key(), 8192, 64), StatusCode::kInvalidArgument);
