@@ -303,18 +303,19 @@ absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> SharedMemoryRegistry::U
   return out;
 }
 
-absl::StatusOr<ResolvedRef> SharedMemoryRegistry::Resolve(const std::string& identity, const v1::SharedMemoryRef& ref,
-                                                          const char* tensor) {
+absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::Lookup(const std::string& identity,
+                                                                                      const std::string& name,
+                                                                                      const char* tensor) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
-  if (absl::Status s = CheckRegionName(ref.region()); !s.ok()) {
+  if (absl::Status s = CheckRegionName(name); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': ", s.message()));
   }
   std::shared_ptr<const SharedMemoryRegion> region;
   {
     MutexLock lock(&mu_);
-    auto it = regions_.find({identity, ref.region()});
+    auto it = regions_.find({identity, name});
     if (it == regions_.end()) {
-      return absl::NotFoundError(absl::StrCat("tensor '", tensor, "': no shared-memory region named '", ref.region(),
+      return absl::NotFoundError(absl::StrCat("tensor '", tensor, "': no shared-memory region named '", name,
                                               "' is registered (by this identity)"));
     }
     if (absl::Status s = it->second->CheckStillNamed(); !s.ok()) {
@@ -323,6 +324,14 @@ absl::StatusOr<ResolvedRef> SharedMemoryRegistry::Resolve(const std::string& ide
     }
     region = it->second;
   }
+  if (absl::Status s = region->CheckSize(); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", tensor, "': ", s.message()));
+  }
+  return region;
+}
+
+absl::StatusOr<ResolvedRef> CheckRange(std::shared_ptr<const SharedMemoryRegion> region, const v1::SharedMemoryRef& ref,
+                                       const char* tensor) {
   // Overflow-free: offset <= size, then byte_size <= size - offset.
   if (ref.offset() > region->byte_size() || ref.byte_size() > region->byte_size() - ref.offset()) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': bytes [", ref.offset(), ", +", ref.byte_size(),
@@ -335,10 +344,14 @@ absl::StatusOr<ResolvedRef> SharedMemoryRegistry::Resolve(const std::string& ide
                                                    "' is not aligned: the object offset must be a multiple of ",
                                                    kSharedMemoryAlignment));
   }
-  if (absl::Status s = region->CheckSize(); !s.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat("tensor '", tensor, "': ", s.message()));
-  }
   return ResolvedRef{std::move(region), ref.offset(), ref.byte_size()};
+}
+
+absl::StatusOr<ResolvedRef> SharedMemoryRegistry::Resolve(const std::string& identity, const v1::SharedMemoryRef& ref,
+                                                          const char* tensor) {
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> region = Lookup(identity, ref.region(), tensor);
+  if (!region.ok()) return region.status();
+  return CheckRange(*std::move(region), ref, tensor);
 }
 
 // ---- TensorTransfer ----------------------------------------------------------------------------------
@@ -355,7 +368,15 @@ absl::StatusOr<ResolvedRef> TensorTransfer::Resolve(const v1::SharedMemoryRef& r
     return absl::FailedPreconditionError(
         absl::StrCat("tensor '", tensor, "': shared-memory tensors are not accepted here"));
   }
-  return registry_->Resolve(identity_, ref, tensor);
+  // One lookup (key and size checks: a stat and an fstat) per region per request, however many
+  // of the request's tensors lie in it.
+  for (const auto& [name, region] : regions_) {
+    if (name == ref.region()) return CheckRange(region, ref, tensor);
+  }
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> region = registry_->Lookup(identity_, ref.region(), tensor);
+  if (!region.ok()) return region.status();
+  regions_.emplace_back(ref.region(), *region);
+  return CheckRange(*std::move(region), ref, tensor);
 }
 
 absl::StatusOr<char*> TensorTransfer::ReadInput(const v1::SharedMemoryRef& ref, uint64_t bytes, const char* tensor) {
@@ -398,9 +419,13 @@ absl::Status TensorTransfer::PlaceOutput(const v1::SharedMemoryRef& ref, v1::Ten
 }
 
 absl::Status TensorTransfer::WriteOutputs() {
-  for (const Output& o : outputs_) {
-    if (absl::Status s = o.ref.region->CheckStillNamed(); !s.ok()) return s;
-    if (absl::Status s = o.ref.region->CheckSize(); !s.ok()) return s;
+  // Every region an output goes to, once: still named by its key, still whole.
+  for (size_t i = 0; i < outputs_.size(); ++i) {
+    bool seen = false;
+    for (size_t j = 0; j < i; ++j) seen = seen || outputs_[j].ref.region == outputs_[i].ref.region;
+    if (seen) continue;
+    if (absl::Status s = outputs_[i].ref.region->CheckStillNamed(); !s.ok()) return s;
+    if (absl::Status s = outputs_[i].ref.region->CheckSize(); !s.ok()) return s;
   }
   for (const Output& o : outputs_) {
     // A shrink between the check and the write makes pwrite extend the object again, by at most the

@@ -94,6 +94,11 @@ struct ResolvedRef {
   uint64_t byte_size = 0;
 };
 
+// `ref` against `region`: INVALID_ARGUMENT when [offset, offset + byte_size) is not inside the
+// region (overflow included) or the object offset is not a multiple of kSharedMemoryAlignment.
+absl::StatusOr<ResolvedRef> CheckRange(std::shared_ptr<const SharedMemoryRegion> region, const v1::SharedMemoryRef& ref,
+                                       const char* tensor);
+
 class SharedMemoryRegistry {
  public:
   SharedMemoryRegistry(SharedMemoryLimits limits, prometheus::Registry& metrics);
@@ -110,6 +115,9 @@ class SharedMemoryRegistry {
   // identity has not registered, FAILED_PRECONDITION for an object that vanished or shrank,
   // INVALID_ARGUMENT for a range outside the region (overflow included) or a misaligned offset.
   absl::StatusOr<ResolvedRef> Resolve(const std::string& identity, const v1::SharedMemoryRef& ref, const char* tensor);
+  // The region `name` of `identity`, its key and size checked (Resolve without the range checks).
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> Lookup(const std::string& identity, const std::string& name,
+                                                                   const char* tensor);
 
  private:
   using Key = std::pair<std::string, std::string>;  // (identity, region name)
@@ -169,6 +177,7 @@ class TensorTransfer {
 
   SharedMemoryRegistry* const registry_;
   const std::string identity_;
+  std::vector<std::pair<std::string, std::shared_ptr<const SharedMemoryRegion>>> regions_;  // looked up
   std::vector<std::unique_ptr<char[], AlignedDelete>> staging_;
   uint64_t staged_bytes_ = 0;
   std::vector<Output> outputs_;
