@@ -93,20 +93,23 @@ const std::vector<CommandInfo>& Commands() {
       {"unload", "unload NAME", 1, {}},
       {"seam",
        "seam --weight_set=NAME [--tokens=T] [--mode=shifted|normal] [--stage=seam|first|head] [--no_pre_mix] "
-       "[--capture_aux] [--path=auto|require_fused|force_unfused] [--input=FILE] [--output=FILE] [--seed=S] [--verify]",
+       "[--capture_aux] [--path=auto|require_fused|force_unfused] [--input=FILE] [--output=FILE] [--seed=S] [--verify] "
+       "[--transport=tcp|shm]",
        0,
        {"weight_set", "tokens", "mode", "stage", "no_pre_mix", "capture_aux", "path", "input", "output", "seed",
-        "verify"}},
+        "verify", "transport"}},
       {"swa",
-       "swa --weight_set=NAME [--tokens=M] [--row_stride=S] [--path=...] [--input=FILE] [--output=FILE] [--seed=S] [--verify]",
+       "swa --weight_set=NAME [--tokens=M] [--row_stride=S] [--path=...] [--input=FILE] [--output=FILE] [--seed=S] [--verify] "
+       "[--transport=tcp|shm]",
        0,
-       {"weight_set", "tokens", "row_stride", "path", "input", "output", "seed", "verify"}},
+       {"weight_set", "tokens", "row_stride", "path", "input", "output", "seed", "verify", "transport"}},
       {"bench",
        "bench --op=mhc|swa --weight_set=NAME --tokens=T --concurrency=N --duration=SECONDS [--path=...] "
-       "[--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S] [--echo_floor]",
+       "[--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S] [--echo_floor] "
+       "[--transport=tcp|shm]",
        0,
        {"op", "weight_set", "tokens", "concurrency", "duration", "path", "mode", "stage", "no_pre_mix", "capture_aux",
-        "row_stride", "seed", "echo_floor"}},
+        "row_stride", "seed", "echo_floor", "transport"}},
       {"soak",
        "soak --concurrency=N --duration=SECONDS [--warmup=SECONDS] [--server_pid=PID] [--max_rss_growth_mb=MB] "
        "[--seed=S]",

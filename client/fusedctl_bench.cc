@@ -26,8 +26,10 @@
 #include "client/bench_stats.h"
 #include "client/cli_options.h"
 #include "client/echo_floor.h"
+#include "client/latency_stats.h"
 #include "client/fusedctl_commands.h"
 #include "client/random_inputs.h"
+#include "client/shared_memory.h"
 
 namespace fusedlayer::client {
 
@@ -74,6 +76,69 @@ class TypedCaller : public Caller {
   const Method method_;
   mutable std::atomic<uint64_t> last_response_bytes_{0};
 };
+
+// --transport=shm: every caller thread has its own shared-memory object holding the request's
+// inputs (written once, as the TCP caller builds its request once) and its outputs, since one
+// object serves one call at a time. The messages carry only references.
+template <typename Request, typename Response>
+class SharedMemoryCaller : public Caller {
+ public:
+  using Method = absl::StatusOr<Response> (FusedLayerClient::*)(const Request&, const CallOptions&) const;
+  struct Slot {
+    std::unique_ptr<ClientSharedMemory> shm;
+    Request request;
+  };
+  SharedMemoryCaller(const FusedLayerClient& client, std::vector<Slot> slots, uint64_t inline_request_bytes,
+                     Method method)
+      : client_(client), slots_(std::move(slots)), inline_request_bytes_(inline_request_bytes), method_(method) {}
+
+  CallOutcome Call() const override {
+    // One slot per thread for the caller's life (threads call back to back, never two at once).
+    thread_local const Slot* mine = nullptr;
+    thread_local const void* owner = nullptr;
+    if (owner != this) {
+      mine = &slots_[next_.fetch_add(1, std::memory_order_relaxed) % slots_.size()];
+      owner = this;
+    }
+    CallOutcome o;
+    const Clock::time_point t0 = Clock::now();
+    absl::StatusOr<Response> r = (client_.*method_)(mine->request, CallOptions{});
+    o.round_trip_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (r.ok()) {
+      o.report = r->report();
+      last_response_bytes_.store(r->ByteSizeLong(), std::memory_order_relaxed);
+    } else {
+      o.status = r.status();
+    }
+    return o;
+  }
+  uint64_t RequestBytes() const override { return slots_.front().request.ByteSizeLong(); }
+  uint64_t ResponseBytes() const { return last_response_bytes_.load(std::memory_order_relaxed); }
+  uint64_t InlineRequestBytes() const { return inline_request_bytes_; }
+
+ private:
+  const FusedLayerClient& client_;
+  const std::vector<Slot> slots_;
+  const uint64_t inline_request_bytes_;
+  const Method method_;
+  mutable std::atomic<size_t> next_{0};
+  mutable std::atomic<uint64_t> last_response_bytes_{0};
+};
+
+// The shm callers' slots: `count` objects, each registered and holding a copy of `request`.
+template <typename Request, typename Prepare>
+absl::StatusOr<std::vector<typename SharedMemoryCaller<Request, int>::Slot>> MakeSlots(
+    const FusedLayerClient& client, const Request& request, uint64_t bytes, int count, Prepare prepare) {
+  std::vector<typename SharedMemoryCaller<Request, int>::Slot> slots;
+  for (int i = 0; i < count; ++i) {
+    absl::StatusOr<std::unique_ptr<ClientSharedMemory>> shm = ClientSharedMemory::Create(client, bytes);
+    if (!shm.ok()) return shm.status();
+    typename SharedMemoryCaller<Request, int>::Slot slot{*std::move(shm), request};
+    if (absl::Status s = prepare(*slot.shm, slot.request); !s.ok()) return s;
+    slots.push_back(std::move(slot));
+  }
+  return slots;
+}
 
 // `concurrency` threads, each calling `call` back to back until `duration` has passed.
 struct ClosedLoopResult {
@@ -210,8 +275,15 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
   const uint64_t seed = cl.seed ? cl.seed : FreshSeed();
   std::mt19937_64 rng(seed);
 
+  absl::StatusOr<bool> shm_parsed = ParseSharedMemoryTransport(cl.transport);
+  if (!shm_parsed.ok()) return shm_parsed.status();
+  const bool shm_transport = *shm_parsed;
   std::unique_ptr<Caller> caller;
   std::function<uint64_t()> response_bytes;
+  uint64_t inline_request_bytes = 0;  // shm: what the request would weigh with its tensors inline
+  // shm: the same request with its tensors inline, measured after the shm row for comparison.
+  std::unique_ptr<Caller> tcp_caller;
+  std::function<uint64_t()> tcp_response_bytes;
   std::string what;
   if (*op == BenchOp::kMhc) {
     if (!ws->has_mhc()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
@@ -224,11 +296,30 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
                         .include_pre_mix = !cl.no_pre_mix, .capture_aux = cl.capture_aux, .path = *path};
     absl::StatusOr<v1::MhcSeamRequest> req = RandomMhcRequest(ws->mhc(), spec, rng);
     if (!req.ok()) return req.status();
-    auto c = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(client, *std::move(req),
-                                                                                    &FusedLayerClient::MhcSeam);
-    auto* raw = c.get();
-    response_bytes = [raw] { return raw->ResponseBytes(); };
-    caller = std::move(c);
+    if (shm_transport) {
+      const v1::MhcConfig mhc = ws->mhc();
+      auto slots = MakeSlots(client, *req, MhcRequestSharedBytes(*req, mhc), cl.concurrency + 1,
+                             [&](ClientSharedMemory& m, v1::MhcSeamRequest& r) { return m.Prepare(r, mhc); });
+      if (!slots.ok()) return slots.status();
+      using C = SharedMemoryCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>;
+      std::vector<C::Slot> typed;
+      for (auto& s : *slots) typed.push_back(C::Slot{std::move(s.shm), std::move(s.request)});
+      auto c = std::make_unique<C>(client, std::move(typed), req->ByteSizeLong(), &FusedLayerClient::MhcSeam);
+      tcp_caller = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(client, *req,
+                                                                                          &FusedLayerClient::MhcSeam);
+      auto* tcp_raw = static_cast<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>*>(tcp_caller.get());
+      tcp_response_bytes = [tcp_raw] { return tcp_raw->ResponseBytes(); };
+      auto* raw = c.get();
+      response_bytes = [raw] { return raw->ResponseBytes(); };
+      inline_request_bytes = req->ByteSizeLong();
+      caller = std::move(c);
+    } else {
+      auto c = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(client, *std::move(req),
+                                                                                      &FusedLayerClient::MhcSeam);
+      auto* raw = c.get();
+      response_bytes = [raw] { return raw->ResponseBytes(); };
+      caller = std::move(c);
+    }
     what = absl::StrCat("stage=", MhcStageName(*stage), " mode=", MhcModeName(*mode));
   } else {
     if (!ws->has_swa()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no SWA part"));
@@ -238,18 +329,45 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
     SwaRequestSpec spec{.weight_set = cl.weight_set, .tokens = cl.tokens, .row_stride = cl.row_stride, .path = *path};
     absl::StatusOr<v1::SwaNormQuantRequest> req = RandomSwaRequest(ws->swa(), spec, rng);
     if (!req.ok()) return req.status();
-    auto c = std::make_unique<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>>(
-        client, *std::move(req), &FusedLayerClient::SwaNormQuant);
-    auto* raw = c.get();
-    response_bytes = [raw] { return raw->ResponseBytes(); };
-    caller = std::move(c);
+    if (shm_transport) {
+      const v1::SwaConfig swa = ws->swa();
+      const int64_t rows = ws->wq_b_rows();
+      auto slots =
+          MakeSlots(client, *req, SwaRequestSharedBytes(*req, swa, rows), cl.concurrency + 1,
+                    [&](ClientSharedMemory& m, v1::SwaNormQuantRequest& r) { return m.Prepare(r, swa, rows); });
+      if (!slots.ok()) return slots.status();
+      using C = SharedMemoryCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>;
+      std::vector<C::Slot> typed;
+      for (auto& s : *slots) typed.push_back(C::Slot{std::move(s.shm), std::move(s.request)});
+      auto c = std::make_unique<C>(client, std::move(typed), req->ByteSizeLong(), &FusedLayerClient::SwaNormQuant);
+      tcp_caller = std::make_unique<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>>(
+          client, *req, &FusedLayerClient::SwaNormQuant);
+      auto* tcp_raw = static_cast<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>*>(tcp_caller.get());
+      tcp_response_bytes = [tcp_raw] { return tcp_raw->ResponseBytes(); };
+      auto* raw = c.get();
+      response_bytes = [raw] { return raw->ResponseBytes(); };
+      inline_request_bytes = req->ByteSizeLong();
+      caller = std::move(c);
+    } else {
+      auto c = std::make_unique<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>>(
+          client, *std::move(req), &FusedLayerClient::SwaNormQuant);
+      auto* raw = c.get();
+      response_bytes = [raw] { return raw->ResponseBytes(); };
+      caller = std::move(c);
+    }
     what = absl::StrCat("row_stride=", cl.row_stride ? cl.row_stride : ws->swa().q_rank() + ws->swa().head_dim());
   }
 
   out << "bench op=" << cl.op << " weight_set=" << cl.weight_set << " tokens=" << cl.tokens << " " << what
       << " path=" << PathPreferenceName(*path) << " concurrency=" << cl.concurrency
-      << " duration=" << absl::FormatDuration(cl.duration) << " seed=" << seed << "\n";
-  out << "request " << FormatBytes(double(caller->RequestBytes())) << "\n";
+      << " duration=" << absl::FormatDuration(cl.duration) << " seed=" << seed
+      << " transport=" << (shm_transport ? "shm" : "tcp") << "\n";
+  out << "request " << FormatBytes(double(caller->RequestBytes()));
+  if (shm_transport) {
+    out << " (tensors in " << cl.concurrency + 1 << " shared-memory objects; " << FormatBytes(double(inline_request_bytes))
+        << " inline)";
+  }
+  out << "\n";
 
   // A probe call first: a wrong weight set or an unreachable server fails here with its real
   // error instead of as N x thousands of identical errors. It also warms the connection.
@@ -272,8 +390,31 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
                            .elapsed_seconds = measured.elapsed_seconds};
   out << total.Format(info);
   out.flush();
+  uint64_t floor_request_bytes = info.request_bytes, floor_response_bytes = info.response_bytes;
+  if (tcp_caller != nullptr) {
+    // The TCP row of the same request, same concurrency and duration: what shm is measured against.
+    if (CallOutcome probe = tcp_caller->Call(); !probe.status.ok()) {
+      return absl::Status(probe.status.code(), absl::StrCat("tcp probe call failed: ", probe.status.message()));
+    }
+    const ClosedLoopResult tcp = RunClosedLoop(cl.concurrency, cl.duration, [&] { return tcp_caller->Call(); });
+    BenchStats::RunInfo tcp_info{.op = cl.op,
+                                 .tokens_per_request = cl.tokens,
+                                 .request_bytes = tcp_caller->RequestBytes(),
+                                 .response_bytes = tcp_response_bytes(),
+                                 .elapsed_seconds = tcp.elapsed_seconds};
+    out << "tcp (the same request, tensors inline)\n" << tcp.stats.Format(tcp_info);
+    if (tcp.stats.ok() > 0 && total.ok() > 0) {
+      out << absl::StrFormat("shm vs tcp  p50 %.3fx, req/s %.2fx\n",
+                             SummarizeLatencies(total.latencies()).p50 / SummarizeLatencies(tcp.stats.latencies()).p50,
+                             (double(total.ok()) / measured.elapsed_seconds) / (double(tcp.stats.ok()) / tcp.elapsed_seconds));
+    }
+    out.flush();
+    // The floor is that of the bytes the tensors would have cost over the socket.
+    floor_request_bytes = tcp_info.request_bytes;
+    floor_response_bytes = tcp_info.response_bytes;
+  }
   if (cl.echo_floor) {
-    if (absl::Status s = RunEchoFloor(client, cl, info.request_bytes, info.response_bytes, measured, out); !s.ok()) {
+    if (absl::Status s = RunEchoFloor(client, cl, floor_request_bytes, floor_response_bytes, measured, out); !s.ok()) {
       return s;
     }
   }

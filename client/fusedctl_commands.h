@@ -41,7 +41,11 @@ struct CommandLine {
   std::string dump;                          // replay: a shadow mismatch dump (safetensors)
   bool verify = false;                       // seam, swa: request verify = true (shadow comparison)
   bool echo_floor = false;                   // bench: also measure a bare gRPC echo of the same sizes
+  std::string transport = "tcp";             // seam, swa, bench: tcp | shm (client/shared_memory.h)
 };
+
+// --transport: true for shm, false for tcp; InvalidArgument otherwise.
+absl::StatusOr<bool> ParseSharedMemoryTransport(const std::string& transport);
 
 absl::Status RunInfo(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 // OK with *serving set; the caller exits 0 only when serving.

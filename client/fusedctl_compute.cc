@@ -14,6 +14,7 @@
 #include "client/fusedctl_commands.h"
 #include "client/random_inputs.h"
 #include "client/safetensors_io.h"
+#include "client/shared_memory.h"
 #include "client/tensor_messages.h"
 #include "client/tensor_summary.h"
 
@@ -74,6 +75,12 @@ absl::StatusOr<v1::PathPreference> PathOf(const CommandLine& cl) {
 }
 
 }  // namespace
+
+absl::StatusOr<bool> ParseSharedMemoryTransport(const std::string& transport) {
+  if (transport == "tcp" || transport.empty()) return false;
+  if (transport == "shm") return true;
+  return absl::InvalidArgumentError(absl::StrCat("--transport=", transport, ": want tcp or shm"));
+}
 
 std::string FormatReport(const v1::ExecutionReport& r, double round_trip_seconds) {
   std::string s = "report\n";
@@ -152,12 +159,31 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
       << origin << ")\n";
 
   req.set_verify(cl.verify);
+  absl::StatusOr<bool> shm_transport = ParseSharedMemoryTransport(cl.transport);
+  if (!shm_transport.ok()) return shm_transport.status();
+  std::unique_ptr<ClientSharedMemory> shm;
+  if (*shm_transport) {
+    absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
+    if (!ws.ok()) return ws.status();
+    if (!ws->has_mhc()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
+    absl::StatusOr<std::unique_ptr<ClientSharedMemory>> created =
+        ClientSharedMemory::Create(client, MhcRequestSharedBytes(req, ws->mhc()));
+    if (!created.ok()) return created.status();
+    shm = *std::move(created);
+    if (absl::Status s = shm->Prepare(req, ws->mhc()); !s.ok()) return s;
+    out << "transport shm: object " << shm->key() << ", region " << shm->region_name() << ", "
+        << FormatBytes(double(shm->byte_size())) << "\n";
+  }
   const Clock::time_point t0 = Clock::now();
   absl::StatusOr<v1::MhcSeamResponse> resp = client.MhcSeam(req);
   const double rtt = Since(t0);
   if (!resp.ok()) return resp.status();
+  const uint64_t response_wire_bytes = resp->ByteSizeLong();  // before the outputs are fetched from shm
+  if (shm != nullptr) {
+    if (absl::Status s = shm->Fetch(*resp); !s.ok()) return s;
+  }
   out << "request " << FormatBytes(double(req.ByteSizeLong())) << ", response "
-      << FormatBytes(double(resp->ByteSizeLong())) << ", request_id " << resp->request_id() << "\n";
+      << FormatBytes(double(response_wire_bytes)) << ", request_id " << resp->request_id() << "\n";
   out << FormatReport(resp->report(), rtt);
   out << "outputs\n";
   PrintSummary(out, "new_residual", resp->has_new_residual(), resp->new_residual());
@@ -223,12 +249,28 @@ absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::
       << ShapeString(in_shape) << " path=" << PathPreferenceName(*path) << " (" << origin << ")\n";
 
   req.set_verify(cl.verify);
+  absl::StatusOr<bool> shm_transport = ParseSharedMemoryTransport(cl.transport);
+  if (!shm_transport.ok()) return shm_transport.status();
+  std::unique_ptr<ClientSharedMemory> shm;
+  if (*shm_transport) {
+    absl::StatusOr<std::unique_ptr<ClientSharedMemory>> created =
+        ClientSharedMemory::Create(client, SwaRequestSharedBytes(req, ws->swa(), ws->wq_b_rows()));
+    if (!created.ok()) return created.status();
+    shm = *std::move(created);
+    if (absl::Status s = shm->Prepare(req, ws->swa(), ws->wq_b_rows()); !s.ok()) return s;
+    out << "transport shm: object " << shm->key() << ", region " << shm->region_name() << ", "
+        << FormatBytes(double(shm->byte_size())) << "\n";
+  }
   const Clock::time_point t0 = Clock::now();
   absl::StatusOr<v1::SwaNormQuantResponse> resp = client.SwaNormQuant(req);
   const double rtt = Since(t0);
   if (!resp.ok()) return resp.status();
+  const uint64_t response_wire_bytes = resp->ByteSizeLong();  // before the outputs are fetched from shm
+  if (shm != nullptr) {
+    if (absl::Status s = shm->Fetch(*resp); !s.ok()) return s;
+  }
   out << "request " << FormatBytes(double(req.ByteSizeLong())) << ", response "
-      << FormatBytes(double(resp->ByteSizeLong())) << ", request_id " << resp->request_id() << "\n";
+      << FormatBytes(double(response_wire_bytes)) << ", request_id " << resp->request_id() << "\n";
   out << FormatReport(resp->report(), rtt);
   out << "outputs\n";
   PrintSummary(out, "q_fp8", resp->has_q_fp8(), resp->q_fp8());

@@ -67,6 +67,9 @@ ABSL_FLAG(bool, echo_floor, false,
           "bench: then run a bare gRPC echo of the same request/response sizes over the same channel options, "
           "started in-process on loopback (a unix socket for unix targets), at the same concurrency and duration, "
           "and print its latency and req/s next to the call's (the transport floor)");
+ABSL_FLAG(std::string, transport, "tcp",
+          "seam/swa/bench: tcp (tensors in the messages) or shm (tensors in a POSIX shared-memory object this "
+          "process creates and registers; same host, server started with --allow_shared_memory)");
 ABSL_FLAG(int32_t, max_rss_growth_mb, 64, "soak: fail when the server RSS grows by more than this, MiB");
 
 namespace {
@@ -178,6 +181,7 @@ int main(int argc, char** argv) {
   cl.dump = absl::GetFlag(FLAGS_dump);
   cl.verify = absl::GetFlag(FLAGS_verify);
   cl.echo_floor = absl::GetFlag(FLAGS_echo_floor);
+  cl.transport = absl::GetFlag(FLAGS_transport);
   if (cl.chunk_bytes <= 0) return UsageError("--chunk_bytes must be positive");
   if (cl.tokens < 0) return UsageError("--tokens must be >= 0");
   if (cl.row_stride < 0) return UsageError("--row_stride must be >= 0");

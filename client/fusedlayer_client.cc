@@ -122,6 +122,42 @@ absl::StatusOr<v1::UnloadWeightSetResponse> FusedLayerClient::UnloadWeightSet(co
   return response;
 }
 
+absl::Status FusedLayerClient::RegisterSystemSharedMemory(const std::string& name, const std::string& key,
+                                                          uint64_t offset, uint64_t byte_size,
+                                                          const CallOptions& call) const {
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.deadline);
+  v1::RegisterSystemSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  v1::RegisterSystemSharedMemoryResponse response;
+  return ToAbslStatus(stub_->RegisterSystemSharedMemory(&ctx, request, &response));
+}
+
+absl::StatusOr<v1::SystemSharedMemoryStatusResponse> FusedLayerClient::SystemSharedMemoryStatus(
+    const std::string& name, const CallOptions& call) const {
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.deadline);
+  v1::SystemSharedMemoryStatusRequest request;
+  request.set_name(name);
+  v1::SystemSharedMemoryStatusResponse response;
+  if (grpc::Status s = stub_->SystemSharedMemoryStatus(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
+  return response;
+}
+
+absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> FusedLayerClient::UnregisterSystemSharedMemory(
+    const std::string& name, const CallOptions& call) const {
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.deadline);
+  v1::UnregisterSystemSharedMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterSystemSharedMemoryResponse response;
+  if (grpc::Status s = stub_->UnregisterSystemSharedMemory(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
+  return response;
+}
+
 absl::StatusOr<v1::GetServerInfoResponse> FusedLayerClient::GetServerInfo(const CallOptions& call) const {
   grpc::ClientContext ctx;
   Prepare(ctx, call, options_.deadline);

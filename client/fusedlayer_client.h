@@ -95,6 +95,15 @@ class FusedLayerClient {
                                                               const CallOptions& call = {}) const;
   absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo(const CallOptions& call = {}) const;
 
+  // System shared memory (client/shared_memory.h wraps these for a whole request).
+  absl::Status RegisterSystemSharedMemory(const std::string& name, const std::string& key, uint64_t offset,
+                                          uint64_t byte_size, const CallOptions& call = {}) const;
+  absl::StatusOr<v1::SystemSharedMemoryStatusResponse> SystemSharedMemoryStatus(const std::string& name = "",
+                                                                              const CallOptions& call = {}) const;
+  // Empty name: every region of the caller's identity.
+  absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> UnregisterSystemSharedMemory(
+      const std::string& name, const CallOptions& call = {}) const;
+
   // Finds one weight set by name in ListWeightSets (NotFound if absent).
   absl::StatusOr<v1::WeightSetInfo> FindWeightSet(const std::string& name, const CallOptions& call = {}) const;
 

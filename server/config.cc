@@ -110,6 +110,12 @@ absl::Status ServerConfig::Validate() const {
   if (max_weight_payload_bytes < 1) {
     return absl::InvalidArgumentError("--max_weight_payload_bytes must be >= 1");
   }
+  // Each registered region holds one open descriptor.
+  if (shared_memory_max_regions < 1 || shared_memory_max_regions > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shared_memory_max_regions must be in [1, 4096], got ", shared_memory_max_regions));
+  }
+  if (shared_memory_max_bytes < 1) return absl::InvalidArgumentError("--shared_memory_max_bytes must be >= 1");
   if (cpu_threads < 0) return absl::InvalidArgumentError(absl::StrCat("--cpu_threads must be >= 0, got ", cpu_threads));
   if (!(max_connection_age_seconds >= 0) || max_connection_age_seconds > 1e6) {
     return absl::InvalidArgumentError(absl::StrCat("--max_connection_age_seconds must be in [0, 1e6], got ",

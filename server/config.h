@@ -79,6 +79,11 @@ struct ServerConfig {
   // TLS or mutual TLS without a token file authorizes everyone who completes the handshake for
   // every RPC (LoadWeights, UnloadWeightSet included): refused at startup unless this is set.
   bool allow_unauthenticated_tls = false;
+  // System shared memory (server/transport/shared_memory.h, docs/operations.md): off unless set,
+  // because it only works for clients on this host; limits per identity (regions and registered bytes).
+  bool allow_shared_memory = false;
+  int64_t shared_memory_max_regions = 64;
+  uint64_t shared_memory_max_bytes = uint64_t{16} << 30;
   // Shadow verification (server/shadow/, docs/shadow.md): the fraction of fused requests re-run
   // unfused off the critical path and compared; its bounded queue; mismatch dumps.
   double shadow_sample_rate = 0;

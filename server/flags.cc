@@ -68,6 +68,14 @@ ABSL_FLAG(bool, allow_unauthenticated_tls, false,
           "accept --tls_cert (or mutual TLS) without --auth_tokens_file: everyone who completes the TLS "
           "handshake may then call every RPC, LoadWeights and UnloadWeightSet included");
 
+// System shared memory (server/transport/shared_memory.h, docs/operations.md).
+ABSL_FLAG(bool, allow_shared_memory, false,
+          "accept RegisterSystemSharedMemory and tensors in registered POSIX shared-memory regions (clients on "
+          "this host only); off: those calls are FAILED_PRECONDITION");
+ABSL_FLAG(int64_t, shared_memory_max_regions, 64, "shared-memory regions one identity may hold registered (1 to 4096)");
+ABSL_FLAG(uint64_t, shared_memory_max_bytes, uint64_t{16} << 30,
+          "bytes of shared-memory regions one identity may hold registered");
+
 // Shadow verification (server/shadow/, docs/shadow.md).
 ABSL_FLAG(double, shadow_sample_rate, 0,
           "fraction (0 to 1) of requests that ran fused to re-run unfused after the response and compare "
@@ -114,6 +122,9 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   c.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   c.allow_unauthenticated_tls = absl::GetFlag(FLAGS_allow_unauthenticated_tls);
+  c.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
+  c.shared_memory_max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
+  c.shared_memory_max_bytes = absl::GetFlag(FLAGS_shared_memory_max_bytes);
   c.shadow_sample_rate = absl::GetFlag(FLAGS_shadow_sample_rate);
   c.shadow_queue_size = absl::GetFlag(FLAGS_shadow_queue_size);
   c.shadow_queue_max_bytes = absl::GetFlag(FLAGS_shadow_queue_max_bytes);

@@ -26,7 +26,10 @@ bool RightForMethod(absl::string_view path, uint8_t* right) {
   }
   if (!absl::StartsWith(path, kFusedLayerPrefix)) return false;
   const absl::string_view method = path.substr(kFusedLayerPrefix.size());
-  if (method == "MhcSeam" || method == "SwaNormQuant" || method == "GetServerInfo" || method == "ListWeightSets") {
+  // The shared-memory RPCs act only on the caller's own regions (auth/caller_identity.h).
+  if (method == "MhcSeam" || method == "SwaNormQuant" || method == "GetServerInfo" || method == "ListWeightSets" ||
+      method == "RegisterSystemSharedMemory" || method == "SystemSharedMemoryStatus" ||
+      method == "UnregisterSystemSharedMemory") {
     *right = kRightCompute;
     return true;
   }
@@ -61,8 +64,12 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata, grp
   bool has_token = false;
   auto auth = auth_metadata.find("authorization");
   if (auth != auth_metadata.end()) {
-    // Consumed whatever its shape: a malformed header must not reach a handler either.
-    consumed_auth_metadata->insert({std::string(View(auth->first)), std::string(View(auth->second))});
+    // Not consumed: the handlers need it to know which token a call acts as (auth/caller_identity.h).
+    // The AuthContext given here belongs to the connection, not the call (gRPC 1.51's server auth
+    // filter passes the channel's context), so a per-call identity cannot ride in it: two tokens
+    // on one connection would read as whichever called first. Only CallerIdentity reads the header,
+    // and only as a digest; a call that reaches a handler carried a valid token.
+    (void)consumed_auth_metadata;
     const absl::string_view value = View(auth->second);
     // RFC 7235: the scheme is case-insensitive; one space, then the token.
     if (value.size() > 7 && absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) {

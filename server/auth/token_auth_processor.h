@@ -8,8 +8,10 @@
 // Kubernetes probes cannot present one, and neither reveals anything beyond serving status and the
 // public API schema. Any other service is refused (UNAUTHENTICATED without a token).
 //
-// The authorization header is returned in consumed_md, so handlers never see the token; the rights
-// are added to the AuthContext as property "fusedlayer.rights" for handlers that want them.
+// The authorization header is left in the call's metadata: auth/caller_identity.h digests it to
+// the identity that owns shared-memory regions (the AuthContext is per connection, so it cannot
+// carry a per-call identity). The rights are added to the AuthContext as property
+// "fusedlayer.rights" -- per connection too: with several tokens on one connection it lists each.
 // Tokens are compared as SHA-256 digests with CRYPTO_memcmp over every entry (no early exit), so
 // the time taken does not depend on how much of a token matched or which entry matched.
 #pragma once

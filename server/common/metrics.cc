@@ -37,6 +37,9 @@ const char* MethodName(Method m) {
     case Method::kListWeightSets: return "ListWeightSets";
     case Method::kUnloadWeightSet: return "UnloadWeightSet";
     case Method::kGetServerInfo: return "GetServerInfo";
+    case Method::kRegisterSystemSharedMemory: return "RegisterSystemSharedMemory";
+    case Method::kSystemSharedMemoryStatus: return "SystemSharedMemoryStatus";
+    case Method::kUnregisterSystemSharedMemory: return "UnregisterSystemSharedMemory";
   }
   return "unknown";
 }

@@ -23,8 +23,18 @@
 namespace fusedlayer::server {
 
 // The RPCs, as the "method" label (the RPC's short name).
-enum class Method : uint8_t { kMhcSeam, kSwaNormQuant, kLoadWeights, kListWeightSets, kUnloadWeightSet, kGetServerInfo };
-inline constexpr int kNumMethods = 6;
+enum class Method : uint8_t {
+  kMhcSeam,
+  kSwaNormQuant,
+  kLoadWeights,
+  kListWeightSets,
+  kUnloadWeightSet,
+  kGetServerInfo,
+  kRegisterSystemSharedMemory,
+  kSystemSharedMemoryStatus,
+  kUnregisterSystemSharedMemory,
+};
+inline constexpr int kNumMethods = 9;
 const char* MethodName(Method m);
 // gRPC code name as the "code" label: "OK", "INVALID_ARGUMENT", ...
 const char* StatusCodeName(grpc::StatusCode code);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "auth/caller_identity.h"
 #include "common/log.h"
 #include "exec/batch_assembly.h"
 #include "exec/dispatcher.h"
@@ -49,14 +50,16 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
  public:
   ComputeTask(FusedLayerService& service, UnaryCall* call, typename Rpc::Messages* held,
               const typename Rpc::Request* request, typename Rpc::Response* response,
-              std::shared_ptr<const WeightSet> set, typename Rpc::Call decoded)
+              std::shared_ptr<const WeightSet> set, typename Rpc::Call decoded,
+              std::unique_ptr<transport::TensorTransfer> transfer)
       : service_(service),
         call_(call),
         held_(held),
         request_(request),
         response_(response),
         set_(std::move(set)),
-        decoded_(std::move(decoded)) {}
+        decoded_(std::move(decoded)),
+        transfer_(std::move(transfer)) {}
 
   int64_t tokens() const override { return decoded_.args.tokens; }
   // verify runs the unfused comparison in the same job (per request), and an empty request has
@@ -85,6 +88,9 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   typename Rpc::Response* const response_;
   const std::shared_ptr<const WeightSet> set_;
   const typename Rpc::Call decoded_;
+  // Shared-memory tensors of this request (null when it has none): the staged inputs the call
+  // views, and the outputs written to their regions after the run (server/transport/).
+  const std::unique_ptr<transport::TensorTransfer> transfer_;
   double queue_seconds_ = 0;
 };
 
@@ -158,6 +164,14 @@ void FusedLayerService::ComputeTask<Rpc>::Finish(const absl::StatusOr<DispatchOu
   Metrics& metrics = service_.metrics_;
   shadow::ShadowVerifier& shadow = service_.shadow_;
   std::unique_ptr<shadow::ShadowVerifier::Job> shadow_job;
+  if (ran.ok() && transfer_ != nullptr) {
+    // Outputs to their regions before the report: a region that shrank or vanished meanwhile
+    // fails this request alone (FAILED_PRECONDITION), the batch it shared a launch with is not affected.
+    if (absl::Status s = transfer_->WriteOutputs(); !s.ok()) {
+      call_->Complete(std::move(s));
+      return;
+    }
+  }
   if (ran.ok()) {
     const PathDecision& d = ran->decision;
     metrics.RecordExecution(Rpc::kOp, d.path, ran->stats.kernel_seconds);
@@ -174,7 +188,8 @@ void FusedLayerService::ComputeTask<Rpc>::Finish(const absl::StatusOr<DispatchOu
       // Synchronous: the unfused run and the comparison happen in this job, before the response.
       *response_->mutable_verification() =
           d.path == Path::kFused ? Rpc::Verify(shadow, *set_, *request_, *response_) : NotComparedUnfused(d);
-    } else if (d.path == Path::kFused && decoded_.args.tokens > 0 && shadow.Sample()) {
+    } else if (d.path == Path::kFused && decoded_.args.tokens > 0 && transfer_ == nullptr && shadow.Sample()) {
+      // (A shared-memory request is not sampled: the shadow job re-reads the inline messages.)
       // No copy: the job takes a reference to this call's messages (shadow/shared_messages.h).
       // Only the report is written after this, before the response is sent; the job never reads it.
       shadow_job = Rpc::Capture(shadow, set_, held_);
@@ -223,12 +238,20 @@ absl::Status FusedLayerService::StartCompute(UnaryCall* call, typename Rpc::Mess
   // it is allocated (docs/operations.md, "Memory admission").
   absl::StatusOr<uint64_t> response_bytes = Rpc::ResponseBytes(*request, *Rpc::Part(**set), config_.max_tokens);
   if (!response_bytes.ok()) return response_bytes.status();
-  if (absl::Status s = AdmitComputeBytes(call, *response_bytes); !s.ok()) return s;
-  absl::StatusOr<typename Rpc::Call> decoded = Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response);
+  // Shared-memory inputs are staged in server memory: admitted with the response, before reading.
+  std::unique_ptr<transport::TensorTransfer> transfer;
+  uint64_t staged_bytes = 0;
+  if (transport::UsesSharedMemory(*request)) {
+    transfer = std::make_unique<transport::TensorTransfer>(&shared_memory_, auth::CallerIdentity(*call->context(), !config_.auth_tokens_file.empty()));
+    staged_bytes = transport::SharedMemoryInputBytes(*request);
+  }
+  if (absl::Status s = AdmitComputeBytes(call, *response_bytes, staged_bytes); !s.ok()) return s;
+  absl::StatusOr<typename Rpc::Call> decoded =
+      Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response, transfer.get());
   if (!decoded.ok()) return decoded.status();
   response->set_request_id(RequestId(request->request_id()));
-  return executor_.SubmitBatchable(std::make_unique<ComputeTask<Rpc>>(*this, call, held, request, response,
-                                                                      std::move(*set), std::move(*decoded)));
+  return executor_.SubmitBatchable(std::make_unique<ComputeTask<Rpc>>(
+      *this, call, held, request, response, std::move(*set), std::move(*decoded), std::move(transfer)));
 }
 
 }  // namespace fusedlayer::server

@@ -16,6 +16,7 @@
 #include "rpc/proto_convert.h"
 #include "shadow/shadow_verifier.h"
 #include "shadow/shared_messages.h"
+#include "transport/shared_memory.h"
 #include "weights/weight_set.h"
 
 namespace fusedlayer::server {
@@ -34,8 +35,8 @@ struct MhcRpc {
     return MhcResponseBytes(request, w, max_tokens);
   }
   static absl::StatusOr<MhcCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
-                                        Response* response) {
-    return DecodeMhcRequest(request, w, max_tokens, response);
+                                        Response* response, transport::TensorTransfer* transfer) {
+    return DecodeMhcRequest(request, w, max_tokens, response, transfer);
   }
   static FusedSupport Support(Backend& backend, const Prepared& w, const MhcCall& c) {
     return backend.MhcFusedSupport(w, c.query);
@@ -82,8 +83,8 @@ struct SwaRpc {
     return SwaResponseBytes(request, w, max_tokens);
   }
   static absl::StatusOr<SwaCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
-                                        Response* response) {
-    return DecodeSwaRequest(request, w, max_tokens, response);
+                                        Response* response, transport::TensorTransfer* transfer) {
+    return DecodeSwaRequest(request, w, max_tokens, response, transfer);
   }
   static FusedSupport Support(Backend& backend, const Prepared& w, const SwaCall& c) {
     return backend.SwaFusedSupport(w, c.query);

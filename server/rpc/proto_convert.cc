@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -57,11 +58,26 @@ absl::Status CheckDType(const v1::Tensor& t, const char* name, DType dtype) {
 absl::Status CheckBytes(const v1::Tensor& t, const char* name, DType dtype) {
   auto want = DenseBytes(dtype, t.shape().data(), t.shape_size(), name);
   if (!want.ok()) return want.status();
+  if (t.has_shared_memory()) return absl::OkStatus();  // its byte_size is checked by the transfer
   if (t.data().size() != *want) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': ", DTypeName(dtype), ShapeString(t),
                                                    " needs ", *want, " bytes, got ", t.data().size()));
   }
   return absl::OkStatus();
+}
+
+// The tensor's bytes: inline, or read from shared memory into the transfer's staging.
+absl::StatusOr<char*> TensorBytes(const v1::Tensor& t, const char* name, DType dtype,
+                                  transport::TensorTransfer* transfer) {
+  // The view is non-const because TensorView is; inputs are only ever read by the kernels.
+  if (!t.has_shared_memory()) return const_cast<char*>(t.data().data());
+  absl::StatusOr<uint64_t> want = DenseBytes(dtype, t.shape().data(), t.shape_size(), name);
+  if (!want.ok()) return want.status();
+  if (transfer == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor '", name, "': shared-memory tensors are not accepted here"));
+  }
+  return transfer->ReadInput(t.shared_memory(), *want, name);
 }
 
 }  // namespace
@@ -136,7 +152,7 @@ absl::StatusOr<int64_t> LeadingDim(const v1::Tensor& t, const char* name, int ra
 }
 
 absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& t, const char* name, DType dtype,
-                                        std::initializer_list<int64_t> dims) {
+                                        std::initializer_list<int64_t> dims, transport::TensorTransfer* transfer) {
   if (absl::Status s = CheckDType(t, name, dtype); !s.ok()) return s;
   bool same = t.shape_size() == static_cast<int>(dims.size());
   if (same) {
@@ -148,18 +164,22 @@ absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& t, const char* name, D
         absl::StrCat("tensor '", name, "': shape ", ShapeString(t), ", want ", ShapeString(dims)));
   }
   if (absl::Status s = CheckBytes(t, name, dtype); !s.ok()) return s;
-  // The view is non-const because TensorView is; inputs are only ever read by the kernels.
-  return TensorView::Contiguous(const_cast<char*>(t.data().data()), dtype, dims);
+  absl::StatusOr<char*> bytes = TensorBytes(t, name, dtype, transfer);
+  if (!bytes.ok()) return bytes.status();
+  return TensorView::Contiguous(*bytes, dtype, dims);
 }
 
-absl::StatusOr<TensorView> DecodeStrided2D(const v1::Tensor& t, const char* name, DType dtype, int64_t cols) {
+absl::StatusOr<TensorView> DecodeStrided2D(const v1::Tensor& t, const char* name, DType dtype, int64_t cols,
+                                           transport::TensorTransfer* transfer) {
   if (absl::Status s = CheckDType(t, name, dtype); !s.ok()) return s;
   if (t.shape_size() != 2 || t.shape(0) < 0 || t.shape(1) < cols) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': shape ", ShapeString(t), ", want [M, S] with S >= ",
                                                    cols));
   }
   if (absl::Status s = CheckBytes(t, name, dtype); !s.ok()) return s;
-  return TensorView::Strided2D(const_cast<char*>(t.data().data()), dtype, t.shape(0), cols, t.shape(1));
+  absl::StatusOr<char*> bytes = TensorBytes(t, name, dtype, transfer);
+  if (!bytes.ok()) return bytes.status();
+  return TensorView::Strided2D(*bytes, dtype, t.shape(0), cols, t.shape(1));
 }
 
 TensorView AllocateOutput(v1::Tensor* out, DType dtype, std::initializer_list<int64_t> dims) {
@@ -195,6 +215,51 @@ absl::StatusOr<uint64_t> SumDenseBytes(std::initializer_list<std::pair<DType, st
     if (__builtin_add_overflow(total, *b, &total)) return absl::InvalidArgumentError("response size overflows");
   }
   return total;
+}
+
+// Output placements: each names one output this call produces (`produced`: response field name and
+// tensor, already sized), at most once; the transfer records where it goes after the run.
+absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPlacement>& placements,
+                          std::initializer_list<std::pair<const char*, v1::Tensor*>> produced,
+                          transport::TensorTransfer* transfer) {
+  for (int i = 0; i < placements.size(); ++i) {
+    const v1::OutputPlacement& p = placements[i];
+    for (int j = 0; j < i; ++j) {
+      if (placements[j].output() == p.output()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("output_placements names output '", ClientString(p.output()), "' twice"));
+      }
+    }
+    const std::pair<const char*, v1::Tensor*>* found = nullptr;
+    for (const auto& out : produced) {
+      if (p.output() == out.first) found = &out;
+    }
+    if (found == nullptr) {
+      std::vector<std::string> names;
+      for (const auto& out : produced) names.emplace_back(out.first);
+      return absl::InvalidArgumentError(absl::StrCat("output_placements names '", ClientString(p.output()),
+                                                     "', which this call does not produce (it produces ",
+                                                     absl::StrJoin(names, ", "), ")"));
+    }
+    if (!p.has_shared_memory()) {
+      return absl::InvalidArgumentError(absl::StrCat("output_placements for '", found->first,
+                                                     "' has no shared_memory reference"));
+    }
+    if (transfer == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("output '", found->first, "': shared-memory tensors are not accepted here"));
+    }
+    if (absl::Status s = transfer->PlaceOutput(p.shared_memory(), found->second, found->first); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckVerify(bool verify, bool uses_shared_memory) {
+  if (verify && uses_shared_memory) {
+    return absl::InvalidArgumentError(
+        "verify is not supported with shared-memory tensors (the comparison needs the tensors inline)");
+  }
+  return absl::OkStatus();
 }
 
 // Runs `decode`, turning an allocation failure of the response tensors into RESOURCE_EXHAUSTED.
@@ -255,8 +320,10 @@ absl::StatusOr<uint64_t> SwaResponseBytes(const v1::SwaNormQuantRequest& req, co
 namespace {
 
 absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
-                                             int64_t max_tokens, v1::MhcSeamResponse* resp) {
+                                             int64_t max_tokens, v1::MhcSeamResponse* resp,
+                                             transport::TensorTransfer* transfer) {
   if (absl::Status s = CheckStageAndMode(req); !s.ok()) return s;
+  if (absl::Status s = CheckVerify(req.verify(), transport::UsesSharedMemory(req)); !s.ok()) return s;
   const MhcHyperParams& p = weights.params();
   const int64_t n = p.hc_mult, C = p.hidden;
   MhcCall call;
@@ -275,7 +342,7 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
   if (!T.ok()) return T.status();
   if (absl::Status s = CheckTokens(*T, max_tokens, "x"); !s.ok()) return s;
   a.tokens = *T;
-  FL_ASSIGN_OR_RETURN(a.x, DecodeTensor(req.x(), "x", DType::kBF16, {*T, C}));
+  FL_ASSIGN_OR_RETURN(a.x, DecodeTensor(req.x(), "x", DType::kBF16, {*T, C}, transfer));
 
   if (a.stage == MhcStage::kFirst) {
     const char* why = "for stage FIRST (x is the embedding)";
@@ -284,15 +351,15 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
       if (absl::Status s = ExpectAbsent(present, name, why); !s.ok()) return s;
     }
   } else {
-    FL_ASSIGN_OR_RETURN(a.residual, DecodeTensor(req.residual(), "residual", DType::kBF16, {*T, n, C}));
-    FL_ASSIGN_OR_RETURN(a.post_mix, DecodeTensor(req.post_mix(), "post_mix", DType::kFP32, {*T, n}));
-    FL_ASSIGN_OR_RETURN(a.comb_mix, DecodeTensor(req.comb_mix(), "comb_mix", DType::kFP32, {*T, n, n}));
+    FL_ASSIGN_OR_RETURN(a.residual, DecodeTensor(req.residual(), "residual", DType::kBF16, {*T, n, C}, transfer));
+    FL_ASSIGN_OR_RETURN(a.post_mix, DecodeTensor(req.post_mix(), "post_mix", DType::kFP32, {*T, n}, transfer));
+    FL_ASSIGN_OR_RETURN(a.comb_mix, DecodeTensor(req.comb_mix(), "comb_mix", DType::kFP32, {*T, n, n}, transfer));
     if (req.has_pre_mix()) {
       if (absl::Status s = ExpectAbsent(a.mode == MhcMode::kNormal, "pre_mix", "in NORMAL mode (y uses the new pre mix)");
           !s.ok()) {
         return s;
       }
-      FL_ASSIGN_OR_RETURN(a.pre_mix, DecodeTensor(req.pre_mix(), "pre_mix", DType::kFP32, {*T, n}));
+      FL_ASSIGN_OR_RETURN(a.pre_mix, DecodeTensor(req.pre_mix(), "pre_mix", DType::kFP32, {*T, n}, transfer));
     }
   }
 
@@ -304,6 +371,24 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
   }
   a.y = AllocateOutput(resp->mutable_y(), DType::kBF16, {*T, C});
   if (a.capture_aux) a.aux = AllocateOutput(resp->mutable_aux(), DType::kBF16, {*T, C});
+  if (req.output_placements_size() > 0) {
+    absl::Status placed =
+        a.stage == MhcStage::kHead
+            ? PlaceOutputs(req.output_placements(), {{"new_residual", resp->mutable_new_residual()}, {"y", resp->mutable_y()}},
+                           transfer)
+        : a.capture_aux
+            ? PlaceOutputs(req.output_placements(),
+                           {{"new_residual", resp->mutable_new_residual()}, {"new_pre_mix", resp->mutable_new_pre_mix()},
+                            {"new_post_mix", resp->mutable_new_post_mix()}, {"new_comb_mix", resp->mutable_new_comb_mix()},
+                            {"y", resp->mutable_y()}, {"aux", resp->mutable_aux()}},
+                           transfer)
+            : PlaceOutputs(req.output_placements(),
+                           {{"new_residual", resp->mutable_new_residual()}, {"new_pre_mix", resp->mutable_new_pre_mix()},
+                            {"new_post_mix", resp->mutable_new_post_mix()}, {"new_comb_mix", resp->mutable_new_comb_mix()},
+                            {"y", resp->mutable_y()}},
+                           transfer);
+    if (!placed.ok()) return placed;
+  }
 
   // The library's own contract check, so nothing invalid reaches the executor.
   if (absl::Status s = ValidateMhcArgs(p, weights.has_norm_weight(), a); !s.ok()) return s;
@@ -312,7 +397,9 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
 }
 
 absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
-                                             int64_t max_tokens, v1::SwaNormQuantResponse* resp) {
+                                             int64_t max_tokens, v1::SwaNormQuantResponse* resp,
+                                             transport::TensorTransfer* transfer) {
+  if (absl::Status s = CheckVerify(req.verify(), transport::UsesSharedMemory(req)); !s.ok()) return s;
   const SwaHyperParams& p = weights.params();
   const int64_t Q = p.q_rank, D = p.head_dim, G = p.groups();
   SwaCall call;
@@ -321,7 +408,7 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
   if (!M.ok()) return M.status();
   if (absl::Status s = CheckTokens(*M, max_tokens, "qr_kv"); !s.ok()) return s;
   a.tokens = *M;
-  FL_ASSIGN_OR_RETURN(a.qr_kv, DecodeStrided2D(req.qr_kv(), "qr_kv", DType::kBF16, Q + D));
+  FL_ASSIGN_OR_RETURN(a.qr_kv, DecodeStrided2D(req.qr_kv(), "qr_kv", DType::kBF16, Q + D, transfer));
 
   a.q_fp8 = AllocateOutput(resp->mutable_q_fp8(), Fp8DType(p.fp8_format), {*M, Q});
   if (p.scale_layout == ScaleLayout::kRowMajor) {
@@ -331,6 +418,18 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
   }
   a.kv = AllocateOutput(resp->mutable_kv(), DType::kBF16, {*M, D});
   if (p.has_wq_b()) a.q_proj = AllocateOutput(resp->mutable_q_proj(), DType::kBF16, {*M, p.wq_b_rows});
+  if (req.output_placements_size() > 0) {
+    absl::Status placed =
+        p.has_wq_b() ? PlaceOutputs(req.output_placements(),
+                                    {{"q_fp8", resp->mutable_q_fp8()}, {"q_scale", resp->mutable_q_scale()},
+                                     {"kv", resp->mutable_kv()}, {"q_proj", resp->mutable_q_proj()}},
+                                    transfer)
+                     : PlaceOutputs(req.output_placements(),
+                                    {{"q_fp8", resp->mutable_q_fp8()}, {"q_scale", resp->mutable_q_scale()},
+                                     {"kv", resp->mutable_kv()}},
+                                    transfer);
+    if (!placed.ok()) return placed;
+  }
 
   if (absl::Status s = ValidateSwaArgs(p, a); !s.ok()) return s;
   call.query = SwaShapeQuery{a.tokens};
@@ -340,13 +439,15 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
 }  // namespace
 
 absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
-                                         int64_t max_tokens, v1::MhcSeamResponse* resp) {
-  return CatchAllocationFailure(resp, [&] { return DecodeMhcRequestImpl(req, weights, max_tokens, resp); });
+                                         int64_t max_tokens, v1::MhcSeamResponse* resp,
+                                         transport::TensorTransfer* transfer) {
+  return CatchAllocationFailure(resp, [&] { return DecodeMhcRequestImpl(req, weights, max_tokens, resp, transfer); });
 }
 
 absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
-                                         int64_t max_tokens, v1::SwaNormQuantResponse* resp) {
-  return CatchAllocationFailure(resp, [&] { return DecodeSwaRequestImpl(req, weights, max_tokens, resp); });
+                                         int64_t max_tokens, v1::SwaNormQuantResponse* resp,
+                                         transport::TensorTransfer* transfer) {
+  return CatchAllocationFailure(resp, [&] { return DecodeSwaRequestImpl(req, weights, max_tokens, resp, transfer); });
 }
 
 }  // namespace fusedlayer::server

@@ -22,6 +22,7 @@
 #include "fusedlayer/tensor.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "grpcpp/support/status.h"
+#include "transport/shared_memory.h"
 
 namespace fusedlayer::server {
 
@@ -50,21 +51,30 @@ absl::StatusOr<uint64_t> SwaResponseBytes(const v1::SwaNormQuantRequest& request
 
 // Validates the request, sizes the response tensors (zero-filled) and returns the call. An
 // allocation failure (std::bad_alloc) is RESOURCE_EXHAUSTED with the response cleared.
+// Shared-memory tensors (server/transport/shared_memory.h): inputs are read into `transfer`'s
+// staging buffers and the call views those; outputs named in output_placements are still computed
+// into the response's tensors and recorded in `transfer`, whose WriteOutputs() moves them to their
+// regions after the run. Without a transfer (null) any shared-memory tensor is FAILED_PRECONDITION;
+// verify with shared-memory tensors is INVALID_ARGUMENT (the comparison reads the inline messages).
 absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
-                                         int64_t max_tokens, v1::MhcSeamResponse* response);
+                                         int64_t max_tokens, v1::MhcSeamResponse* response,
+                                         transport::TensorTransfer* transfer = nullptr);
 absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& request, const PreparedSwaWeights& weights,
-                                         int64_t max_tokens, v1::SwaNormQuantResponse* response);
+                                         int64_t max_tokens, v1::SwaNormQuantResponse* response,
+                                         transport::TensorTransfer* transfer = nullptr);
 
 // ---- tensors -----------------------------------------------------------------------------------------
 // Checks `t` is dtype[dims...] with exactly the right number of bytes and returns a contiguous
-// view over its data. `name` is the proto field name, used in error messages.
+// view over its data. `name` is the proto field name, used in error messages. A tensor in shared
+// memory is read through `transfer` (its byte_size checked against dtype x shape).
 absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& t, const char* name, DType dtype,
-                                        std::initializer_list<int64_t> dims);
+                                        std::initializer_list<int64_t> dims,
+                                        transport::TensorTransfer* transfer = nullptr);
 
 // A 2-D dtype tensor [rows, row_stride] with row_stride >= min_cols, viewed as [rows, cols] with
 // row stride `row_stride` (the SWA qr_kv input: only the first cols columns are read).
 absl::StatusOr<TensorView> DecodeStrided2D(const v1::Tensor& t, const char* name, DType dtype,
-                                           int64_t cols);
+                                           int64_t cols, transport::TensorTransfer* transfer = nullptr);
 
 // The leading dimension of a tensor of rank `rank` (the token count), after checking the rank and
 // that it is non-negative. The rest is checked by DecodeTensor.

@@ -24,6 +24,9 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
       shadow_(shadow),
       inflight_bytes_(config.EffectiveMaxInflightBytes(), metrics.inflight_bytes()),
       upload_bytes_(config.EffectiveMaxUploadBufferBytes(), metrics.upload_buffered_bytes()),
+      shared_memory_(transport::SharedMemoryLimits{config.allow_shared_memory, config.shared_memory_max_regions,
+                                                   config.shared_memory_max_bytes},
+                     *metrics.registry()),
       request_id_salt_(std::random_device{}() & 0xffffff) {
   SetMessageAllocatorFor_MhcSeam(&mhc_messages_);
   SetMessageAllocatorFor_SwaNormQuant(&swa_messages_);
@@ -46,17 +49,19 @@ absl::Status FusedLayerService::AdmitDuringDrain() const {
   return absl::UnavailableError("the server is draining (shutting down); retry on another replica");
 }
 
-absl::Status FusedLayerService::AdmitComputeBytes(UnaryCall* call, uint64_t response_bytes) {
+absl::Status FusedLayerService::AdmitComputeBytes(UnaryCall* call, uint64_t response_bytes, uint64_t staged_bytes) {
   const uint64_t send_limit = static_cast<uint64_t>(config_.max_message_bytes);
   if (response_bytes > send_limit) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the response would hold ", response_bytes, " bytes of tensors, over the server's send limit of ", send_limit,
         " bytes (--max_message_bytes); refused before running; send fewer tokens per call"));
   }
-  const uint64_t need = call->request_bytes() + response_bytes;
+  uint64_t need = call->request_bytes() + response_bytes;
+  if (__builtin_add_overflow(need, staged_bytes, &need)) need = UINT64_MAX;
   if (need > inflight_bytes_.limit()) {
     return absl::ResourceExhaustedError(absl::StrCat("this call needs ", need, " bytes (request ",
                                                      call->request_bytes(), " + response ", response_bytes,
+                                                     staged_bytes > 0 ? absl::StrCat(" + shared-memory inputs ", staged_bytes) : "",
                                                      "), more than the server admits at once (--max_inflight_bytes = ",
                                                      inflight_bytes_.limit(), "); send fewer tokens per call"));
   }
@@ -115,6 +120,7 @@ grpc::ServerUnaryReactor* FusedLayerService::GetServerInfo(grpc::CallbackServerC
   response->set_fused_max_tokens(config_.fused_max_tokens);
   response->set_max_tokens(config_.max_tokens);
   response->set_queue_capacity(config_.queue_capacity);
+  response->set_shared_memory_enabled(shared_memory_.enabled());
   call->Complete(absl::OkStatus());
   return call;
 }

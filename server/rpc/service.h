@@ -17,6 +17,7 @@
 #include "fusedlayer/v1/fusedlayer.grpc.pb.h"
 #include "common/metrics.h"
 #include "shadow/shadow_verifier.h"
+#include "transport/shared_memory.h"
 #include "exec/weight_manager.h"
 
 namespace fusedlayer::server {
@@ -49,6 +50,16 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
                                             v1::UnloadWeightSetResponse* response) override;
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx, const v1::GetServerInfoRequest* request,
                                           v1::GetServerInfoResponse* response) override;
+  // System shared memory (rpc/shared_memory_rpcs.cc, server/transport/shared_memory.h).
+  grpc::ServerUnaryReactor* RegisterSystemSharedMemory(grpc::CallbackServerContext* ctx,
+                                                       const v1::RegisterSystemSharedMemoryRequest* request,
+                                                       v1::RegisterSystemSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx,
+                                                     const v1::SystemSharedMemoryStatusRequest* request,
+                                                     v1::SystemSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSystemSharedMemory(grpc::CallbackServerContext* ctx,
+                                                         const v1::UnregisterSystemSharedMemoryRequest* request,
+                                                         v1::UnregisterSystemSharedMemoryResponse* response) override;
 
   // Graceful drain (FusedLayerServer::Shutdown): from now on compute and UnloadWeightSet calls that
   // reach the service are refused with UNAVAILABLE instead of being queued. gRPC's own Shutdown
@@ -60,9 +71,10 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   absl::Status AdmitDuringDrain() const;
   // Memory admission of a compute call whose response will hold `response_bytes` of tensor data,
   // before any of it is allocated: RESOURCE_EXHAUSTED when the response alone is over the send
-  // limit (--max_message_bytes) or when the call's request + response bytes do not fit in what
-  // --max_inflight_bytes leaves; otherwise the call holds the bytes until it is done.
-  absl::Status AdmitComputeBytes(UnaryCall* call, uint64_t response_bytes);
+  // limit (--max_message_bytes) or when the call's request + response (+ shared-memory input
+  // staging) bytes do not fit in what --max_inflight_bytes leaves; otherwise the call holds the
+  // bytes until it is done.
+  absl::Status AdmitComputeBytes(UnaryCall* call, uint64_t response_bytes, uint64_t staged_bytes = 0);
   class LoadWeightsReactor;
   // One compute request on the executor, alone or in a dynamic batch (rpc/compute_rpcs.cc).
   template <typename Rpc>
@@ -90,6 +102,9 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   ByteBudget inflight_bytes_;  // compute request + response bytes admitted (--max_inflight_bytes)
   ByteBudget upload_bytes_;    // payload bytes buffered by LoadWeights streams (--max_upload_buffer_bytes)
   std::atomic<int> open_uploads_{0};  // LoadWeights streams not yet done (--max_concurrent_uploads)
+  // Registered system shared-memory regions (--allow_shared_memory); in-flight requests hold
+  // references to the regions they use, so it may go before them.
+  transport::SharedMemoryRegistry shared_memory_;
   const uint64_t request_id_salt_;
   // The compute methods' messages are reference counted (shadow/shared_messages.h) so a sampled
   // request's shadow job can read them after the response without copying them. Registered in the

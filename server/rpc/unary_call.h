@@ -32,6 +32,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   absl::Status LaunchCheck() const;
   double elapsed() const { return SecondsSince(start_); }
   uint64_t request_bytes() const { return request_bytes_; }
+  grpc::CallbackServerContext* context() const { return ctx_; }
   // The call's admitted bytes (rpc/service.cc AdmitComputeBytes): given back in OnDone, once the
   // response has been sent or the call has failed, when its messages are no longer needed.
   void HoldBytes(ByteBudget::Lease lease) { bytes_lease_ = std::move(lease); }

@@ -176,6 +176,33 @@ void RequestSeeds(const std::string& dir) {
   badm.mutable_x()->mutable_data()->pop_back();
   badm.set_stage(v1::MHC_STAGE_FIRST);
   WriteRequest(dir, "mhc_bad_bytes", 0, badm);
+  // Shared memory (selector bit 2: the target's regions "r0" = the whole 64 KiB object, "r1" = its
+  // second half): an mHC FIRST request with x in r0 and y placed in r1, and an SWA request with
+  // qr_kv in r0 and a kv placement of the wrong size.
+  v1::MhcSeamRequest shm_mhc;
+  shm_mhc.set_weight_set("fuzz/base");
+  shm_mhc.set_stage(v1::MHC_STAGE_FIRST);
+  SetTensor(shm_mhc.mutable_x(), v1::DATA_TYPE_BF16, {1, C});
+  const uint64_t x_bytes = shm_mhc.x().data().size();
+  auto* x_ref = shm_mhc.mutable_x()->mutable_shared_memory();
+  x_ref->set_region("r0");
+  x_ref->set_byte_size(x_bytes);
+  auto* y_out = shm_mhc.add_output_placements();
+  y_out->set_output("y");
+  y_out->mutable_shared_memory()->set_region("r1");
+  y_out->mutable_shared_memory()->set_byte_size(x_bytes);
+  WriteRequest(dir, "mhc_shm", 4, shm_mhc);
+  v1::SwaNormQuantRequest shm_swa;
+  shm_swa.set_weight_set("fuzz/base");
+  SetTensor(shm_swa.mutable_qr_kv(), v1::DATA_TYPE_BF16, {2, kQRank + kHeadDim});
+  const uint64_t qr_bytes = shm_swa.qr_kv().data().size();
+  auto* qr_ref = shm_swa.mutable_qr_kv()->mutable_shared_memory();
+  qr_ref->set_region("r0");
+  qr_ref->set_byte_size(qr_bytes);
+  auto* kv_out = shm_swa.add_output_placements();
+  kv_out->set_output("kv");
+  kv_out->mutable_shared_memory()->set_region("r1");
+  WriteRequest(dir, "swa_shm", 5, shm_swa);
 }
 
 }  // namespace

@@ -586,7 +586,8 @@ TEST(ClientToken, ReadBearerTokenFileTakesOneTokenAndNothingElse) {
 
 TEST(TokenAuth, MethodRights) {
   uint8_t r = 0xff;
-  for (const char* m : {"MhcSeam", "SwaNormQuant", "GetServerInfo", "ListWeightSets"}) {
+  for (const char* m : {"MhcSeam", "SwaNormQuant", "GetServerInfo", "ListWeightSets", "RegisterSystemSharedMemory",
+                        "SystemSharedMemoryStatus", "UnregisterSystemSharedMemory"}) {
     ASSERT_TRUE(auth::RightForMethod(std::string("/fusedlayer.v1.FusedLayer/") + m, &r)) << m;
     EXPECT_EQ(r, auth::kRightCompute) << m;
   }

@@ -8,7 +8,9 @@ are the classes of fusedlayer.errors.
 import ipaddress
 import os
 import re
+import threading
 import time
+from multiprocessing import shared_memory
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -20,7 +22,8 @@ from ._health.v1 import health_pb2
 from .v1 import fusedlayer_pb2 as pb
 from .v1 import fusedlayer_pb2_grpc as pb_grpc
 
-TRANSPORTS = ("tcp",)
+TRANSPORTS = ("tcp", "shm")
+_SHM_ALIGNMENT = 64  # the server's rule for tensor offsets in a shared-memory object
 _CHUNK_BYTES = 4 << 20  # LoadWeights data chunk: well under any message limit
 
 _PATHS = {"auto": pb.PATH_PREFERENCE_AUTO, "require_fused": pb.PATH_PREFERENCE_REQUIRE_FUSED,
@@ -209,6 +212,74 @@ def _array(t, present=True):
     return np.frombuffer(t.data, dtype=np_dtype).reshape(tuple(t.shape)).astype(np_dtype.newbyteorder("="))
 
 
+def _aligned(n):
+    return (n + _SHM_ALIGNMENT - 1) // _SHM_ALIGNMENT * _SHM_ALIGNMENT
+
+
+class _SharedMemoryArena:
+    """transport="shm": one POSIX shared-memory object (multiprocessing.shared_memory: a random name,
+    mode 0600) registered as one region and reused by every call of the client, one call at a time
+    (the lock); grown (re-created) when a call needs more. Inputs are copied in and referenced,
+    outputs placed there and read back, so no tensor travels in the messages. close() unregisters
+    and removes it (and Python's resource tracker removes the object of a process that dies)."""
+
+    def __init__(self, client):
+        self._client = client
+        self._shm = None
+        self.lock = threading.Lock()
+
+    @property
+    def region(self):
+        return "py-" + self._shm.name.lstrip("/")
+
+    def ensure(self, size):
+        if self._shm is not None and self._shm.size >= size:
+            return
+        self.release()
+        self._shm = shared_memory.SharedMemory(create=True, size=max(_aligned(size), 1 << 20))
+        try:
+            self._client.register_system_shared_memory(self.region, "/" + self._shm.name.lstrip("/"), 0,
+                                                       self._shm.size)
+        except Exception:
+            self._drop()
+            raise
+
+    def _drop(self):
+        self._shm.close()
+        self._shm.unlink()
+        self._shm = None
+
+    def release(self):
+        if self._shm is None:
+            return
+        try:
+            self._client.unregister_system_shared_memory(self.region)
+        except errors.FusedLayerError:
+            pass  # the server is gone or forgot it: nothing left to free there
+        self._drop()
+
+    def place(self, request, inputs, outputs):
+        """inputs: the request's inline Tensor fields to move in; outputs: [(name, bytes)]."""
+        need = sum(_aligned(len(t.data)) for t in inputs) + sum(_aligned(b) for _, b in outputs)
+        self.ensure(need)
+        at = 0
+        for t in inputs:
+            n = len(t.data)
+            self._shm.buf[at:at + n] = t.data
+            t.shared_memory.region, t.shared_memory.offset, t.shared_memory.byte_size = self.region, at, n
+            at += _aligned(n)
+        for name, n in outputs:
+            request.output_placements.add(output=name, shared_memory=pb.SharedMemoryRef(
+                region=self.region, offset=at, byte_size=n))
+            at += _aligned(n)
+
+    def fetch(self, t):
+        """An output the server wrote into the region, back as inline bytes."""
+        if t.WhichOneof("storage") == "shared_memory":
+            ref = t.shared_memory
+            t.data = bytes(self._shm.buf[ref.offset:ref.offset + ref.byte_size])
+
+
 def _choice(kind, value, table):
     if value not in table:
         raise ValueError(f"{kind} = {value!r}; expected one of {', '.join(table)}")
@@ -258,8 +329,10 @@ class Client:
     token_file: file holding a bearer token, sent as ``authorization: Bearer ...`` on every call.
         Without TLS it is refused unless the target is loopback or unix: (the server accepts tokens
         without TLS only there too; docs/security.md).
-    transport: how tensors travel. Only "tcp" (tensors inside the gRPC messages) exists today; the
-        shared-memory and residual-session transports will be accepted here when the server has them.
+    transport: how tensors travel: "tcp" (inside the gRPC messages) or "shm" (same host, a server
+        started with --allow_shared_memory: through a POSIX shared-memory object the client creates
+        and registers on first use; calls of one client then run one at a time; see
+        docs/operations.md "Shared-memory transport").
     timeout: default per-call deadline in seconds (None: no deadline); each method also takes one.
     """
 
@@ -271,6 +344,8 @@ class Client:
             raise ValueError("target is empty (expected host:port)")
         self.target = target
         self.transport = transport
+        self._arena = _SharedMemoryArena(self) if transport == "shm" else None
+        self._configs = {}  # weight set -> (mhc, swa, wq_b_rows), for sizing shared-memory outputs
         self.timeout = timeout
         self._metadata = ()
         if token_file is not None:
@@ -300,6 +375,8 @@ class Client:
             response_deserializer=health_pb2.HealthCheckResponse.FromString)
 
     def close(self):
+        if self._arena is not None:
+            self._arena.release()
         self._channel.close()
 
     def __enter__(self):
@@ -335,9 +412,29 @@ class Client:
                                        ("pre_mix", pre_mix, pb.DATA_TYPE_FP32)):
             if value is not None:
                 getattr(req, name).CopyFrom(_tensor(name, value, data_type))
-        start = time.perf_counter()
-        r = self._call(self._stub.MhcSeam, req, timeout)
-        report = ExecutionReport._from_proto(r.report, time.perf_counter() - start)
+        if self._arena is None:
+            start = time.perf_counter()
+            r = self._call(self._stub.MhcSeam, req, timeout)
+            elapsed = time.perf_counter() - start
+        else:
+            mhc = self._config(weight_set)[0]
+            if mhc is None:
+                raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {weight_set!r} has no mHC part")
+            T, n, C = req.x.shape[0], mhc["hc_mult"], mhc["hidden"]
+            outputs = [("new_residual", T * n * C * 2), ("y", T * C * 2)]
+            if req.stage != pb.MHC_STAGE_HEAD:
+                outputs += [("new_pre_mix", T * n * 4), ("new_post_mix", T * n * 4), ("new_comb_mix", T * n * n * 4)]
+            if capture_aux:
+                outputs.append(("aux", T * C * 2))
+            inputs = [getattr(req, f) for f in ("x", "residual", "post_mix", "comb_mix", "pre_mix") if req.HasField(f)]
+            with self._arena.lock:
+                self._arena.place(req, inputs, outputs)
+                start = time.perf_counter()
+                r = self._call(self._stub.MhcSeam, req, timeout)
+                elapsed = time.perf_counter() - start
+                for f in ("new_residual", "y", "new_pre_mix", "new_post_mix", "new_comb_mix", "aux"):
+                    self._arena.fetch(getattr(r, f))
+        report = ExecutionReport._from_proto(r.report, elapsed)
         return MhcSeamResult(
             new_residual=_array(r.new_residual), y=_array(r.y),
             new_pre_mix=_array(r.new_pre_mix, r.HasField("new_pre_mix")),
@@ -354,9 +451,27 @@ class Client:
         req = pb.SwaNormQuantRequest(weight_set=weight_set, path_preference=_choice("path", path, _PATHS),
                                      verify=verify, request_id=request_id)
         req.qr_kv.CopyFrom(_tensor("qr_kv", qr_kv, pb.DATA_TYPE_BF16))
-        start = time.perf_counter()
-        r = self._call(self._stub.SwaNormQuant, req, timeout)
-        report = ExecutionReport._from_proto(r.report, time.perf_counter() - start)
+        if self._arena is None:
+            start = time.perf_counter()
+            r = self._call(self._stub.SwaNormQuant, req, timeout)
+            elapsed = time.perf_counter() - start
+        else:
+            _, swa, wq_b_rows = self._config(weight_set)
+            if swa is None:
+                raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {weight_set!r} has no SWA part")
+            M, Q, D = req.qr_kv.shape[0], swa["q_rank"], swa["head_dim"]
+            scale_rows = M if swa["scale_layout"] == "row_major" else (M + 3) // 4 * 4
+            outputs = [("q_fp8", M * Q), ("q_scale", scale_rows * (Q // 128) * 4), ("kv", M * D * 2)]
+            if wq_b_rows:
+                outputs.append(("q_proj", M * wq_b_rows * 2))
+            with self._arena.lock:
+                self._arena.place(req, [req.qr_kv], outputs)
+                start = time.perf_counter()
+                r = self._call(self._stub.SwaNormQuant, req, timeout)
+                elapsed = time.perf_counter() - start
+                for f in ("q_fp8", "q_scale", "kv", "q_proj"):
+                    self._arena.fetch(getattr(r, f))
+        report = ExecutionReport._from_proto(r.report, elapsed)
         return SwaNormQuantResult(
             q_fp8=_array(r.q_fp8), q_scale=_array(r.q_scale), kv=_array(r.kv),
             q_proj=_array(r.q_proj, r.HasField("q_proj")),
@@ -398,6 +513,34 @@ class Client:
     def unload_weight_set(self, name, timeout=None):
         """Unloads a set (freed when the last request using it ends); returns the bytes freed."""
         return self._call(self._stub.UnloadWeightSet, pb.UnloadWeightSetRequest(name=name), timeout).freed_bytes
+
+    def _config(self, weight_set):
+        """(mhc dict or None, swa dict or None, wq_b_rows) of a weight set, cached (sets are immutable
+        once published; a replaced set of the same name keeps its shapes or the server refuses the call)."""
+        if weight_set not in self._configs:
+            for w in self.list_weight_sets():
+                self._configs[w.name] = (w.mhc, w.swa, w.wq_b_rows)
+            if weight_set not in self._configs:
+                raise errors.NotFound(grpc.StatusCode.NOT_FOUND, f"weight set {weight_set!r} is not loaded")
+        return self._configs[weight_set]
+
+    # ---- system shared memory (transport="shm" uses these; docs/operations.md) -------------
+
+    def register_system_shared_memory(self, name, key, offset, byte_size, timeout=None):
+        """Registers [offset, offset + byte_size) of the POSIX shared-memory object `key` ("/name")."""
+        self._call(self._stub.RegisterSystemSharedMemory, pb.RegisterSystemSharedMemoryRequest(
+            name=name, key=key, offset=offset, byte_size=byte_size), timeout)
+
+    def system_shared_memory_status(self, name="", timeout=None):
+        """The caller's regions (all, or the one named) as dicts: name, key, offset, byte_size."""
+        r = self._call(self._stub.SystemSharedMemoryStatus, pb.SystemSharedMemoryStatusRequest(name=name), timeout)
+        return [_plain_dict(x) for x in r.regions]
+
+    def unregister_system_shared_memory(self, name="", timeout=None):
+        """Unregisters one region, or every region of the caller (name ""); returns how many."""
+        r = self._call(self._stub.UnregisterSystemSharedMemory, pb.UnregisterSystemSharedMemoryRequest(name=name),
+                       timeout)
+        return r.unregistered
 
     def list_weight_sets(self, timeout=None):
         r = self._call(self._stub.ListWeightSets, pb.ListWeightSetsRequest(), timeout)

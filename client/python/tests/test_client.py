@@ -299,8 +299,8 @@ def test_resource_exhausted_over_the_client_message_limit(server, rng):
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_transport_other_than_tcp_is_not_implemented():
-    for transport in ("shm", "residual_session", "udp"):
+def test_transport_other_than_tcp_and_shm_is_not_implemented():
+    for transport in ("cuda_ipc", "residual_session", "udp"):
         with pytest.raises(ValueError, match="not implemented yet"):
             fusedlayer.Client("127.0.0.1:1", transport=transport)
 

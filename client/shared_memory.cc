@@ -1,0 +1,217 @@
+#include "client/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+
+namespace fusedlayer::client {
+namespace {
+
+uint64_t AlignUp(uint64_t n) { return (n + kSharedMemoryAlignment - 1) / kSharedMemoryAlignment * kSharedMemoryAlignment; }
+
+uint64_t DTypeBytes(v1::DataType d) {
+  switch (d) {
+    case v1::DATA_TYPE_BF16: return 2;
+    case v1::DATA_TYPE_FP32: return 4;
+    default: return 1;
+  }
+}
+
+uint64_t TensorBytes(const v1::Tensor& t) {
+  uint64_t n = DTypeBytes(t.dtype());
+  for (int64_t d : t.shape()) n *= static_cast<uint64_t>(d < 0 ? 0 : d);
+  return n;
+}
+
+int64_t Tokens(const v1::Tensor& t) { return t.shape_size() > 0 ? t.shape(0) : 0; }
+
+// (name, bytes) of every output the server produces for the request.
+std::vector<std::pair<const char*, uint64_t>> MhcOutputs(const v1::MhcSeamRequest& r, const v1::MhcConfig& mhc) {
+  const uint64_t T = static_cast<uint64_t>(Tokens(r.x())), n = static_cast<uint64_t>(mhc.hc_mult()),
+                 C = static_cast<uint64_t>(mhc.hidden());
+  std::vector<std::pair<const char*, uint64_t>> out = {{"new_residual", T * n * C * 2}, {"y", T * C * 2}};
+  if (r.stage() != v1::MHC_STAGE_HEAD) {
+    out.insert(out.end(), {{"new_pre_mix", T * n * 4}, {"new_post_mix", T * n * 4}, {"new_comb_mix", T * n * n * 4}});
+  }
+  if (r.capture_aux()) out.emplace_back("aux", T * C * 2);
+  return out;
+}
+
+std::vector<std::pair<const char*, uint64_t>> SwaOutputs(const v1::SwaNormQuantRequest& r, const v1::SwaConfig& swa,
+                                                         int64_t wq_b_rows) {
+  const uint64_t M = static_cast<uint64_t>(Tokens(r.qr_kv())), Q = static_cast<uint64_t>(swa.q_rank()),
+                 D = static_cast<uint64_t>(swa.head_dim()), G = Q / 128;
+  const uint64_t scale_rows = swa.scale_layout() == v1::SCALE_LAYOUT_ROW_MAJOR ? M : (M + 3) / 4 * 4;
+  std::vector<std::pair<const char*, uint64_t>> out = {{"q_fp8", M * Q}, {"q_scale", scale_rows * G * 4}, {"kv", M * D * 2}};
+  if (wq_b_rows > 0) out.emplace_back("q_proj", M * static_cast<uint64_t>(wq_b_rows) * 2);
+  return out;
+}
+
+uint64_t Sum(const std::vector<std::pair<const char*, uint64_t>>& outs, std::initializer_list<const v1::Tensor*> ins) {
+  uint64_t total = 0;
+  for (const auto& o : outs) total += AlignUp(o.second);
+  for (const v1::Tensor* t : ins) total += AlignUp(TensorBytes(*t));
+  return total;
+}
+
+std::string RandomHex(int digits) {
+  std::random_device rd;
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < digits; ++i) s.push_back(kHex[rd() % 16]);
+  return s;
+}
+
+}  // namespace
+
+uint64_t MhcRequestSharedBytes(const v1::MhcSeamRequest& r, const v1::MhcConfig& mhc) {
+  return Sum(MhcOutputs(r, mhc), {&r.x(), &r.residual(), &r.post_mix(), &r.comb_mix(), &r.pre_mix()});
+}
+uint64_t SwaRequestSharedBytes(const v1::SwaNormQuantRequest& r, const v1::SwaConfig& swa, int64_t wq_b_rows) {
+  return Sum(SwaOutputs(r, swa, wq_b_rows), {&r.qr_kv()});
+}
+
+absl::StatusOr<std::unique_ptr<ClientSharedMemory>> ClientSharedMemory::Create(const FusedLayerClient& client,
+                                                                               uint64_t bytes) {
+  bytes = AlignUp(bytes == 0 ? 1 : bytes);
+  // 128 random bits: knowing the key is what registering the object takes (docs/security.md).
+  const std::string suffix = absl::StrCat(::getpid(), "-", RandomHex(32));
+  const std::string key = "/fusedlayer-" + suffix, name = "fl-" + suffix;
+  const int fd = ::shm_open(key.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) return absl::InternalError(absl::StrCat("shm_open ", key, ": ", std::strerror(errno)));
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int e = errno;
+    ::close(fd);
+    ::shm_unlink(key.c_str());
+    return absl::ResourceExhaustedError(absl::StrCat("ftruncate ", key, " to ", bytes, " bytes: ", std::strerror(e)));
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    ::shm_unlink(key.c_str());
+    return absl::ResourceExhaustedError(absl::StrCat("mmap ", key, ": ", std::strerror(errno)));
+  }
+  std::unique_ptr<ClientSharedMemory> shm(new ClientSharedMemory(client, name, key, static_cast<char*>(p), bytes));
+  if (absl::Status s = client.RegisterSystemSharedMemory(name, key, 0, bytes); !s.ok()) {
+    shm->registered_ = false;
+    return s;  // the destructor unmaps and unlinks
+  }
+  return shm;
+}
+
+ClientSharedMemory::ClientSharedMemory(const FusedLayerClient& client, std::string name, std::string key, char* data,
+                                       uint64_t bytes)
+    : client_(client), name_(std::move(name)), key_(std::move(key)), data_(data), bytes_(bytes) {}
+
+ClientSharedMemory::~ClientSharedMemory() {
+  if (registered_) (void)client_.UnregisterSystemSharedMemory(name_);
+  ::munmap(data_, bytes_);
+  ::shm_unlink(key_.c_str());
+}
+
+absl::StatusOr<uint64_t> ClientSharedMemory::Take(uint64_t bytes) {
+  const uint64_t at = used_;
+  if (AlignUp(bytes) > bytes_ - used_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shared-memory object ", key_, " of ", bytes_, " bytes is too small for this request"));
+  }
+  used_ += AlignUp(bytes);
+  return at;
+}
+
+absl::Status ClientSharedMemory::PlaceInput(v1::Tensor* t) {
+  if (t->storage_case() != v1::Tensor::kData) return absl::OkStatus();
+  const uint64_t n = t->data().size();
+  absl::StatusOr<uint64_t> at = Take(n);
+  if (!at.ok()) return at.status();
+  std::memcpy(data_ + *at, t->data().data(), n);
+  v1::SharedMemoryRef* ref = t->mutable_shared_memory();  // clears the inline data (oneof)
+  ref->set_region(name_);
+  ref->set_offset(*at);
+  ref->set_byte_size(n);
+  return absl::OkStatus();
+}
+
+absl::Status ClientSharedMemory::PlaceOutput(const char* name, uint64_t bytes,
+                                             google::protobuf::RepeatedPtrField<v1::OutputPlacement>* out) {
+  absl::StatusOr<uint64_t> at = Take(bytes);
+  if (!at.ok()) return at.status();
+  v1::OutputPlacement* p = out->Add();
+  p->set_output(name);
+  p->mutable_shared_memory()->set_region(name_);
+  p->mutable_shared_memory()->set_offset(*at);
+  p->mutable_shared_memory()->set_byte_size(bytes);
+  return absl::OkStatus();
+}
+
+absl::Status ClientSharedMemory::Prepare(v1::MhcSeamRequest& r, const v1::MhcConfig& mhc) {
+  used_ = 0;
+  r.clear_output_placements();
+  for (v1::Tensor* t : {r.mutable_x(), r.mutable_residual(), r.mutable_post_mix(), r.mutable_comb_mix()}) {
+    if (absl::Status s = PlaceInput(t); !s.ok()) return s;
+  }
+  if (r.has_pre_mix()) {
+    if (absl::Status s = PlaceInput(r.mutable_pre_mix()); !s.ok()) return s;
+  }
+  if (r.stage() == v1::MHC_STAGE_FIRST) {  // mutable_* above created empty tensors FIRST must not have
+    r.clear_residual();
+    r.clear_post_mix();
+    r.clear_comb_mix();
+  }
+  for (const auto& [name, bytes] : MhcOutputs(r, mhc)) {
+    if (absl::Status s = PlaceOutput(name, bytes, r.mutable_output_placements()); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ClientSharedMemory::Prepare(v1::SwaNormQuantRequest& r, const v1::SwaConfig& swa, int64_t wq_b_rows) {
+  used_ = 0;
+  r.clear_output_placements();
+  if (absl::Status s = PlaceInput(r.mutable_qr_kv()); !s.ok()) return s;
+  for (const auto& [name, bytes] : SwaOutputs(r, swa, wq_b_rows)) {
+    if (absl::Status s = PlaceOutput(name, bytes, r.mutable_output_placements()); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ClientSharedMemory::FetchTensor(v1::Tensor* t) const {
+  if (!t->has_shared_memory()) return absl::OkStatus();
+  const v1::SharedMemoryRef ref = t->shared_memory();
+  if (ref.region() != name_ || ref.offset() > bytes_ || ref.byte_size() > bytes_ - ref.offset()) {
+    return absl::InternalError(absl::StrCat("the server placed an output outside region ", name_));
+  }
+  t->set_data(data_ + ref.offset(), ref.byte_size());
+  return absl::OkStatus();
+}
+
+absl::Status ClientSharedMemory::Fetch(v1::MhcSeamResponse& r) const {
+  for (v1::Tensor* t : {r.mutable_new_residual(), r.mutable_new_pre_mix(), r.mutable_new_post_mix(),
+                        r.mutable_new_comb_mix(), r.mutable_y(), r.mutable_aux()}) {
+    if (absl::Status s = FetchTensor(t); !s.ok()) return s;
+  }
+  // mutable_* created the absent ones: drop what the server did not send.
+  if (r.new_pre_mix().dtype() == v1::DATA_TYPE_UNSPECIFIED) r.clear_new_pre_mix();
+  if (r.new_post_mix().dtype() == v1::DATA_TYPE_UNSPECIFIED) r.clear_new_post_mix();
+  if (r.new_comb_mix().dtype() == v1::DATA_TYPE_UNSPECIFIED) r.clear_new_comb_mix();
+  if (r.aux().dtype() == v1::DATA_TYPE_UNSPECIFIED) r.clear_aux();
+  if (r.new_residual().dtype() == v1::DATA_TYPE_UNSPECIFIED) r.clear_new_residual();
+  if (r.y().dtype() == v1::DATA_TYPE_UNSPECIFIED) r.clear_y();
+  return absl::OkStatus();
+}
+
+absl::Status ClientSharedMemory::Fetch(v1::SwaNormQuantResponse& r) const {
+  for (v1::Tensor* t : {r.mutable_q_fp8(), r.mutable_q_scale(), r.mutable_kv(), r.mutable_q_proj()}) {
+    if (absl::Status s = FetchTensor(t); !s.ok()) return s;
+  }
+  if (r.q_proj().dtype() == v1::DATA_TYPE_UNSPECIFIED) r.clear_q_proj();
+  return absl::OkStatus();
+}
+
+}  // namespace fusedlayer::client

@@ -1,0 +1,22 @@
+// The identity a call acts as, for what belongs to an identity (shared-memory regions,
+// server/transport/shared_memory.h):
+//   - with bearer tokens configured (--auth_tokens_file): "token:" + the first 16 hex digits of the
+//     SHA-256 of the call's token (the TokenAuthProcessor admitted the call, so the token is valid;
+//     the token itself is never kept or shown). Read from the call's own metadata: gRPC's
+//     AuthContext is per connection, and two tokens can share one connection;
+//   - else a verified TLS client certificate (mutual TLS, per connection): "cert:" + its peer
+//     identity (subject alternative name, else common name, as gRPC reports it);
+//   - else "anonymous": with no authentication configured every caller is the one anonymous
+//     identity (docs/security.md), so same-host clients of a plaintext server share one region
+//     namespace and one set of limits.
+#pragma once
+
+#include <string>
+
+#include "grpcpp/server_context.h"
+
+namespace fusedlayer::server::auth {
+
+std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_configured);
+
+}  // namespace fusedlayer::server::auth

@@ -1,0 +1,47 @@
+// The system shared-memory RPCs: register, status, unregister. Each runs inline on the gRPC
+// thread (a shm_open + fstat, or a map lookup under the registry's mutex) for the caller's
+// identity (auth/caller_identity.h); the registry is server/transport/shared_memory.h.
+#include "auth/caller_identity.h"
+#include "rpc/proto_convert.h"
+#include "rpc/service.h"
+#include "rpc/unary_call.h"
+
+namespace fusedlayer::server {
+
+grpc::ServerUnaryReactor* FusedLayerService::RegisterSystemSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::RegisterSystemSharedMemoryRequest* request,
+    v1::RegisterSystemSharedMemoryResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kRegisterSystemSharedMemory, config_.max_message_bytes, ctx, request,
+                             response);
+  absl::Status s = AdmitDuringDrain();
+  if (s.ok()) s = shared_memory_.Register(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), *request);
+  call->Complete(std::move(s));
+  return call;
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::SystemSharedMemoryStatus(grpc::CallbackServerContext* ctx,
+                                                                      const v1::SystemSharedMemoryStatusRequest* request,
+                                                                      v1::SystemSharedMemoryStatusResponse* response) {
+  auto* call =
+      new UnaryCall(metrics_, Method::kSystemSharedMemoryStatus, config_.max_message_bytes, ctx, request, response);
+  absl::StatusOr<v1::SystemSharedMemoryStatusResponse> status =
+      shared_memory_.Status(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name());
+  if (status.ok()) *response = std::move(*status);
+  call->Complete(status.status());
+  return call;
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::UnregisterSystemSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::UnregisterSystemSharedMemoryRequest* request,
+    v1::UnregisterSystemSharedMemoryResponse* response) {
+  auto* call =
+      new UnaryCall(metrics_, Method::kUnregisterSystemSharedMemory, config_.max_message_bytes, ctx, request, response);
+  // Allowed while draining: a client cleaning up on its way out must be able to.
+  absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> done =
+      shared_memory_.Unregister(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name());
+  if (done.ok()) *response = std::move(*done);
+  call->Complete(done.status());
+  return call;
+}
+
+}  // namespace fusedlayer::server

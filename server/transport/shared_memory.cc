@@ -1,0 +1,480 @@
+#include "transport/shared_memory.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "prometheus/family.h"
+
+namespace fusedlayer::server::transport {
+namespace {
+
+constexpr size_t kMaxNameLength = 128;
+constexpr size_t kMaxKeyLength = 200;  // without the leading '/'
+
+bool NameChar(char c) { return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-'; }
+
+absl::Status CheckRegionName(const std::string& name) {
+  bool ok = !name.empty() && name.size() <= kMaxNameLength;
+  for (char c : name) ok = ok && NameChar(c);
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region name '", ClientString(name), "' is not 1 to 128 characters of [A-Za-z0-9._-]"));
+  }
+  return absl::OkStatus();
+}
+
+// One path component under /dev/shm: a leading '/', no other '/', and no leading '.' (which
+// rules out "/." and "/..", the directory itself and its parent).
+absl::Status CheckKey(const std::string& key) {
+  bool ok = key.size() >= 2 && key.size() <= kMaxKeyLength + 1 && key[0] == '/' && key[1] != '.';
+  for (size_t i = 1; ok && i < key.size(); ++i) ok = NameChar(key[i]);
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key '", ClientString(key), "' is not a POSIX shared-memory name: '/' then 1 to 200 characters of "
+        "[A-Za-z0-9._-], not starting with '.'"));
+  }
+  return absl::OkStatus();
+}
+
+std::string Errno(int e) { return std::strerror(e); }
+
+// stat() of the object a key names now. glibc's shm_open opens /dev/shm/NAME.
+int StatKey(const std::string& key, struct stat* st) { return ::stat(absl::StrCat("/dev/shm", key).c_str(), st); }
+
+absl::Status Vanished(const SharedMemoryRegion& r) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "shared-memory region '", r.name(), "': its object ", r.key(),
+      " was removed or replaced after registration; the region is unregistered, register it again"));
+}
+
+}  // namespace
+
+// ---- SharedMemoryRegion -------------------------------------------------------------------------------
+
+SharedMemoryRegion::SharedMemoryRegion(int fd, std::string name, std::string key, uint64_t offset, uint64_t byte_size,
+                                       dev_t dev, ino_t ino)
+    : fd_(fd), name_(std::move(name)), key_(std::move(key)), offset_(offset), byte_size_(byte_size), dev_(dev),
+      ino_(ino) {}
+
+SharedMemoryRegion::~SharedMemoryRegion() { ::close(fd_); }
+
+absl::Status SharedMemoryRegion::CheckStillNamed() const {
+  struct stat st;
+  if (StatKey(key_, &st) != 0 || st.st_dev != dev_ || st.st_ino != ino_) return Vanished(*this);
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegion::CheckSize() const {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) return absl::FailedPreconditionError(absl::StrCat("fstat of ", key_, ": ", Errno(errno)));
+  const uint64_t end = offset_ + byte_size_;  // no overflow: checked at registration
+  if (static_cast<uint64_t>(st.st_size) < end) {
+    return absl::FailedPreconditionError(absl::StrCat("shared-memory region '", name_, "': its object ", key_,
+                                                      " shrank to ", st.st_size, " bytes after registration; the "
+                                                      "region needs ", end, " (unregister it, or restore the size)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegion::Read(uint64_t at, char* dst, uint64_t n, const char* tensor) const {
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd_, dst + done, n - done, static_cast<off_t>(offset_ + at + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor '", tensor, "': reading ", n, " bytes at offset ", at, " of shared-memory region '", name_,
+          "' failed: ", got < 0 ? Errno(errno) : "its object shrank after registration"));
+    }
+    done += static_cast<uint64_t>(got);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegion::Write(uint64_t at, const char* src, uint64_t n, const char* tensor) const {
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t put = ::pwrite(fd_, src + done, n - done, static_cast<off_t>(offset_ + at + done));
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) {
+      return absl::FailedPreconditionError(absl::StrCat("output '", tensor, "': writing ", n, " bytes at offset ", at,
+                                                        " of shared-memory region '", name_,
+                                                        "' failed: ", put < 0 ? Errno(errno) : "nothing written"));
+    }
+    done += static_cast<uint64_t>(put);
+  }
+  return absl::OkStatus();
+}
+
+// ---- SharedMemoryRegistry -----------------------------------------------------------------------------
+
+SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus::Registry& metrics)
+    : limits_(limits) {
+  regions_gauge_ = &prometheus::BuildGauge()
+                        .Name("fusedlayer_shared_memory_regions")
+                        .Help("System shared-memory regions registered (all identities)")
+                        .Register(metrics)
+                        .Add({});
+  bytes_gauge_ = &prometheus::BuildGauge()
+                      .Name("fusedlayer_shared_memory_registered_bytes")
+                      .Help("Bytes of the registered system shared-memory regions (all identities)")
+                      .Register(metrics)
+                      .Add({});
+}
+
+absl::Status SharedMemoryRegistry::CheckEnabled() const {
+  if (limits_.enabled) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "shared memory is off on this server: start it with --allow_shared_memory (same host only), or send the "
+      "tensors inline");
+}
+
+void SharedMemoryRegistry::UpdateGaugesLocked() {
+  regions_gauge_->Set(static_cast<double>(total_regions_));
+  bytes_gauge_->Set(static_cast<double>(total_bytes_));
+}
+
+void SharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<SharedMemoryRegion>>::iterator it) {
+  const SharedMemoryRegion& r = *it->second;
+  Usage& u = usage_[it->first.first];
+  u.regions -= 1;
+  u.bytes -= r.byte_size();
+  if (u.regions == 0) usage_.erase(it->first.first);
+  auto owner = object_owners_.find(r.object());
+  if (owner != object_owners_.end() && --owner->second.second == 0) object_owners_.erase(owner);
+  total_regions_ -= 1;
+  total_bytes_ -= r.byte_size();
+  regions_.erase(it);  // the descriptor closes when the last in-flight request lets go
+  UpdateGaugesLocked();
+}
+
+void SharedMemoryRegistry::PruneVanishedLocked(const std::string& identity) {
+  for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity;) {
+    auto next = std::next(it);
+    if (!it->second->CheckStillNamed().ok()) {
+      LogInfo("shared-memory region '", it->second->name(), "' (", it->second->key(),
+              ") unregistered: its object was removed");
+      EraseLocked(it);
+    }
+    it = next;
+  }
+}
+
+absl::Status SharedMemoryRegistry::Register(const std::string& identity,
+                                            const v1::RegisterSystemSharedMemoryRequest& req) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  if (absl::Status s = CheckRegionName(req.name()); !s.ok()) return s;
+  if (absl::Status s = CheckKey(req.key()); !s.ok()) return s;
+  uint64_t end = 0;
+  if (req.byte_size() == 0) return absl::InvalidArgumentError("byte_size must be > 0");
+  if (__builtin_add_overflow(req.offset(), req.byte_size(), &end) ||
+      end > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("offset ", req.offset(), " + byte_size ", req.byte_size(), " overflows"));
+  }
+  if (req.offset() % kSharedMemoryAlignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("offset ", req.offset(), " is not a multiple of ", kSharedMemoryAlignment));
+  }
+
+  // O_RDWR: outputs are written. glibc's shm_open adds O_NOFOLLOW and O_CLOEXEC, and the key is one
+  // path component (CheckKey), so nothing outside /dev/shm can be named.
+  // O_NONBLOCK: a FIFO placed under /dev/shm must not block the gRPC thread in open().
+  const int fd = ::shm_open(req.key().c_str(), O_RDWR | O_NONBLOCK, 0);
+  if (fd < 0) {
+    const int e = errno;
+    if (e == ENOENT) return absl::NotFoundError(absl::StrCat("no shared-memory object ", req.key()));
+    if (e == EACCES || e == EPERM) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("the server may not open shared-memory object ", req.key(), " read-write: ", Errno(e)));
+    }
+    return absl::FailedPreconditionError(absl::StrCat("shm_open ", req.key(), ": ", Errno(e)));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(req.key(), " is not a shared-memory object"));
+  }
+  if (static_cast<uint64_t>(st.st_size) < end) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat("the region [", req.offset(), ", ", end, ") lies outside ",
+                                                   req.key(), ", which is ", st.st_size, " bytes"));
+  }
+  auto region = std::make_shared<SharedMemoryRegion>(fd, req.name(), req.key(), req.offset(), req.byte_size(),
+                                                     st.st_dev, st.st_ino);
+
+  MutexLock lock(&mu_);
+  PruneVanishedLocked(identity);
+  const Key key{identity, req.name()};
+  if (regions_.count(key) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("a shared-memory region named '", req.name(),
+                                                 "' is already registered; unregister it first"));
+  }
+  auto owner = object_owners_.find(region->object());
+  if (owner != object_owners_.end() && owner->second.first != identity) {
+    // Says nothing about who: only that the object is taken.
+    return absl::PermissionDeniedError(
+        absl::StrCat("shared-memory object ", req.key(), " is registered by another identity"));
+  }
+  Usage& u = usage_[identity];
+  if (u.regions + 1 > limits_.max_regions) {
+    if (u.regions == 0) usage_.erase(identity);
+    return absl::ResourceExhaustedError(absl::StrCat("this identity already has ", u.regions,
+                                                     " shared-memory regions, the most allowed "
+                                                     "(--shared_memory_max_regions); unregister some first"));
+  }
+  if (req.byte_size() > limits_.max_bytes - u.bytes) {
+    const uint64_t have = u.bytes;
+    if (u.regions == 0) usage_.erase(identity);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "registering ", req.byte_size(), " bytes would bring this identity to more than ", limits_.max_bytes,
+        " registered bytes (--shared_memory_max_bytes; it has ", have, ")"));
+  }
+  u.regions += 1;
+  u.bytes += req.byte_size();
+  auto& held = object_owners_[region->object()];
+  held.first = identity;
+  held.second += 1;
+  total_regions_ += 1;
+  total_bytes_ += req.byte_size();
+  regions_.emplace(key, std::move(region));
+  UpdateGaugesLocked();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::SystemSharedMemoryStatusResponse> SharedMemoryRegistry::Status(const std::string& identity,
+                                                                                 const std::string& name) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  if (!name.empty()) {
+    if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
+  }
+  MutexLock lock(&mu_);
+  PruneVanishedLocked(identity);
+  v1::SystemSharedMemoryStatusResponse out;
+  for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity; ++it) {
+    if (!name.empty() && it->first.second != name) continue;
+    const SharedMemoryRegion& r = *it->second;
+    v1::SystemSharedMemoryRegion* info = out.add_regions();
+    info->set_name(r.name());
+    info->set_key(r.key());
+    info->set_offset(r.offset());
+    info->set_byte_size(r.byte_size());
+  }
+  if (!name.empty() && out.regions_size() == 0) {
+    return absl::NotFoundError(absl::StrCat("no shared-memory region named '", name, "' is registered"));
+  }
+  return out;
+}
+
+absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> SharedMemoryRegistry::Unregister(const std::string& identity,
+                                                                                         const std::string& name) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  v1::UnregisterSystemSharedMemoryResponse out;
+  MutexLock lock(&mu_);
+  if (name.empty()) {
+    for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity;) {
+      auto next = std::next(it);
+      out.set_unregistered(out.unregistered() + 1);
+      out.set_freed_bytes(out.freed_bytes() + it->second->byte_size());
+      EraseLocked(it);
+      it = next;
+    }
+    return out;
+  }
+  if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
+  auto it = regions_.find({identity, name});
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no shared-memory region named '", name, "' is registered"));
+  }
+  out.set_unregistered(1);
+  out.set_freed_bytes(it->second->byte_size());
+  EraseLocked(it);
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::Lookup(const std::string& identity,
+                                                                                      const std::string& name,
+                                                                                      const char* tensor) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  if (absl::Status s = CheckRegionName(name); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': ", s.message()));
+  }
+  std::shared_ptr<const SharedMemoryRegion> region;
+  {
+    MutexLock lock(&mu_);
+    auto it = regions_.find({identity, name});
+    if (it == regions_.end()) {
+      return absl::NotFoundError(absl::StrCat("tensor '", tensor, "': no shared-memory region named '", name,
+                                              "' is registered (by this identity)"));
+    }
+    if (absl::Status s = it->second->CheckStillNamed(); !s.ok()) {
+      EraseLocked(it);
+      return absl::FailedPreconditionError(absl::StrCat("tensor '", tensor, "': ", s.message()));
+    }
+    region = it->second;
+  }
+  if (absl::Status s = region->CheckSize(); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", tensor, "': ", s.message()));
+  }
+  return region;
+}
+
+absl::StatusOr<ResolvedRef> CheckRange(std::shared_ptr<const SharedMemoryRegion> region, const v1::SharedMemoryRef& ref,
+                                       const char* tensor) {
+  // Overflow-free: offset <= size, then byte_size <= size - offset.
+  if (ref.offset() > region->byte_size() || ref.byte_size() > region->byte_size() - ref.offset()) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': bytes [", ref.offset(), ", +", ref.byte_size(),
+                                                   ") lie outside shared-memory region '", ref.region(), "' of ",
+                                                   region->byte_size(), " bytes"));
+  }
+  if ((region->offset() + ref.offset()) % kSharedMemoryAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': offset ", ref.offset(),
+                                                   " in shared-memory region '", ref.region(),
+                                                   "' is not aligned: the object offset must be a multiple of ",
+                                                   kSharedMemoryAlignment));
+  }
+  return ResolvedRef{std::move(region), ref.offset(), ref.byte_size()};
+}
+
+absl::StatusOr<ResolvedRef> SharedMemoryRegistry::Resolve(const std::string& identity, const v1::SharedMemoryRef& ref,
+                                                          const char* tensor) {
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> region = Lookup(identity, ref.region(), tensor);
+  if (!region.ok()) return region.status();
+  return CheckRange(*std::move(region), ref, tensor);
+}
+
+// ---- TensorTransfer ----------------------------------------------------------------------------------
+
+void TensorTransfer::AlignedDelete::operator()(char* p) const {
+  ::operator delete[](p, std::align_val_t{kSharedMemoryAlignment});
+}
+
+TensorTransfer::TensorTransfer(SharedMemoryRegistry* registry, std::string identity)
+    : registry_(registry), identity_(std::move(identity)) {}
+
+absl::StatusOr<ResolvedRef> TensorTransfer::Resolve(const v1::SharedMemoryRef& ref, const char* tensor) {
+  if (registry_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor '", tensor, "': shared-memory tensors are not accepted here"));
+  }
+  // One lookup (key and size checks: a stat and an fstat) per region per request, however many
+  // of the request's tensors lie in it.
+  for (const auto& [name, region] : regions_) {
+    if (name == ref.region()) return CheckRange(region, ref, tensor);
+  }
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> region = registry_->Lookup(identity_, ref.region(), tensor);
+  if (!region.ok()) return region.status();
+  regions_.emplace_back(ref.region(), *region);
+  return CheckRange(*std::move(region), ref, tensor);
+}
+
+absl::StatusOr<char*> TensorTransfer::ReadInput(const v1::SharedMemoryRef& ref, uint64_t bytes, const char* tensor) {
+  if (ref.byte_size() != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': shared_memory.byte_size ", ref.byte_size(),
+                                                   ", but its dtype and shape need ", bytes, " bytes"));
+  }
+  absl::StatusOr<ResolvedRef> r = Resolve(ref, tensor);
+  if (!r.ok()) return r.status();
+  // At least one byte, so an empty tensor still has a valid, aligned address.
+  std::unique_ptr<char[], AlignedDelete> buf(
+      static_cast<char*>(::operator new[](bytes == 0 ? 1 : bytes, std::align_val_t{kSharedMemoryAlignment})));
+  if (absl::Status s = r->region->Read(r->offset, buf.get(), bytes, tensor); !s.ok()) return s;
+  staged_bytes_ += bytes;
+  char* data = buf.get();
+  staging_.push_back(std::move(buf));
+  return data;
+}
+
+absl::Status TensorTransfer::PlaceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name) {
+  const uint64_t bytes = tensor->data().size();
+  if (ref.byte_size() != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("output '", name, "': shared_memory.byte_size ", ref.byte_size(),
+                                                   ", but the output is ", bytes, " bytes"));
+  }
+  absl::StatusOr<ResolvedRef> r = Resolve(ref, name);
+  if (!r.ok()) return r.status();
+  // Two outputs over the same bytes of one object: the result would depend on the write order.
+  const uint64_t begin = r->region->offset() + r->offset, end = begin + r->byte_size;
+  for (const Output& o : outputs_) {
+    if (o.ref.region->object() != r->region->object()) continue;
+    const uint64_t ob = o.ref.region->offset() + o.ref.offset, oe = ob + o.ref.byte_size;
+    if (begin < oe && ob < end) {
+      return absl::InvalidArgumentError(absl::StrCat("outputs '", o.name, "' and '", name,
+                                                     "' overlap in shared memory; outputs must be disjoint"));
+    }
+  }
+  outputs_.push_back(Output{*std::move(r), ref, tensor, name});
+  return absl::OkStatus();
+}
+
+absl::Status TensorTransfer::WriteOutputs() {
+  // Every region an output goes to, once: still named by its key, still whole.
+  for (size_t i = 0; i < outputs_.size(); ++i) {
+    bool seen = false;
+    for (size_t j = 0; j < i; ++j) seen = seen || outputs_[j].ref.region == outputs_[i].ref.region;
+    if (seen) continue;
+    if (absl::Status s = outputs_[i].ref.region->CheckStillNamed(); !s.ok()) return s;
+    if (absl::Status s = outputs_[i].ref.region->CheckSize(); !s.ok()) return s;
+  }
+  for (const Output& o : outputs_) {
+    // A shrink between the check and the write makes pwrite extend the object again, by at most the
+    // registered region, which the identity's byte limit already bounds; the server never faults.
+    if (absl::Status s = o.ref.region->Write(o.ref.offset, o.tensor->data().data(), o.ref.byte_size, o.name); !s.ok()) {
+      return s;
+    }
+  }
+  for (Output& o : outputs_) {
+    o.tensor->clear_data();
+    *o.tensor->mutable_shared_memory() = o.proto;
+  }
+  return absl::OkStatus();
+}
+
+// ---- request helpers ----------------------------------------------------------------------------------
+
+namespace {
+uint64_t SaturatingAdd(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+// What will be staged is at most min(byte_size, what the shape needs): a tensor is read only when
+// the two agree (else INVALID_ARGUMENT before any read), so neither number alone, whichever a client
+// inflates, turns a wrong reference into RESOURCE_EXHAUSTED.
+uint64_t InputBytes(std::initializer_list<const v1::Tensor*> ts) {
+  uint64_t sum = 0;
+  for (const v1::Tensor* t : ts) {
+    if (!t->has_shared_memory()) continue;
+    uint64_t shape_bytes = 4;  // the widest dtype; the real one is checked at decode
+    for (int64_t d : t->shape()) {
+      if (d < 0 || __builtin_mul_overflow(shape_bytes, static_cast<uint64_t>(d), &shape_bytes)) {
+        shape_bytes = UINT64_MAX;
+        break;
+      }
+    }
+    sum = SaturatingAdd(sum, std::min(shape_bytes, t->shared_memory().byte_size()));
+  }
+  return sum;
+}
+}  // namespace
+
+bool UsesSharedMemory(const v1::MhcSeamRequest& r) {
+  return r.output_placements_size() > 0 || r.x().has_shared_memory() || r.residual().has_shared_memory() ||
+         r.post_mix().has_shared_memory() || r.comb_mix().has_shared_memory() || r.pre_mix().has_shared_memory();
+}
+bool UsesSharedMemory(const v1::SwaNormQuantRequest& r) {
+  return r.output_placements_size() > 0 || r.qr_kv().has_shared_memory();
+}
+uint64_t SharedMemoryInputBytes(const v1::MhcSeamRequest& r) {
+  return InputBytes({&r.x(), &r.residual(), &r.post_mix(), &r.comb_mix(), &r.pre_mix()});
+}
+uint64_t SharedMemoryInputBytes(const v1::SwaNormQuantRequest& r) { return InputBytes({&r.qr_kv()}); }
+
+}  // namespace fusedlayer::server::transport

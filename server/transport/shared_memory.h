@@ -1,0 +1,194 @@
+// System shared memory transport (same host): the registry of the regions clients register, and
+// the per-request transfer that reads input tensors from them and writes outputs into them.
+//
+// Why the server never maps a region (mmap): the object belongs to the client, and any process
+// holding it can ftruncate it smaller at any time. A mapping of the truncated part raises SIGBUS on
+// the next access (a kernel reading an input, a copy writing an output), which would kill the
+// server, and no check before the access can close that race. A SIGBUS guard (sigsetjmp around
+// every access) would have to cover the CPU backend's worker threads and every kernel, and cannot
+// guard a GPU's DMA. So every byte moves with pread/pwrite on the descriptor opened at registration:
+// a shrunk object makes pread return short, which is a FAILED_PRECONDITION for that request, and
+// no address of the server's memory is ever derived from client-controlled numbers (Triton's
+// CVE-2025-23319 chain ended in read/write access to memory through a registered region). The cost
+// is one copy per direction (page cache <-> the request's staging buffer), against the several
+// copies of serialising, sending and parsing the same bytes over a socket.
+//
+// Ownership: a region belongs to the identity that registered it (auth/caller_identity.h); region
+// names live in a per-identity namespace, so another identity's region is NOT_FOUND, exactly as a
+// name never registered (its existence does not leak). An object (device, inode) registered by one
+// identity cannot be registered by another while the first holds it (PERMISSION_DENIED).
+//
+// Vanished objects: the object is looked up again by its key (stat of /dev/shm/KEY) at every use;
+// when it was unlinked or replaced by a new object of the same name, the registration is dropped
+// (descriptor closed, bytes given back) and the request fails with FAILED_PRECONDITION. The same
+// check at Status and Register frees the regions of a client that died and whose objects were
+// removed; regions whose objects still exist stay registered until their identity unregisters them
+// (they count against its limits: docs/operations.md).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/annotated_mutex.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
+
+namespace fusedlayer::server::transport {
+
+// Object offsets of every tensor (region offset + reference offset) are multiples of this: the
+// widest vector load of the kernels and a cache line, so a later zero-copy path (a mapping the
+// kernels read, a page-locked region a GPU copies from) needs no new rule.
+inline constexpr uint64_t kSharedMemoryAlignment = 64;
+
+struct SharedMemoryLimits {
+  bool enabled = false;              // --allow_shared_memory
+  int64_t max_regions = 64;          // per identity (--shared_memory_max_regions)
+  uint64_t max_bytes = uint64_t{16} << 30;  // registered bytes per identity (--shared_memory_max_bytes)
+};
+
+// One registered region: the object's descriptor (never a mapping) and where the region lies.
+class SharedMemoryRegion {
+ public:
+  SharedMemoryRegion(int fd, std::string name, std::string key, uint64_t offset, uint64_t byte_size, dev_t dev,
+                     ino_t ino);
+  ~SharedMemoryRegion();  // closes the descriptor (in-flight requests hold a reference until done)
+  SharedMemoryRegion(const SharedMemoryRegion&) = delete;
+  SharedMemoryRegion& operator=(const SharedMemoryRegion&) = delete;
+
+  const std::string& name() const { return name_; }
+  const std::string& key() const { return key_; }
+  uint64_t offset() const { return offset_; }
+  uint64_t byte_size() const { return byte_size_; }
+  std::pair<dev_t, ino_t> object() const { return {dev_, ino_}; }
+
+  // FAILED_PRECONDITION when the key no longer names this object (removed or replaced).
+  absl::Status CheckStillNamed() const;
+  // FAILED_PRECONDITION when the object is now shorter than the region's end.
+  absl::Status CheckSize() const;
+  // [at, at + n) of the region (bounds already checked by the caller) from / to the object.
+  // A short read or write (the object shrank meanwhile) is FAILED_PRECONDITION.
+  absl::Status Read(uint64_t at, char* dst, uint64_t n, const char* tensor) const;
+  absl::Status Write(uint64_t at, const char* src, uint64_t n, const char* tensor) const;
+
+ private:
+  const int fd_;
+  const std::string name_, key_;
+  const uint64_t offset_, byte_size_;
+  const dev_t dev_;
+  const ino_t ino_;
+};
+
+// A reference resolved against its region: bounds and alignment checked.
+struct ResolvedRef {
+  std::shared_ptr<const SharedMemoryRegion> region;
+  uint64_t offset = 0;     // in the region
+  uint64_t byte_size = 0;
+};
+
+// `ref` against `region`: INVALID_ARGUMENT when [offset, offset + byte_size) is not inside the
+// region (overflow included) or the object offset is not a multiple of kSharedMemoryAlignment.
+absl::StatusOr<ResolvedRef> CheckRange(std::shared_ptr<const SharedMemoryRegion> region, const v1::SharedMemoryRef& ref,
+                                       const char* tensor);
+
+class SharedMemoryRegistry {
+ public:
+  SharedMemoryRegistry(SharedMemoryLimits limits, prometheus::Registry& metrics);
+
+  bool enabled() const { return limits_.enabled; }
+
+  // The RPCs (rpc/shared_memory_rpcs.cc); `identity` is the caller's (auth/caller_identity.h).
+  absl::Status Register(const std::string& identity, const v1::RegisterSystemSharedMemoryRequest& request);
+  absl::StatusOr<v1::SystemSharedMemoryStatusResponse> Status(const std::string& identity, const std::string& name);
+  absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> Unregister(const std::string& identity,
+                                                                     const std::string& name);
+
+  // `ref` as `identity` sees it, for tensor `tensor` (error messages): NOT_FOUND for a name the
+  // identity has not registered, FAILED_PRECONDITION for an object that vanished or shrank,
+  // INVALID_ARGUMENT for a range outside the region (overflow included) or a misaligned offset.
+  absl::StatusOr<ResolvedRef> Resolve(const std::string& identity, const v1::SharedMemoryRef& ref, const char* tensor);
+  // The region `name` of `identity`, its key and size checked (Resolve without the range checks).
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> Lookup(const std::string& identity, const std::string& name,
+                                                                   const char* tensor);
+
+ private:
+  using Key = std::pair<std::string, std::string>;  // (identity, region name)
+  struct Usage {
+    int64_t regions = 0;
+    uint64_t bytes = 0;
+  };
+  absl::Status CheckEnabled() const;
+  void EraseLocked(std::map<Key, std::shared_ptr<SharedMemoryRegion>>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the identity's regions whose objects were removed (a client that died, then cleanup).
+  void PruneVanishedLocked(const std::string& identity) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const SharedMemoryLimits limits_;
+  prometheus::Gauge* regions_gauge_;
+  prometheus::Gauge* bytes_gauge_;
+  Mutex mu_;
+  std::map<Key, std::shared_ptr<SharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
+  // Which identity holds each registered object, and in how many regions.
+  std::map<std::pair<dev_t, ino_t>, std::pair<std::string, int>> object_owners_ ABSL_GUARDED_BY(mu_);
+  int64_t total_regions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// One compute request's shared-memory tensors: inputs read into owned, aligned staging buffers at
+// decode (reactor thread), outputs written from the response's tensors after the run (executor),
+// then replaced in the response by their references. Not thread-safe; one per request.
+class TensorTransfer {
+ public:
+  // `registry` may be null: every reference is then FAILED_PRECONDITION (no shared memory here).
+  TensorTransfer(SharedMemoryRegistry* registry, std::string identity);
+
+  // Reads the input `ref` of `bytes` bytes (dtype x shape, checked against ref.byte_size) and
+  // returns its staging buffer, aligned to kSharedMemoryAlignment and valid as long as this object.
+  absl::StatusOr<char*> ReadInput(const v1::SharedMemoryRef& ref, uint64_t bytes, const char* tensor);
+  // Records that output `tensor` (already sized) goes to `ref` after the run: byte_size must be the
+  // tensor's, and it must not overlap another placed output.
+  absl::Status PlaceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name);
+  // After a successful run: writes every placed output, then clears its data in the response and
+  // sets its shared_memory reference. Checks first that every object is still there and whole.
+  absl::Status WriteOutputs();
+
+  uint64_t staged_bytes() const { return staged_bytes_; }
+
+ private:
+  struct AlignedDelete {
+    void operator()(char* p) const;
+  };
+  struct Output {
+    ResolvedRef ref;
+    v1::SharedMemoryRef proto;
+    v1::Tensor* tensor;
+    const char* name;
+  };
+  absl::StatusOr<ResolvedRef> Resolve(const v1::SharedMemoryRef& ref, const char* tensor);
+
+  SharedMemoryRegistry* const registry_;
+  const std::string identity_;
+  std::vector<std::pair<std::string, std::shared_ptr<const SharedMemoryRegion>>> regions_;  // looked up
+  std::vector<std::unique_ptr<char[], AlignedDelete>> staging_;
+  uint64_t staged_bytes_ = 0;
+  std::vector<Output> outputs_;
+};
+
+// True when the request names any shared-memory tensor (input or output placement).
+bool UsesSharedMemory(const v1::MhcSeamRequest& request);
+bool UsesSharedMemory(const v1::SwaNormQuantRequest& request);
+// At least the bytes the request's shared-memory inputs will be staged in (admission, before reading),
+// saturating at UINT64_MAX.
+uint64_t SharedMemoryInputBytes(const v1::MhcSeamRequest& request);
+uint64_t SharedMemoryInputBytes(const v1::SwaNormQuantRequest& request);
+
+}  // namespace fusedlayer::server::transport
