@@ -100,6 +100,10 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_concurrent_uploads must be >= 1, got ", max_concurrent_uploads));
   }
+  if (upload_idle_timeout_seconds < 1 || upload_idle_timeout_seconds > 3600) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--upload_idle_timeout_seconds must be in [1, 3600], got ", upload_idle_timeout_seconds));
+  }
   if (max_weight_payload_bytes < 1) {
     return absl::InvalidArgumentError("--max_weight_payload_bytes must be >= 1");
   }

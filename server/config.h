@@ -56,6 +56,10 @@ struct ServerConfig {
   // at most max_concurrent_uploads streams are open at once.
   uint64_t max_upload_buffer_bytes = 0;
   int max_concurrent_uploads = 4;
+  // A LoadWeights stream that delivers no WeightChunk for this long is finished with
+  // DEADLINE_EXCEEDED and its buffered bytes are released: a client that sends a header and stalls
+  // cannot hold an upload slot (and its bytes) until its own deadline. In [1, 3600].
+  int upload_idle_timeout_seconds = 30;
   int cpu_threads = 0;
   double drain_seconds = 30;
   double max_connection_age_seconds = 0;  // 0: connections never age out

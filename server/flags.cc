@@ -43,6 +43,9 @@ ABSL_FLAG(uint64_t, max_upload_buffer_bytes, 0,
           "payload bytes all LoadWeights streams may buffer at once (counted as chunks arrive); beyond it "
           "RESOURCE_EXHAUSTED. 0 = a quarter of the memory available");
 ABSL_FLAG(int32_t, max_concurrent_uploads, 4, "LoadWeights streams open at once; more are RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, upload_idle_timeout_seconds, 30,
+          "a LoadWeights stream that sends no chunk for this long is ended with DEADLINE_EXCEEDED and its "
+          "buffered bytes released (1 to 3600)");
 ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend worker threads (0 = all cores)");
 ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM/SIGINT, how long in-flight calls may take to finish (0 to 3600)");
 ABSL_FLAG(double, max_connection_age_seconds, 0,
@@ -98,6 +101,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.max_weight_payload_bytes = absl::GetFlag(FLAGS_max_weight_payload_bytes);
   c.max_upload_buffer_bytes = absl::GetFlag(FLAGS_max_upload_buffer_bytes);
   c.max_concurrent_uploads = absl::GetFlag(FLAGS_max_concurrent_uploads);
+  c.upload_idle_timeout_seconds = absl::GetFlag(FLAGS_upload_idle_timeout_seconds);
   c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   c.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);

@@ -23,6 +23,7 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
       shadow_(shadow),
       inflight_bytes_(config.EffectiveMaxInflightBytes(), metrics.inflight_bytes()),
       upload_bytes_(config.EffectiveMaxUploadBufferBytes(), metrics.upload_buffered_bytes()),
+      upload_idle_(std::chrono::seconds(config.upload_idle_timeout_seconds)),
       request_id_salt_(std::random_device{}() & 0xffffff) {
   SetMessageAllocatorFor_MhcSeam(&mhc_messages_);
   SetMessageAllocatorFor_SwaNormQuant(&swa_messages_);

@@ -17,6 +17,7 @@
 #include "common/metrics.h"
 #include "shadow/shadow_verifier.h"
 #include "exec/weight_manager.h"
+#include "rpc/idle_watch.h"
 
 namespace fusedlayer::server {
 
@@ -88,6 +89,7 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   ByteBudget inflight_bytes_;  // compute request + response bytes admitted (--max_inflight_bytes)
   ByteBudget upload_bytes_;    // payload bytes buffered by LoadWeights streams (--max_upload_buffer_bytes)
   std::atomic<int> open_uploads_{0};  // LoadWeights streams not yet done (--max_concurrent_uploads)
+  IdleWatch upload_idle_;             // ends LoadWeights streams idle for --upload_idle_timeout_seconds
   const uint64_t request_id_salt_;
   // The compute methods' messages are reference counted (shadow/shared_messages.h) so a sampled
   // request's shadow job can read them after the response without copying them. Registered in the

@@ -1,6 +1,7 @@
 // Unit tests of the server's pure parts: the dispatcher's precedence and fallback rules, the
 // tensor codec's validation, the executor's bound, and flag parsing.
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <mutex>
@@ -11,6 +12,7 @@
 #include "exec/dispatcher.h"
 #include "exec/executor.h"
 #include "gtest/gtest.h"
+#include "rpc/idle_watch.h"
 #include "rpc/proto_convert.h"
 #include "server_test_env.h"
 #include "weights/weight_set.h"
@@ -348,6 +350,48 @@ TEST(ByteBudget, AdmitsUpToTheLimitAndReleasesOnDestruction) {
   ByteBudget::Lease empty;
   EXPECT_TRUE(budget.TryExtend(empty, 10));
   EXPECT_EQ(budget.in_use(), 10u);
+}
+
+// ---- IdleWatch (LoadWeights upload idle timeout) ------------------------------------------------
+
+// An entry left idle expires exactly once; a disarmed one never; after Remove nothing runs. No
+// timing assertion: the test waits for events, never for a duration.
+TEST(IdleWatch, ExpiresIdleEntriesOnceAndNeverDisarmedOnes) {
+  IdleWatch watch(std::chrono::milliseconds(50));
+  std::mutex mu;
+  std::condition_variable cv;
+  int idle_expired = 0, disarmed_expired = 0;
+  auto count = [&](int* n) {
+    return [&, n] {
+      std::lock_guard<std::mutex> lock(mu);
+      ++*n;
+      cv.notify_all();
+    };
+  };
+  IdleWatch::Entry idle(count(&idle_expired));
+  IdleWatch::Entry disarmed(count(&disarmed_expired));
+  disarmed.Disarm();
+  watch.Add(&idle);
+  watch.Add(&disarmed);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return idle_expired > 0; }));
+  }
+  // A second idle entry added later expires too; by then the watch has looked at the first one
+  // again several times without calling it again.
+  IdleWatch::Entry later(count(&idle_expired));
+  later.Touch();
+  watch.Add(&later);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return idle_expired > 1; }));
+  }
+  watch.Remove(&idle);
+  watch.Remove(&disarmed);
+  watch.Remove(&later);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(idle_expired, 2);
+  EXPECT_EQ(disarmed_expired, 0);
 }
 
 }  // namespace
