@@ -4,13 +4,16 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <future>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "common/byte_budget.h"
 #include "config.h"
 #include "exec/dispatcher.h"
 #include "exec/executor.h"
+#include "exec/weight_manager.h"
 #include "gtest/gtest.h"
 #include "rpc/idle_watch.h"
 #include "rpc/proto_convert.h"
@@ -350,6 +353,161 @@ TEST(ByteBudget, AdmitsUpToTheLimitAndReleasesOnDestruction) {
   ByteBudget::Lease empty;
   EXPECT_TRUE(budget.TryExtend(empty, 10));
   EXPECT_EQ(budget.in_use(), 10u);
+}
+
+// ---- the last reference to a weight set is freed on the executor -----------------------------
+
+// Which thread destroyed prepared weights: the CPU backend's, wrapped so their destructor records it.
+struct FreedOn {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<std::thread::id> thread;
+  void Record() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      thread = std::this_thread::get_id();
+    }
+    cv.notify_all();
+  }
+  std::optional<std::thread::id> WaitFor(std::chrono::seconds limit) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, limit, [&] { return thread.has_value(); });
+    return thread;
+  }
+};
+
+class TrackedMhc final : public PreparedMhcWeights {
+ public:
+  TrackedMhc(std::unique_ptr<PreparedMhcWeights> inner, std::shared_ptr<FreedOn> freed)
+      : inner_(std::move(inner)), freed_(std::move(freed)) {}
+  ~TrackedMhc() override { freed_->Record(); }
+  const MhcHyperParams& params() const override { return inner_->params(); }
+  bool has_norm_weight() const override { return inner_->has_norm_weight(); }
+  size_t resident_bytes() const override { return inner_->resident_bytes(); }
+  const PreparedMhcWeights& inner() const { return *inner_; }
+
+ private:
+  std::unique_ptr<PreparedMhcWeights> inner_;
+  std::shared_ptr<FreedOn> freed_;
+};
+
+// The CPU backend, with mHC prepared weights that say where they were freed.
+class FreeTrackingBackend final : public Backend {
+ public:
+  FreeTrackingBackend(std::unique_ptr<Backend> inner, std::shared_ptr<FreedOn> freed)
+      : inner_(std::move(inner)), freed_(std::move(freed)) {}
+  std::string_view kind() const override { return inner_->kind(); }
+  std::string device_name() const override { return inner_->device_name(); }
+  std::string arch() const override { return inner_->arch(); }
+  bool host_accessible() const override { return inner_->host_accessible(); }
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return inner_->Allocate(bytes); }
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    return inner_->CopyToDevice(dst, src, bytes);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    return inner_->CopyToHost(dst, src, bytes);
+  }
+  absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> PrepareMhc(const MhcHyperParams& p,
+                                                                 const MhcWeightsHost& w) override {
+    absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> prepared = inner_->PrepareMhc(p, w);
+    if (!prepared.ok()) return prepared.status();
+    return std::make_unique<TrackedMhc>(*std::move(prepared), freed_);
+  }
+  FusedSupport MhcFusedSupport(const PreparedMhcWeights& w, const MhcShapeQuery& q) const override {
+    return inner_->MhcFusedSupport(static_cast<const TrackedMhc&>(w).inner(), q);
+  }
+  absl::StatusOr<RunStats> RunMhc(const PreparedMhcWeights& w, const MhcArgs& a, Path path) override {
+    return inner_->RunMhc(static_cast<const TrackedMhc&>(w).inner(), a, path);
+  }
+  absl::StatusOr<std::unique_ptr<PreparedSwaWeights>> PrepareSwa(const SwaHyperParams& p,
+                                                                 const SwaWeightsHost& w) override {
+    return inner_->PrepareSwa(p, w);
+  }
+  FusedSupport SwaFusedSupport(const PreparedSwaWeights& w, const SwaShapeQuery& q) const override {
+    return inner_->SwaFusedSupport(w, q);
+  }
+  absl::StatusOr<RunStats> RunSwa(const PreparedSwaWeights& w, const SwaArgs& a, Path path) override {
+    return inner_->RunSwa(w, a, path);
+  }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  std::shared_ptr<FreedOn> freed_;
+};
+
+// A caller off the executor (a gRPC thread refusing a compute call, LoadWeights asking Contains)
+// holds the last reference to a set that was unloaded or replaced meanwhile: dropping it there
+// must not free the backend memory there, but on the executor, soon after.
+class LastReference : public ::testing::TestWithParam<bool /*replace instead of unload*/> {};
+
+TEST_P(LastReference, IsFreedOnTheExecutorNotWhereItDropped) {
+  const bool replace = GetParam();
+  std::mt19937_64 rng{std::random_device{}()};
+  const ServerConfig config = fusedlayer::testing::TestConfig();
+  auto freed = std::make_shared<FreedOn>();
+  FreeTrackingBackend backend(fusedlayer::testing::CpuBackendFor(config), freed);
+  Executor executor(4);
+  Metrics metrics("test", "cpu", "x86_64", "cpu");
+  Health health;
+  WeightManager weights(config, backend, executor, metrics, health);
+  PackedWeightSet set = fusedlayer::testing::MakeWeightSet(rng, "held", fusedlayer::testing::MhcSetSpec{}, std::nullopt);
+  PackedWeightSet again = set;
+  ASSERT_TRUE(weights.InstallAndWait(set.first, std::move(set.second), "test").ok());
+
+  std::promise<std::thread::id> worker_id;
+  ASSERT_TRUE(executor.SubmitControl([&](double) { worker_id.set_value(std::this_thread::get_id()); }).ok());
+  const std::thread::id worker = worker_id.get_future().get();
+
+  absl::StatusOr<std::shared_ptr<const WeightSet>> held = weights.Get("held");  // this thread: "gRPC"
+  ASSERT_TRUE(held.ok()) << held.status();
+  if (replace) {
+    // The replacement's prepared weights are tracked too; only the first free is recorded.
+    again.first.set_replace(true);
+    ASSERT_TRUE(weights.InstallAndWait(again.first, std::move(again.second), "test").ok());
+  } else {
+    std::promise<absl::StatusOr<uint64_t>> unloaded;
+    ASSERT_TRUE(executor.SubmitControl([&](double) { unloaded.set_value(weights.UnloadOnWorker("held")); }).ok());
+    ASSERT_TRUE(unloaded.get_future().get().ok());
+  }
+  EXPECT_FALSE(freed->WaitFor(std::chrono::seconds(0)).has_value()) << "freed while a reference was held";
+
+  held->reset();  // the last reference, dropped off the executor
+  const std::optional<std::thread::id> on = freed->WaitFor(std::chrono::seconds(30));
+  ASSERT_TRUE(on.has_value()) << "the set was never freed";
+  EXPECT_EQ(*on, worker) << "freed on the thread that dropped the last reference, not on the executor";
+  EXPECT_NE(*on, std::this_thread::get_id());
+  executor.Stop();
+}
+
+INSTANTIATE_TEST_SUITE_P(WeightManager, LastReference, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "Replaced" : "Unloaded"; });
+
+// Once the executor has stopped nothing can run there any more: the last reference frees the set
+// where it drops (shutdown), rather than never.
+TEST(WeightManager, AfterTheExecutorStoppedTheLastReferenceFreesInPlace) {
+  std::mt19937_64 rng{std::random_device{}()};
+  const ServerConfig config = fusedlayer::testing::TestConfig();
+  auto freed = std::make_shared<FreedOn>();
+  FreeTrackingBackend backend(fusedlayer::testing::CpuBackendFor(config), freed);
+  Executor executor(4);
+  Metrics metrics("test", "cpu", "x86_64", "cpu");
+  Health health;
+  std::shared_ptr<const WeightSet> held;
+  {
+    WeightManager weights(config, backend, executor, metrics, health);
+    PackedWeightSet set =
+        fusedlayer::testing::MakeWeightSet(rng, "held", fusedlayer::testing::MhcSetSpec{}, std::nullopt);
+    ASSERT_TRUE(weights.InstallAndWait(set.first, std::move(set.second), "test").ok());
+    absl::StatusOr<std::shared_ptr<const WeightSet>> got = weights.Get("held");
+    ASSERT_TRUE(got.ok());
+    held = *std::move(got);
+    executor.Stop();
+  }
+  EXPECT_FALSE(freed->WaitFor(std::chrono::seconds(0)).has_value());
+  held.reset();
+  const std::optional<std::thread::id> on = freed->WaitFor(std::chrono::seconds(0));
+  ASSERT_TRUE(on.has_value());
+  EXPECT_EQ(*on, std::this_thread::get_id());
 }
 
 // ---- IdleWatch (LoadWeights upload idle timeout) ------------------------------------------------
