@@ -136,6 +136,18 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--shadow_dump_max_bytes must be >= 0, got ", shadow_dump_max_bytes));
   }
+  if (max_inflight_verify < 0 || max_inflight_verify > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_inflight_verify must be in [0, 1024], got ", max_inflight_verify));
+  }
+  if (verify_dump_max_files < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--verify_dump_max_files must be >= 0, got ", verify_dump_max_files));
+  }
+  if (verify_dump_max_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--verify_dump_max_bytes must be >= 0, got ", verify_dump_max_bytes));
+  }
   return absl::OkStatus();
 }
 

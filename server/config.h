@@ -84,6 +84,13 @@ struct ServerConfig {
   std::string shadow_dump_dir;  // empty: no dumps
   int64_t shadow_dump_max_files = 32;
   int64_t shadow_dump_max_bytes = int64_t{1} << 30;
+  // verify = true (the client asks for the unfused comparison in its own call): it doubles the
+  // device work of the call, so at most max_inflight_verify such calls are admitted at once
+  // (queued or running; 0 switches verify off); their mismatch dumps go to <shadow_dump_dir>/verify
+  // under their own bounds, so clients cannot use up the sampled dumps' budget.
+  int max_inflight_verify = 2;
+  int64_t verify_dump_max_files = 8;
+  int64_t verify_dump_max_bytes = int64_t{256} << 20;
 
   // max_inflight_bytes, or its memory-derived default.
   uint64_t EffectiveMaxInflightBytes() const;

@@ -78,6 +78,14 @@ ABSL_FLAG(std::string, shadow_dump_dir, "",
 ABSL_FLAG(int64_t, shadow_dump_max_files, 32, "most mismatch dumps kept in --shadow_dump_dir (then stop)");
 ABSL_FLAG(int64_t, shadow_dump_max_bytes, int64_t{1} << 30,
           "most bytes of mismatch dumps in --shadow_dump_dir (then stop)");
+ABSL_FLAG(int32_t, max_inflight_verify, 2,
+          "compute calls with verify = true (each runs the op twice) admitted at once, queued or running; "
+          "more are RESOURCE_EXHAUSTED; 0 switches verify off (FAILED_PRECONDITION)");
+ABSL_FLAG(int64_t, verify_dump_max_files, 8,
+          "most mismatch dumps of verify = true calls kept in <--shadow_dump_dir>/verify (then stop); apart "
+          "from the sampled dumps' bounds");
+ABSL_FLAG(int64_t, verify_dump_max_bytes, int64_t{256} << 20,
+          "most bytes of mismatch dumps of verify = true calls in <--shadow_dump_dir>/verify (then stop)");
 
 namespace fusedlayer::server {
 
@@ -116,6 +124,9 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.shadow_dump_dir = absl::GetFlag(FLAGS_shadow_dump_dir);
   c.shadow_dump_max_files = absl::GetFlag(FLAGS_shadow_dump_max_files);
   c.shadow_dump_max_bytes = absl::GetFlag(FLAGS_shadow_dump_max_bytes);
+  c.max_inflight_verify = absl::GetFlag(FLAGS_max_inflight_verify);
+  c.verify_dump_max_files = absl::GetFlag(FLAGS_verify_dump_max_files);
+  c.verify_dump_max_bytes = absl::GetFlag(FLAGS_verify_dump_max_bytes);
   // With authentication on, the unauthenticated /metrics endpoint must not default to every
   // interface. An explicit --metrics_address (even 0.0.0.0:9464) is the operator's choice and kept.
   // Abseil 20220623 exposes "was this flag set" only through this member (CommandLineFlag's is

@@ -552,5 +552,33 @@ TEST(IdleWatch, ExpiresIdleEntriesOnceAndNeverDisarmedOnes) {
   EXPECT_EQ(disarmed_expired, 0);
 }
 
+TEST(Config, UploadIdleTimeoutAndVerifyBounds) {
+  ServerConfig c = fusedlayer::testing::TestConfig();
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+  for (int bad : {0, -1, 3601}) {
+    c.upload_idle_timeout_seconds = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  for (int good : {1, 3600}) {
+    c.upload_idle_timeout_seconds = good;
+    EXPECT_TRUE(c.Validate().ok()) << good;
+  }
+  for (int bad : {-1, 1025}) {
+    c.max_inflight_verify = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  for (int good : {0, 1024}) {
+    c.max_inflight_verify = good;
+    EXPECT_TRUE(c.Validate().ok()) << good;
+  }
+  c.verify_dump_max_files = -1;
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.verify_dump_max_files = 0;
+  c.verify_dump_max_bytes = -1;
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.verify_dump_max_bytes = 0;
+  EXPECT_TRUE(c.Validate().ok());
+}
+
 }  // namespace
 }  // namespace fusedlayer::server
