@@ -73,6 +73,8 @@ struct ServerConfig {
   std::string tls_client_ca;
   // Bearer tokens with their rights (server/auth/token_file.h); empty: no token check.
   std::string auth_tokens_file;
+  // Client-certificate identities with their rights (server/auth/identity_file.h); needs mutual TLS.
+  std::string auth_identities_file;
   // TLS or mutual TLS without a token file authorizes everyone who completes the handshake for
   // every RPC (LoadWeights, UnloadWeightSet included): refused at startup unless this is set.
   bool allow_unauthenticated_tls = false;

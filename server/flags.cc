@@ -61,6 +61,9 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
           "bearer-token file, one `<token> <rights>` per line, rights compute|admin|compute,admin; without "
           "TLS only a loopback --address is allowed");
 
+ABSL_FLAG(std::string, auth_identities_file, "",
+          "mutual TLS: file of client-certificate identities (spiffe://... or subject:<DN>) and their rights "
+          "(compute, admin); combined with --auth_tokens_file, a call has the rights of both (docs/security.md)");
 ABSL_FLAG(bool, allow_unauthenticated_tls, false,
           "accept --tls_cert (or mutual TLS) without --auth_tokens_file: everyone who completes the TLS "
           "handshake may then call every RPC, LoadWeights and UnloadWeightSet included");
@@ -117,6 +120,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.tls_key = absl::GetFlag(FLAGS_tls_key);
   c.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   c.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  c.auth_identities_file = absl::GetFlag(FLAGS_auth_identities_file);
   c.allow_unauthenticated_tls = absl::GetFlag(FLAGS_allow_unauthenticated_tls);
   c.shadow_sample_rate = absl::GetFlag(FLAGS_shadow_sample_rate);
   c.shadow_queue_size = absl::GetFlag(FLAGS_shadow_queue_size);
