@@ -10,7 +10,8 @@
 # tsan: the concurrency tests built with ThreadSanitizer (only their targets are built):
 #       Concurrency.* (tests/server/concurrency_test.cc: producers on the executor while it stops, the
 #       CPU thread pool, WeightStore readers vs. publish/replace/unload), Executor.*, Dispatcher.*,
-#       WeightStoreTest.*. Debian's Abseil and gRPC are not TSan-instrumented: absl::Mutex is made
+#       WeightStoreTest.*, WeightManager* (the last reference to a weight set freed on the executor
+#       from another thread), IdleWatch.* (the LoadWeights idle watch's thread). Debian's Abseil and gRPC are not TSan-instrumented: absl::Mutex is made
 #       visible by server/common/annotated_mutex.h (fusedlayer code locks through it); gRPC's internal
 #       thread hand-offs cannot be, so the gRPC end-to-end suites are not run under TSan (they run
 #       under ASan+UBSan above) - docs/operations.md, "Sanitizers and fuzzing". TSan turns the CPU ISA
@@ -53,5 +54,5 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tsan ]; then
   # (policy in its header: races in fusedlayer code are fixed, never suppressed).
   TSAN_OPTIONS="halt_on_error=1:exitcode=66:second_deadlock_stack=1:suppressions=$ROOT/tests/fuzz/tsan.supp" \
     ctest --test-dir "$B" --output-on-failure -j"$JOBS" \
-      -R '^(Concurrency\.|Executor\.|Dispatcher\.|WeightStoreTest\.)'
+      -R '^(Concurrency\.|Executor\.|Dispatcher\.|WeightStoreTest\.|WeightManager[./]|IdleWatch\.)'
 fi

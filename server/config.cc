@@ -107,6 +107,9 @@ absl::Status ServerConfig::Validate() const {
   if (max_weight_payload_bytes < 1) {
     return absl::InvalidArgumentError("--max_weight_payload_bytes must be >= 1");
   }
+  if (malloc_arena_max < 0 || malloc_arena_max > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("--malloc_arena_max must be in [0, 1024], got ", malloc_arena_max));
+  }
   if (cpu_threads < 0) return absl::InvalidArgumentError(absl::StrCat("--cpu_threads must be >= 0, got ", cpu_threads));
   if (!(max_connection_age_seconds >= 0) || max_connection_age_seconds > 1e6) {
     return absl::InvalidArgumentError(absl::StrCat("--max_connection_age_seconds must be in [0, 1e6], got ",

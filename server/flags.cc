@@ -47,6 +47,9 @@ ABSL_FLAG(int32_t, upload_idle_timeout_seconds, 30,
           "a LoadWeights stream that sends no chunk for this long is ended with DEADLINE_EXCEEDED and its "
           "buffered bytes released (1 to 3600)");
 ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend worker threads (0 = all cores)");
+ABSL_FLAG(int32_t, malloc_arena_max, 2,
+          "glibc malloc arenas at most (M_ARENA_MAX; 0 = glibc's default, 8 per core): fewer arenas keep the "
+          "large tensor and upload buffers from pinning memory in many per-thread arenas");
 ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM/SIGINT, how long in-flight calls may take to finish (0 to 3600)");
 ABSL_FLAG(double, max_connection_age_seconds, 0,
           "close client connections (GOAWAY, after a grace of --drain_seconds) after this age so clients "
@@ -114,6 +117,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.max_concurrent_uploads = absl::GetFlag(FLAGS_max_concurrent_uploads);
   c.upload_idle_timeout_seconds = absl::GetFlag(FLAGS_upload_idle_timeout_seconds);
   c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  c.malloc_arena_max = absl::GetFlag(FLAGS_malloc_arena_max);
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   c.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
   c.tls_cert = absl::GetFlag(FLAGS_tls_cert);

@@ -578,6 +578,14 @@ TEST(Config, UploadIdleTimeoutAndVerifyBounds) {
   EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
   c.verify_dump_max_bytes = 0;
   EXPECT_TRUE(c.Validate().ok());
+  for (int bad : {-1, 1025}) {
+    c.malloc_arena_max = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  for (int good : {0, 1, 1024}) {
+    c.malloc_arena_max = good;
+    EXPECT_TRUE(c.Validate().ok()) << good;
+  }
 }
 
 }  // namespace
