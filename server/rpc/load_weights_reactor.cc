@@ -133,6 +133,13 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
 
   void EndOfStream() {
     idle_.Disarm();  // the stream is complete: building may take long and is not idleness
+    {
+      // Either the idle watch finished the call just before (nothing may be built now), or from
+      // here on it never will (Complete skips it once the stream ended).
+      std::lock_guard<std::mutex> lock(finish_mu_);
+      if (finished_) return;
+      stream_ended_ = true;
+    }
     if (ctx_->IsCancelled()) return Complete(absl::CancelledError("LoadWeights cancelled by the client"));
     if (absl::Status s = service_.AdmitDuringDrain(); !s.ok()) return Complete(s);
     if (!have_header_) return Complete(absl::InvalidArgumentError("empty LoadWeights stream: no header"));
@@ -171,7 +178,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   void Complete(const absl::Status& status, bool from_idle_watch = false) {
     {
       std::lock_guard<std::mutex> lock(finish_mu_);
-      if (finished_) return;
+      if (finished_ || (from_idle_watch && stream_ended_)) return;
       finished_ = true;
     }
     idle_.Disarm();
@@ -202,8 +209,9 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   std::atomic<bool> cancelled_{false};
   std::atomic<uint64_t> request_bytes_{0};
   std::atomic<uint64_t> received_bytes_{0};  // payload_.size(), for the idle watch's message
-  std::mutex finish_mu_;  // guards finished_: Finish once, and no StartRead after it
+  std::mutex finish_mu_;  // guards finished_ and stream_ended_: Finish once, no StartRead after it
   bool finished_ = false;
+  bool stream_ended_ = false;  // EndOfStream took over: the idle watch may no longer finish the call
   IdleWatch::Entry idle_;
   bool watched_ = false;  // added to the service's IdleWatch (the early refusals are not)
 };
