@@ -112,9 +112,9 @@ const std::vector<CommandInfo>& Commands() {
         "row_stride", "seed", "echo_floor", "transport"}},
       {"soak",
        "soak --concurrency=N --duration=SECONDS [--warmup=SECONDS] [--server_pid=PID] [--max_rss_growth_mb=MB] "
-       "[--seed=S]",
+       "[--seed=S] [--churn] [--compute_token_file=FILE]",
        0,
-       {"concurrency", "duration", "warmup", "server_pid", "max_rss_growth_mb", "seed"}},
+       {"concurrency", "duration", "warmup", "server_pid", "max_rss_growth_mb", "seed", "churn", "compute_token_file"}},
       {"replay", "replay --dump=FILE (a shadow mismatch dump; exit 3 when the mismatch reproduces)", 0, {"dump"}},
       {"import-checkpoint",
        "import-checkpoint DIR [--output=manifest.json] [--layers=A-B] (a DeepSeek-V4/V4.1 folder -> a manifest; "

@@ -38,6 +38,8 @@ struct CommandLine {
   absl::Duration warmup = absl::Seconds(5);  // soak
   int64_t server_pid = 0;                    // soak: 0 = do not watch the server's RSS
   int max_rss_growth_mb = 64;                // soak
+  bool churn = false;                        // soak: one more client loading and unloading a weight set
+  std::string compute_token_file;            // soak: a token with only the compute right (auth cases)
   std::string dump;                          // replay: a shadow mismatch dump (safetensors)
   bool verify = false;                       // seam, swa: request verify = true (shadow comparison)
   bool echo_floor = false;                   // bench: also measure a bare gRPC echo of the same sizes
@@ -56,8 +58,16 @@ absl::Status RunUnload(const FusedLayerClient& client, const CommandLine& cl, st
 absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
-// Mixed valid/invalid load with expected codes, latency and server RSS (fusedctl_soak.cc).
-absl::Status RunSoak(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+// A weight set for soak --churn to load and unload (main makes it from the demo sets, so this
+// library does not depend on the weights library).
+struct ChurnSet {
+  v1::WeightSetHeader header;  // payload_bytes and sha256 filled in
+  std::string payload;
+};
+// Mixed valid/invalid load with expected codes, latency and server RSS (fusedctl_soak.cc); with
+// `churn` (--churn) one more client loads and unloads it throughout.
+absl::Status RunSoak(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out,
+                     const ChurnSet* churn = nullptr);
 
 // Re-sends the inputs of a shadow-verification mismatch dump (--shadow_dump_dir) with
 // REQUIRE_FUSED and verify = true, and reports whether the new fused outputs equal the dumped ones

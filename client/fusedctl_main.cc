@@ -23,6 +23,7 @@
 #include "client/fusedctl_commands.h"
 #include "client/fusedlayer_client.h"
 #include "client/transport_credentials.h"
+#include "weights/demo_weights.h"
 
 // Global flags.
 ABSL_FLAG(std::string, target, "localhost:50051",
@@ -71,6 +72,12 @@ ABSL_FLAG(std::string, transport, "tcp",
           "seam/swa/bench: tcp (tensors in the messages) or shm (tensors in a POSIX shared-memory object this "
           "process creates and registers; same host, server started with --allow_shared_memory)");
 ABSL_FLAG(int32_t, max_rss_growth_mb, 64, "soak: fail when the server RSS grows by more than this, MiB");
+ABSL_FLAG(bool, churn, false,
+          "soak: one more client that loads a demo weight set as soak/churn and unloads it, again and again "
+          "(needs the admin right)");
+ABSL_FLAG(std::string, compute_token_file, "",
+          "soak: file holding a token with only the compute right; adds its compute calls (OK) and its "
+          "UnloadWeightSet (PERMISSION_DENIED) to the mix");
 
 namespace {
 
@@ -122,6 +129,22 @@ int RunImportCheckpoint(const std::string& dir) {
   for (const std::string& note : result->notes) std::cout << "note: " << note << "\n";
   std::cout << "load it with: fusedctl load " << result->manifest_path << "  (or --weights_manifest)\n";
   return 0;
+}
+
+// soak, with the churn set made here (fusedctl_lib does not link the weights library): the smaller
+// demo set, renamed.
+absl::Status RunSoakCommand(const FusedLayerClient& client, const CommandLine& cl) {
+  if (!cl.churn) return RunSoak(client, cl, std::cout);
+  absl::StatusOr<std::vector<fusedlayer::server::PackedWeightSet>> demo = fusedlayer::server::MakeDemoWeightSets();
+  if (!demo.ok()) return demo.status();
+  const fusedlayer::server::PackedWeightSet* smallest = &demo->front();
+  for (const fusedlayer::server::PackedWeightSet& s : *demo) {
+    if (s.second.size() < smallest->second.size()) smallest = &s;
+  }
+  ChurnSet churn{smallest->first, smallest->second};
+  churn.header.set_name("soak/churn");  // the name is not part of the payload's digest
+  churn.header.set_replace(false);
+  return RunSoak(client, cl, std::cout, &churn);
 }
 
 }  // namespace
@@ -178,6 +201,8 @@ int main(int argc, char** argv) {
   cl.warmup = *warmup;
   cl.server_pid = absl::GetFlag(FLAGS_server_pid);
   cl.max_rss_growth_mb = absl::GetFlag(FLAGS_max_rss_growth_mb);
+  cl.churn = absl::GetFlag(FLAGS_churn);
+  cl.compute_token_file = absl::GetFlag(FLAGS_compute_token_file);
   cl.dump = absl::GetFlag(FLAGS_dump);
   cl.verify = absl::GetFlag(FLAGS_verify);
   cl.echo_floor = absl::GetFlag(FLAGS_echo_floor);
@@ -219,7 +244,7 @@ int main(int argc, char** argv) {
   else if (n == "seam") status = RunSeam(**client, cl, std::cout);
   else if (n == "swa") status = RunSwa(**client, cl, std::cout);
   else if (n == "bench") status = RunBench(**client, cl, std::cout);
-  else if (n == "soak") status = RunSoak(**client, cl, std::cout);
+  else if (n == "soak") status = RunSoakCommand(**client, cl);
   bool reproduced = false;
   if (n == "replay") status = RunReplay(**client, cl, std::cout, &reproduced);
   std::cout.flush();

@@ -6,6 +6,13 @@
 // the same host) must not grow by more than --max_rss_growth_mb between the end of the warm-up and
 // the end of the soak. Exit status 1 on either.
 //
+// Beyond compute, the mix can include the server's other two fronts: with --churn one more client
+// loads a weight set (soak/churn) and unloads it again and again, both expected OK, so uploads,
+// builds, warm-ups and frees interleave with the compute calls; when the main client has a bearer
+// token, calls with an unknown token and with none (UNAUTHENTICATED) join the pool, and with
+// --compute_token_file the compute-only token's compute calls (OK) and its UnloadWeightSet of a
+// loaded set (PERMISSION_DENIED; were it allowed, later calls on that set would fail too).
+//
 // Requests come from a pool built before the clock starts (generating megabytes of random bf16 per
 // call would make the client, not the server, the bottleneck); the server caches nothing by content,
 // so reusing a request costs it the same as a fresh one.
@@ -24,6 +31,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "client/transport_credentials.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli_options.h"
@@ -65,9 +73,64 @@ Case SwaCase(std::string kind, absl::StatusCode expected, v1::SwaNormQuantReques
               }};
 }
 
-// Valid requests for every set and op at several T, and one request of each invalid kind.
-absl::StatusOr<std::vector<Case>> BuildPool(const FusedLayerClient& client, std::mt19937_64& rng,
-                                           std::ostream& out) {
+// 64 hex characters from the seeded generator: a token the server does not know.
+std::string UnknownToken(std::mt19937_64& rng) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string t;
+  for (int i = 0; i < 64; ++i) t.push_back(kHex[rng() % 16]);
+  return t;
+}
+
+// A client like `client` (same target, transport and limits) with another bearer token ("" = none).
+absl::StatusOr<std::shared_ptr<const FusedLayerClient>> WithToken(const FusedLayerClient& client,
+                                                                  const std::string& target,
+                                                                  const std::string& token) {
+  ClientOptions o = client.options();
+  o.bearer_token = token;
+  absl::StatusOr<std::unique_ptr<FusedLayerClient>> c = FusedLayerClient::Connect(target, std::move(o));
+  if (!c.ok()) return c.status();
+  return std::shared_ptr<const FusedLayerClient>(*std::move(c));
+}
+
+// The authorization cases: calls whose code is decided by their credentials, not their content.
+absl::Status AddAuthCases(const FusedLayerClient& client, const CommandLine& cl, const v1::MhcSeamRequest& seam,
+                          const std::string& loaded_set, std::mt19937_64& rng, std::vector<Case>& pool,
+                          std::ostream& out) {
+  auto with = [&](std::shared_ptr<const FusedLayerClient> other, std::string kind, absl::StatusCode expected,
+                  std::function<absl::Status(const FusedLayerClient&)> call) {
+    pool.push_back(Case{std::move(kind), expected,
+                        [other, call](const FusedLayerClient&) { return call(*other); }});
+  };
+  auto seam_call = [shared = std::make_shared<const v1::MhcSeamRequest>(seam)](const FusedLayerClient& c) {
+    return c.MhcSeam(*shared).status();
+  };
+  if (!client.options().bearer_token.empty()) {
+    absl::StatusOr<std::shared_ptr<const FusedLayerClient>> unknown = WithToken(client, cl.target, UnknownToken(rng));
+    if (!unknown.ok()) return unknown.status();
+    absl::StatusOr<std::shared_ptr<const FusedLayerClient>> none = WithToken(client, cl.target, "");
+    if (!none.ok()) return none.status();
+    with(*unknown, "unknown_token", absl::StatusCode::kUnauthenticated, seam_call);
+    with(*none, "no_token", absl::StatusCode::kUnauthenticated, seam_call);
+  }
+  if (!cl.compute_token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadBearerTokenFile(cl.compute_token_file);
+    if (!token.ok()) return token.status();
+    absl::StatusOr<std::shared_ptr<const FusedLayerClient>> compute = WithToken(client, cl.target, *token);
+    if (!compute.ok()) return compute.status();
+    with(*compute, "compute_token_mhc", absl::StatusCode::kOk, seam_call);
+    with(*compute, "compute_token_unload", absl::StatusCode::kPermissionDenied,
+         [loaded_set](const FusedLayerClient& c) { return c.UnloadWeightSet(loaded_set).status(); });
+  }
+  size_t n = 0;
+  for (const Case& c : pool) n += c.kind.find("token") != std::string::npos;
+  if (n > 0) out << "auth: " << n << " authorization kinds in the pool\n";
+  return absl::OkStatus();
+}
+
+// Valid requests for every set and op at several T, one request of each invalid kind, and the
+// authorization kinds.
+absl::StatusOr<std::vector<Case>> BuildPool(const FusedLayerClient& client, const CommandLine& cl,
+                                           std::mt19937_64& rng, std::ostream& out) {
   absl::StatusOr<v1::GetServerInfoResponse> info = client.GetServerInfo();
   if (!info.ok()) return info.status();
   absl::StatusOr<v1::ListWeightSetsResponse> list = client.ListWeightSets();
@@ -131,6 +194,13 @@ absl::StatusOr<std::vector<Case>> BuildPool(const FusedLayerClient& client, std:
   }
   out << "pool: " << valid << " valid requests over " << list->weight_sets_size() << " weight sets, "
       << pool.size() - valid << " invalid kinds (server max_tokens " << info->max_tokens() << ")\n";
+  if (some_mhc) {
+    if (absl::Status s = AddAuthCases(client, cl, *some_mhc, some_mhc->weight_set(), rng, pool, out); !s.ok()) {
+      return s;
+    }
+  } else if (!cl.compute_token_file.empty() || !client.options().bearer_token.empty()) {
+    out << "note: no mHC weight set: authorization kinds not exercised\n";
+  }
   return pool;
 }
 
@@ -170,13 +240,43 @@ struct Tally {
   }
 };
 
-// Runs `clients` closed-loop callers over random pool entries until `duration` has passed.
+// The churn client's loop: load `set` (OK), unload it (OK), until `end`. A load that fails leaves
+// nothing to unload; an unload that fails may leave the set loaded, so the next load is refused
+// ALREADY_EXISTS: each counts as unexpected, and the loop unloads first the next time round.
+void Churn(const FusedLayerClient& client, const ChurnSet& set, Clock::time_point end, Tally& t) {
+  bool loaded = false;
+  while (Clock::now() < end) {
+    if (!loaded) {
+      const absl::Status s = client.LoadWeights(set.header, set.payload).status();
+      ++t.calls["churn_load"];
+      if (!s.ok()) {
+        ++t.unexpected["churn_load"][absl::StatusCodeToString(s.code())];
+        t.first_unexpected.emplace("churn_load", std::string(s.message()));
+      }
+      loaded = s.ok() || absl::IsAlreadyExists(s);
+      continue;
+    }
+    const absl::Status s = client.UnloadWeightSet(set.header.name()).status();
+    ++t.calls["churn_unload"];
+    if (!s.ok()) {
+      ++t.unexpected["churn_unload"][absl::StatusCodeToString(s.code())];
+      t.first_unexpected.emplace("churn_unload", std::string(s.message()));
+    }
+    loaded = false;
+  }
+  // Leave the server as it was: nothing of the churn stays loaded.
+  if (loaded) (void)client.UnloadWeightSet(set.header.name());
+}
+
+// Runs `clients` closed-loop callers over random pool entries until `duration` has passed, plus
+// the churn client when `churn` is given.
 Tally Drive(const FusedLayerClient& client, const std::vector<Case>& pool, int clients, absl::Duration duration,
-            uint64_t seed, double* elapsed) {
-  std::vector<Tally> per(size_t(clients), Tally{});
+            uint64_t seed, double* elapsed, const ChurnSet* churn) {
+  std::vector<Tally> per(size_t(clients) + 1, Tally{});
   std::vector<std::thread> threads;
   const Clock::time_point start = Clock::now();
   const Clock::time_point end = start + absl::ToChronoNanoseconds(duration);
+  if (churn != nullptr) threads.emplace_back([&] { Churn(client, *churn, end, per[size_t(clients)]); });
   for (int i = 0; i < clients; ++i) {
     threads.emplace_back([&, i] {
       std::mt19937_64 rng(seed + uint64_t(i) * 0x9E3779B97F4A7C15ull);
@@ -206,7 +306,7 @@ Tally Drive(const FusedLayerClient& client, const std::vector<Case>& pool, int c
 
 }  // namespace
 
-absl::Status RunSoak(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
+absl::Status RunSoak(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out, const ChurnSet* churn) {
   if (cl.concurrency < 1 || cl.concurrency > kMaxClients) {
     return absl::InvalidArgumentError(absl::StrCat("--concurrency=", cl.concurrency, " is outside 1..", kMaxClients));
   }
@@ -217,10 +317,12 @@ absl::Status RunSoak(const FusedLayerClient& client, const CommandLine& cl, std:
   if (cl.max_rss_growth_mb < 0) return absl::InvalidArgumentError("--max_rss_growth_mb must be >= 0");
   const uint64_t seed = cl.seed ? cl.seed : FreshSeed();
   std::mt19937_64 rng(seed);
-  absl::StatusOr<std::vector<Case>> pool = BuildPool(client, rng, out);
+  absl::StatusOr<std::vector<Case>> pool = BuildPool(client, cl, rng, out);
   if (!pool.ok()) return pool.status();
   out << "soak clients=" << cl.concurrency << " duration=" << absl::FormatDuration(cl.duration)
-      << " warmup=" << absl::FormatDuration(cl.warmup) << " seed=" << seed << "\n";
+      << " warmup=" << absl::FormatDuration(cl.warmup) << " seed=" << seed
+      << (churn != nullptr ? absl::StrCat(" churn=", churn->header.name(), " (", churn->payload.size(), " bytes)") : "")
+      << "\n";
   out.flush();
 
   // Warm-up at full concurrency, so allocator arenas, gRPC thread pools and caches reach their
@@ -228,7 +330,7 @@ absl::Status RunSoak(const FusedLayerClient& client, const CommandLine& cl, std:
   Tally total;
   if (cl.warmup > absl::ZeroDuration()) {
     double warm_elapsed = 0;
-    total.Merge(Drive(client, *pool, cl.concurrency, cl.warmup, seed ^ 0x5eed, &warm_elapsed));
+    total.Merge(Drive(client, *pool, cl.concurrency, cl.warmup, seed ^ 0x5eed, &warm_elapsed, churn));
   }
   std::optional<int64_t> rss_before;
   if (cl.server_pid > 0) {
@@ -237,7 +339,7 @@ absl::Status RunSoak(const FusedLayerClient& client, const CommandLine& cl, std:
     rss_before = *r;
   }
   double elapsed = 0;
-  Tally soak = Drive(client, *pool, cl.concurrency, cl.duration, seed, &elapsed);
+  Tally soak = Drive(client, *pool, cl.concurrency, cl.duration, seed, &elapsed, churn);
   std::optional<int64_t> rss_after;
   if (cl.server_pid > 0) {
     absl::StatusOr<int64_t> r = ReadRssBytes(cl.server_pid);

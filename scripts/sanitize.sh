@@ -10,13 +10,14 @@
 # tsan: the concurrency tests built with ThreadSanitizer (only their targets are built):
 #       Concurrency.* (tests/server/concurrency_test.cc: producers on the executor while it stops, the
 #       CPU thread pool, WeightStore readers vs. publish/replace/unload), Executor.*, Dispatcher.*,
-#       WeightStoreTest.*, Pipeline.* (tests/server/pipeline_test.cc: device lanes, pinned staging and
-#       op calls on the asynchronous lane test backend, gRPC-free). Debian's Abseil and gRPC are not
-#       TSan-instrumented: absl::Mutex is made visible by server/common/annotated_mutex.h (fusedlayer
-#       code locks through it); gRPC's internal thread hand-offs cannot be, so the gRPC end-to-end
-#       suites are not run under TSan (they run under ASan+UBSan above) - docs/operations.md,
-#       "Sanitizers and fuzzing". TSan turns the CPU ISA clones off (FUSEDLAYER_CPU_ISA_CLONES=OFF):
-#       their ifunc resolvers run before TSan's runtime is up.
+#       WeightStoreTest.*, WeightManager* (the last reference to a weight set freed on the executor
+#       from another thread), IdleWatch.* (the LoadWeights idle watch's thread), Pipeline.*
+#       (tests/server/pipeline_test.cc: device lanes, pinned staging and op calls on the asynchronous
+#       lane test backend, gRPC-free). Debian's Abseil and gRPC are not TSan-instrumented: absl::Mutex is made
+#       visible by server/common/annotated_mutex.h (fusedlayer code locks through it); gRPC's internal
+#       thread hand-offs cannot be, so the gRPC end-to-end suites are not run under TSan (they run
+#       under ASan+UBSan above) - docs/operations.md, "Sanitizers and fuzzing". TSan turns the CPU ISA
+#       clones off (FUSEDLAYER_CPU_ISA_CLONES=OFF): their ifunc resolvers run before TSan's runtime is up.
 # Build folders: build-asan/, build-tsan/ (override with ASAN_BUILD_DIR / TSAN_BUILD_DIR).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,5 +56,5 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tsan ]; then
   # (policy in its header: races in fusedlayer code are fixed, never suppressed).
   TSAN_OPTIONS="halt_on_error=1:exitcode=66:second_deadlock_stack=1:suppressions=$ROOT/tests/fuzz/tsan.supp" \
     ctest --test-dir "$B" --output-on-failure -j"$JOBS" \
-      -R '^(Concurrency\.|Executor\.|Dispatcher\.|WeightStoreTest\.|Pipeline\.)'
+      -R '^(Concurrency\.|Executor\.|Dispatcher\.|WeightStoreTest\.|WeightManager[./]|IdleWatch\.|Pipeline\.)'
 fi

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Soak test: a real fusedlayer_server (CPU backend, demo weights, loopback) under sustained mixed
-# valid/invalid load from `fusedctl soak`, asserting zero unexpected status codes and bounded server
+# Soak test: a real fusedlayer_server (CPU backend, demo weights, loopback, bearer tokens) under
+# sustained mixed load from `fusedctl soak`: valid and invalid compute calls, a client loading and
+# unloading a weight set throughout (--churn), and calls refused by authorization (an unknown token,
+# none, a compute-only token unloading); asserting zero unexpected status codes and bounded server
 # RSS growth. Registered in ctest (RUN_SERIAL) with the binaries as arguments; also run by hand:
 #
 #   scripts/soak.sh PATH/TO/fusedlayer_server PATH/TO/fusedctl
@@ -40,9 +42,19 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# Two fresh tokens: fusedctl soak's own (compute,admin: it computes and churns) and a compute-only
+# one for the authorization cases. Loopback, so tokens without TLS are accepted (local credentials).
+token() { od -An -tx1 -N32 /dev/urandom | tr -d ' \n'; }
+ADMIN_TOKEN="$(token)"
+COMPUTE_TOKEN="$(token)"
+umask 077
+printf '%s compute,admin\n%s compute\n' "$ADMIN_TOKEN" "$COMPUTE_TOKEN" >"$TMP/tokens"
+printf '%s\n' "$COMPUTE_TOKEN" >"$TMP/compute_token"
+
 # The server picks its own free ports (:0) and logs them; no port races with parallel tests.
 "$SERVER" --backend=cpu --cpu_threads="$CPU_THREADS" --demo_weights --max_tokens=256 \
-  --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 --drain_seconds=10 >"$TMP/server.log" 2>&1 &
+  --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 --drain_seconds=10 \
+  --auth_tokens_file="$TMP/tokens" >"$TMP/server.log" 2>&1 &
 SERVER_PID=$!
 PORT=""
 for _ in $(seq 1 600); do  # up to 60 s: the demo sets are generated and warmed up first
@@ -58,10 +70,11 @@ for svc in fusedlayer.mhc fusedlayer.swa; do
     || { cat "$TMP/server.log" >&2; echo "FAIL: $svc not SERVING" >&2; exit 1; }
 done
 
-echo "soak: server pid $SERVER_PID on $TARGET; $CLIENTS clients, ${WARMUP}s warm-up + ${SECONDS_}s"
+echo "soak: server pid $SERVER_PID on $TARGET; $CLIENTS clients + 1 churning, ${WARMUP}s warm-up + ${SECONDS_}s"
 rc=0
-"$FUSEDCTL" soak --target="$TARGET" --deadline=60s --concurrency="$CLIENTS" --duration="$SECONDS_" \
-  --warmup="$WARMUP" --server_pid="$SERVER_PID" --max_rss_growth_mb="$MAX_RSS" || rc=$?
+FUSEDCTL_TOKEN="$ADMIN_TOKEN" "$FUSEDCTL" soak --target="$TARGET" --deadline=60s --concurrency="$CLIENTS" \
+  --duration="$SECONDS_" --warmup="$WARMUP" --server_pid="$SERVER_PID" --max_rss_growth_mb="$MAX_RSS" \
+  --churn --compute_token_file="$TMP/compute_token" || rc=$?
 
 # The server must still drain and exit 0 after the soak.
 kill -TERM "$SERVER_PID"

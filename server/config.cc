@@ -107,6 +107,10 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_concurrent_uploads must be >= 1, got ", max_concurrent_uploads));
   }
+  if (upload_idle_timeout_seconds < 1 || upload_idle_timeout_seconds > 3600) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--upload_idle_timeout_seconds must be in [1, 3600], got ", upload_idle_timeout_seconds));
+  }
   if (max_weight_payload_bytes < 1) {
     return absl::InvalidArgumentError("--max_weight_payload_bytes must be >= 1");
   }
@@ -116,6 +120,9 @@ absl::Status ServerConfig::Validate() const {
         absl::StrCat("--shared_memory_max_regions must be in [1, 4096], got ", shared_memory_max_regions));
   }
   if (shared_memory_max_bytes < 1) return absl::InvalidArgumentError("--shared_memory_max_bytes must be >= 1");
+  if (malloc_arena_max < 0 || malloc_arena_max > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("--malloc_arena_max must be in [0, 1024], got ", malloc_arena_max));
+  }
   if (cpu_threads < 0) return absl::InvalidArgumentError(absl::StrCat("--cpu_threads must be >= 0, got ", cpu_threads));
   if (!(max_connection_age_seconds >= 0) || max_connection_age_seconds > 1e6) {
     return absl::InvalidArgumentError(absl::StrCat("--max_connection_age_seconds must be in [0, 1e6], got ",
@@ -144,6 +151,18 @@ absl::Status ServerConfig::Validate() const {
   if (shadow_dump_max_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--shadow_dump_max_bytes must be >= 0, got ", shadow_dump_max_bytes));
+  }
+  if (max_inflight_verify < 0 || max_inflight_verify > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_inflight_verify must be in [0, 1024], got ", max_inflight_verify));
+  }
+  if (verify_dump_max_files < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--verify_dump_max_files must be >= 0, got ", verify_dump_max_files));
+  }
+  if (verify_dump_max_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--verify_dump_max_bytes must be >= 0, got ", verify_dump_max_bytes));
   }
   return absl::OkStatus();
 }

@@ -63,7 +63,16 @@ struct ServerConfig {
   // at most max_concurrent_uploads streams are open at once.
   uint64_t max_upload_buffer_bytes = 0;
   int max_concurrent_uploads = 4;
+  // A LoadWeights stream that delivers no WeightChunk for this long is finished with
+  // DEADLINE_EXCEEDED and its buffered bytes are released: a client that sends a header and stalls
+  // cannot hold an upload slot (and its bytes) until its own deadline. In [1, 3600].
+  int upload_idle_timeout_seconds = 30;
   int cpu_threads = 0;
+  // glibc malloc arenas (mallopt M_ARENA_MAX, set before any thread starts); 0 = glibc's default of
+  // 8 per core. Each gRPC, executor and CPU-pool thread otherwise gets an arena of its own, and the
+  // multi-megabyte tensor and upload buffers freed in them stay resident: with the default a 60 s
+  // soak with weight-set churn grew the RSS by 72 MiB, with 2 arenas by none (docs/operations.md).
+  int malloc_arena_max = 2;
   double drain_seconds = 30;
   double max_connection_age_seconds = 0;  // 0: connections never age out
   // Largest LoadWeights payload accepted (bytes): the biggest DeepSeek weight part is far smaller
@@ -76,6 +85,8 @@ struct ServerConfig {
   std::string tls_client_ca;
   // Bearer tokens with their rights (server/auth/token_file.h); empty: no token check.
   std::string auth_tokens_file;
+  // Client-certificate identities with their rights (server/auth/identity_file.h); needs mutual TLS.
+  std::string auth_identities_file;
   // TLS or mutual TLS without a token file authorizes everyone who completes the handshake for
   // every RPC (LoadWeights, UnloadWeightSet included): refused at startup unless this is set.
   bool allow_unauthenticated_tls = false;
@@ -92,6 +103,13 @@ struct ServerConfig {
   std::string shadow_dump_dir;  // empty: no dumps
   int64_t shadow_dump_max_files = 32;
   int64_t shadow_dump_max_bytes = int64_t{1} << 30;
+  // verify = true (the client asks for the unfused comparison in its own call): it doubles the
+  // device work of the call, so at most max_inflight_verify such calls are admitted at once
+  // (queued or running; 0 switches verify off); their mismatch dumps go to <shadow_dump_dir>/verify
+  // under their own bounds, so clients cannot use up the sampled dumps' budget.
+  int max_inflight_verify = 2;
+  int64_t verify_dump_max_files = 8;
+  int64_t verify_dump_max_bytes = int64_t{256} << 20;
 
   // max_inflight_bytes, or its memory-derived default.
   uint64_t EffectiveMaxInflightBytes() const;

@@ -49,7 +49,13 @@ ABSL_FLAG(uint64_t, max_upload_buffer_bytes, 0,
           "payload bytes all LoadWeights streams may buffer at once (counted as chunks arrive); beyond it "
           "RESOURCE_EXHAUSTED. 0 = a quarter of the memory available");
 ABSL_FLAG(int32_t, max_concurrent_uploads, 4, "LoadWeights streams open at once; more are RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, upload_idle_timeout_seconds, 30,
+          "a LoadWeights stream that sends no chunk for this long is ended with DEADLINE_EXCEEDED and its "
+          "buffered bytes released (1 to 3600)");
 ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend worker threads (0 = all cores)");
+ABSL_FLAG(int32_t, malloc_arena_max, 2,
+          "glibc malloc arenas at most (M_ARENA_MAX; 0 = glibc's default, 8 per core): fewer arenas keep the "
+          "large tensor and upload buffers from pinning memory in many per-thread arenas");
 ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM/SIGINT, how long in-flight calls may take to finish (0 to 3600)");
 ABSL_FLAG(double, max_connection_age_seconds, 0,
           "close client connections (GOAWAY, after a grace of --drain_seconds) after this age so clients "
@@ -64,6 +70,9 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
           "bearer-token file, one `<token> <rights>` per line, rights compute|admin|compute,admin; without "
           "TLS only a loopback --address is allowed");
 
+ABSL_FLAG(std::string, auth_identities_file, "",
+          "mutual TLS: file of client-certificate identities (spiffe://... or subject:<DN>) and their rights "
+          "(compute, admin); combined with --auth_tokens_file, a call has the rights of both (docs/security.md)");
 ABSL_FLAG(bool, allow_unauthenticated_tls, false,
           "accept --tls_cert (or mutual TLS) without --auth_tokens_file: everyone who completes the TLS "
           "handshake may then call every RPC, LoadWeights and UnloadWeightSet included");
@@ -89,6 +98,14 @@ ABSL_FLAG(std::string, shadow_dump_dir, "",
 ABSL_FLAG(int64_t, shadow_dump_max_files, 32, "most mismatch dumps kept in --shadow_dump_dir (then stop)");
 ABSL_FLAG(int64_t, shadow_dump_max_bytes, int64_t{1} << 30,
           "most bytes of mismatch dumps in --shadow_dump_dir (then stop)");
+ABSL_FLAG(int32_t, max_inflight_verify, 2,
+          "compute calls with verify = true (each runs the op twice) admitted at once, queued or running; "
+          "more are RESOURCE_EXHAUSTED; 0 switches verify off (FAILED_PRECONDITION)");
+ABSL_FLAG(int64_t, verify_dump_max_files, 8,
+          "most mismatch dumps of verify = true calls kept in <--shadow_dump_dir>/verify (then stop); apart "
+          "from the sampled dumps' bounds");
+ABSL_FLAG(int64_t, verify_dump_max_bytes, int64_t{256} << 20,
+          "most bytes of mismatch dumps of verify = true calls in <--shadow_dump_dir>/verify (then stop)");
 
 namespace fusedlayer::server {
 
@@ -114,13 +131,16 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.max_weight_payload_bytes = absl::GetFlag(FLAGS_max_weight_payload_bytes);
   c.max_upload_buffer_bytes = absl::GetFlag(FLAGS_max_upload_buffer_bytes);
   c.max_concurrent_uploads = absl::GetFlag(FLAGS_max_concurrent_uploads);
+  c.upload_idle_timeout_seconds = absl::GetFlag(FLAGS_upload_idle_timeout_seconds);
   c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  c.malloc_arena_max = absl::GetFlag(FLAGS_malloc_arena_max);
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   c.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
   c.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   c.tls_key = absl::GetFlag(FLAGS_tls_key);
   c.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   c.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  c.auth_identities_file = absl::GetFlag(FLAGS_auth_identities_file);
   c.allow_unauthenticated_tls = absl::GetFlag(FLAGS_allow_unauthenticated_tls);
   c.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
   c.shared_memory_max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
@@ -131,6 +151,9 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.shadow_dump_dir = absl::GetFlag(FLAGS_shadow_dump_dir);
   c.shadow_dump_max_files = absl::GetFlag(FLAGS_shadow_dump_max_files);
   c.shadow_dump_max_bytes = absl::GetFlag(FLAGS_shadow_dump_max_bytes);
+  c.max_inflight_verify = absl::GetFlag(FLAGS_max_inflight_verify);
+  c.verify_dump_max_files = absl::GetFlag(FLAGS_verify_dump_max_files);
+  c.verify_dump_max_bytes = absl::GetFlag(FLAGS_verify_dump_max_bytes);
   // With authentication on, the unauthenticated /metrics endpoint must not default to every
   // interface. An explicit --metrics_address (even 0.0.0.0:9464) is the operator's choice and kept.
   // Abseil 20220623 exposes "was this flag set" only through this member (CommandLineFlag's is

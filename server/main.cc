@@ -3,6 +3,7 @@
 // Startup fails fast (exit 1, one clear line) on bad flags, an unavailable backend, a bad manifest
 // or a port in use. SIGTERM/SIGINT drain: health goes NOT_SERVING at once, in-flight calls get up
 // to --drain_seconds, then the process exits 0.
+#include <malloc.h>
 #include <signal.h>
 
 #include <chrono>
@@ -50,6 +51,11 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<fs::ServerConfig> config = fs::ConfigFromFlags();
   if (!config.ok()) return Fail(std::string(config.status().message()));
+  // Before any thread exists (the backend's pool, gRPC's): a thread picks its arena on its first
+  // allocation. Sanitizer runtimes replace malloc and ignore it (mallopt returns 0 there).
+  if (config->malloc_arena_max > 0 && mallopt(M_ARENA_MAX, config->malloc_arena_max) != 1) {
+    fs::LogInfo("--malloc_arena_max=", config->malloc_arena_max, " not applied (this malloc has no M_ARENA_MAX)");
+  }
 
   fusedlayer::BackendOptions options;
   options.num_threads = config->cpu_threads;

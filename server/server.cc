@@ -126,6 +126,8 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   shadow_options.dump_dir = cfg.shadow_dump_dir;
   shadow_options.dump_max_files = cfg.shadow_dump_max_files;
   shadow_options.dump_max_bytes = static_cast<uint64_t>(cfg.shadow_dump_max_bytes);
+  shadow_options.verify_dump_max_files = cfg.verify_dump_max_files;
+  shadow_options.verify_dump_max_bytes = static_cast<uint64_t>(cfg.verify_dump_max_bytes);
   shadow_options.backend = identity.backend;
   shadow_options.device = identity.device;
   absl::StatusOr<std::unique_ptr<shadow::ShadowVerifier>> verifier =

@@ -25,6 +25,8 @@ bool IsToken68(absl::string_view t) {
   return i == t.size();
 }
 
+}  // namespace
+
 absl::StatusOr<uint8_t> ParseRights(absl::string_view field) {
   uint8_t rights = kRightNone;
   for (absl::string_view r : absl::StrSplit(field, ',')) {
@@ -42,8 +44,6 @@ absl::StatusOr<uint8_t> ParseRights(absl::string_view field) {
   }
   return rights;
 }
-
-}  // namespace
 
 TokenDigest DigestToken(absl::string_view token) {
   TokenDigest d{};

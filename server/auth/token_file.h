@@ -52,6 +52,10 @@ absl::StatusOr<std::vector<TokenEntry>> ParseTokenFile(absl::string_view content
 // Reads and parses `path` (InvalidArgument when it cannot be read, too).
 absl::StatusOr<std::vector<TokenEntry>> LoadTokenFile(const std::string& path);
 
+// `compute`, `admin` or `compute,admin` (either order, no repeats, no spaces) as Right bits;
+// InvalidArgument naming the bad right otherwise. Shared with the identity file.
+absl::StatusOr<uint8_t> ParseRights(absl::string_view field);
+
 // "compute", "admin", "compute,admin", "none".
 std::string RightsName(uint8_t rights);
 

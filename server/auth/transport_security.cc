@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "auth/identity_file.h"
 #include "auth/token_auth_processor.h"
 #include "auth/token_file.h"
 #include "common/log.h"
@@ -111,22 +112,41 @@ absl::StatusOr<ServerSecurity> MakeServerSecurity(const ServerConfig& c) {
     return absl::InvalidArgumentError("--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key");
   }
 
-  std::shared_ptr<TokenAuthProcessor> processor;
-  size_t token_count = 0;
+  if (!c.auth_identities_file.empty() && c.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError(
+        "--auth_identities_file maps client certificates to rights: it needs mutual TLS (--tls_cert, --tls_key "
+        "and --tls_client_ca, the CA that signs the client certificates)");
+  }
+
+  std::vector<TokenEntry> tokens;
   if (!c.auth_tokens_file.empty()) {
     WarnIfReadableByOthers("auth_tokens_file", c.auth_tokens_file);
-    absl::StatusOr<std::vector<TokenEntry>> tokens = LoadTokenFile(c.auth_tokens_file);
-    if (!tokens.ok()) return absl::InvalidArgumentError(absl::StrCat("--auth_tokens_file: ", tokens.status().message()));
-    token_count = tokens->size();
-    processor = std::make_shared<TokenAuthProcessor>(*std::move(tokens));
+    absl::StatusOr<std::vector<TokenEntry>> loaded = LoadTokenFile(c.auth_tokens_file);
+    if (!loaded.ok()) return absl::InvalidArgumentError(absl::StrCat("--auth_tokens_file: ", loaded.status().message()));
+    tokens = *std::move(loaded);
+  }
+  std::vector<IdentityEntry> identities;
+  if (!c.auth_identities_file.empty()) {
+    absl::StatusOr<std::vector<IdentityEntry>> loaded = LoadIdentityFile(c.auth_identities_file);
+    if (!loaded.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--auth_identities_file: ", loaded.status().message()));
+    }
+    identities = *std::move(loaded);
+  }
+  const size_t token_count = tokens.size(), identity_count = identities.size();
+  std::shared_ptr<TokenAuthProcessor> processor;
+  if (!tokens.empty() || !identities.empty()) {
+    processor = std::make_shared<TokenAuthProcessor>(std::move(tokens), std::move(identities));
   }
 
   if (tls && !processor && !c.allow_unauthenticated_tls) {
     return absl::InvalidArgumentError(absl::StrCat(
         c.tls_client_ca.empty() ? "--tls_cert" : "--tls_cert with --tls_client_ca (mutual TLS)",
-        " without --auth_tokens_file authorizes everyone who completes the TLS handshake for every RPC, "
-        "LoadWeights and UnloadWeightSet included: give --auth_tokens_file (rights per token), or "
-        "--allow_unauthenticated_tls to accept that"));
+        " without --auth_tokens_file", c.tls_client_ca.empty() ? "" : " or --auth_identities_file",
+        " authorizes everyone who completes the TLS handshake for every RPC, LoadWeights and UnloadWeightSet "
+        "included: give --auth_tokens_file (rights per token)",
+        c.tls_client_ca.empty() ? "" : " or --auth_identities_file (rights per client certificate)",
+        ", or --allow_unauthenticated_tls to accept that"));
   }
 
   ServerSecurity out;
@@ -151,7 +171,7 @@ absl::StatusOr<ServerSecurity> MakeServerSecurity(const ServerConfig& c) {
     out.credentials = grpc::SslServerCredentials(options);
     out.description = c.tls_client_ca.empty() ? "TLS" : "mutual TLS (client certificates verified against --tls_client_ca)";
     out.unauthenticated_tls = !processor;
-  } else if (processor) {
+  } else if (processor) {  // tokens only: identities need mutual TLS (checked above)
     if (!IsLocalOnlyAddress(c.address)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--auth_tokens_file without TLS would send bearer tokens in clear text on --address=", c.address,
@@ -166,7 +186,11 @@ absl::StatusOr<ServerSecurity> MakeServerSecurity(const ServerConfig& c) {
   }
   if (processor) {
     out.credentials->SetAuthMetadataProcessor(processor);
-    absl::StrAppend(&out.description, " + bearer tokens (", token_count, " from --auth_tokens_file)");
+    if (token_count > 0) absl::StrAppend(&out.description, " + bearer tokens (", token_count, " from --auth_tokens_file)");
+    if (identity_count > 0) {
+      absl::StrAppend(&out.description, " + client-certificate identities (", identity_count,
+                      " from --auth_identities_file)");
+    }
   }
   return out;
 }

@@ -10,9 +10,11 @@
 //             |        | only; a non-loopback --address is a startup error
 //   cert+key  | any    | SslServerCredentials (TLS); with --tls_client_ca the client must present a
 //             |        | certificate signed by that CA (GRPC_SSL_REQUEST_AND_REQUIRE_..._AND_VERIFY)
-//   cert+key  | none   | refused at startup (anyone who completes the handshake could call every
+//   cert+key  | none   | (and no --auth_identities_file) refused at startup (anyone who completes the handshake could call every
 //             |        | RPC) unless --allow_unauthenticated_tls, then one WARNING line
-// With tokens the TokenAuthProcessor is attached. It must never be attached to insecure
+// --auth_identities_file (client certificates' SPIFFE IDs / subjects and their rights) needs
+// mutual TLS; with it, with tokens, or with both, the TokenAuthProcessor is attached (a call's
+// rights are the union of its certificate's and its token's). It must never be attached to insecure
 // credentials: gRPC 1.51 aborts the process there (GPR_ASSERT), which is why plaintext with tokens
 // goes through local credentials.
 #pragma once

@@ -66,51 +66,110 @@ std::string ReasonName(const v1::OpCapability& cap) {
 
 }  // namespace
 
+// The backend memory (device memory on a GPU) of a set must be freed on the executor, the one
+// thread that drives the backend. A published set's last reference may drop anywhere: on a gRPC
+// thread that got the set and then refused the call, or that asked Contains, while the set was
+// unloaded or replaced. Its deleter then parks the set here and queues a control task that frees
+// it on the executor; if that task cannot be queued (stopping), the next install or unload frees
+// it, or the manager's destructor (shutdown, after the executor stopped).
+struct WeightManager::DeferredRelease {
+  std::mutex mu;
+  Executor* executor = nullptr;  // null once the manager is gone: free where the reference dropped
+  std::vector<std::shared_ptr<const WeightSet>> parked;
+
+  // Executor thread (or the manager's destructor).
+  void FreeParked() {
+    std::vector<std::shared_ptr<const WeightSet>> sets;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      sets.swap(parked);
+    }
+    sets.clear();  // outside the lock: freeing may take a while on a device
+  }
+};
+
 WeightManager::WeightManager(const ServerConfig& config, Backend& backend, Executor& executor, Metrics& metrics,
                              Health& health)
-    : config_(config), backend_(backend), executor_(executor), metrics_(metrics), health_(health) {
+    : config_(config),
+      backend_(backend),
+      executor_(executor),
+      metrics_(metrics),
+      health_(health),
+      deferred_(std::make_shared<DeferredRelease>()) {
+  deferred_->executor = &executor_;
   for (Op op : kAllOps) {
     capabilities_[static_cast<int>(op)] = CapabilityFor(op, config_.fused_disabled(op), backend_, {});
     metrics_.SetFusedAvailable(op, capabilities_[static_cast<int>(op)].fused_available());
   }
 }
 
+WeightManager::~WeightManager() {
+  {
+    std::lock_guard<std::mutex> lock(deferred_->mu);
+    deferred_->executor = nullptr;
+  }
+  deferred_->FreeParked();
+}
+
+std::shared_ptr<const WeightSet> WeightManager::FreedOnExecutor(std::shared_ptr<const WeightSet> set) {
+  const WeightSet* raw = set.get();
+  // The returned pointer shares ownership through its own control block; its deleter runs when the
+  // last copy of it drops and disposes of `inner`, the only other reference (this function's caller
+  // holds none after publishing).
+  return std::shared_ptr<const WeightSet>(
+      raw, [deferred = deferred_, inner = std::move(set)](const WeightSet*) mutable {
+        std::unique_lock<std::mutex> lock(deferred->mu);
+        if (deferred->executor == nullptr || deferred->executor->OnWorker()) {
+          lock.unlock();
+          inner.reset();
+          return;
+        }
+        deferred->parked.push_back(std::move(inner));
+        // Under the lock: the manager (and so the executor) cannot go away meanwhile. The task
+        // holds only `deferred`; if it cannot be queued it is dropped here, which frees nothing.
+        (void)deferred->executor->SubmitControl([deferred](double) { deferred->FreeParked(); });
+      });
+}
+
 absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallOnWorker(const v1::WeightSetHeader& header,
                                                                  std::string_view payload, std::string source,
                                                                  const std::function<absl::Status()>& may_publish,
                                                                  std::optional<std::string> payload_sha256) {
+  deferred_->FreeParked();  // any a failed SubmitControl left behind
   // Fail fast before preparing (uploading) anything; Publish re-checks atomically.
   if (!header.replace() && store_.Get(header.name()).ok()) {
     return absl::AlreadyExistsError(
         absl::StrCat("weight set '", header.name(), "' is already loaded (set replace to swap it)"));
   }
-  absl::StatusOr<std::shared_ptr<const WeightSet>> set =
+  absl::StatusOr<std::shared_ptr<const WeightSet>> built =
       BuildWeightSet(backend_, header, payload, std::move(source), std::move(payload_sha256));
-  if (!set.ok()) return set.status();
-  if ((*set)->mhc) {
-    if (absl::Status s = WarmUpMhc(backend_, *(*set)->mhc); !s.ok()) {
-      return absl::InternalError(absl::StrCat("weight set '", (*set)->name, "': ", s.message()));
+  if (!built.ok()) return built.status();
+  // From here on every reference is one to the published form (and this one drops on the executor).
+  std::shared_ptr<const WeightSet> set = FreedOnExecutor(*std::move(built));
+  if (set->mhc) {
+    if (absl::Status s = WarmUpMhc(backend_, *set->mhc); !s.ok()) {
+      return absl::InternalError(absl::StrCat("weight set '", set->name, "': ", s.message()));
     }
   }
-  if ((*set)->swa) {
-    if (absl::Status s = WarmUpSwa(backend_, *(*set)->swa); !s.ok()) {
-      return absl::InternalError(absl::StrCat("weight set '", (*set)->name, "': ", s.message()));
+  if (set->swa) {
+    if (absl::Status s = WarmUpSwa(backend_, *set->swa); !s.ok()) {
+      return absl::InternalError(absl::StrCat("weight set '", set->name, "': ", s.message()));
     }
   }
   if (may_publish) {
     if (absl::Status s = may_publish(); !s.ok()) {
-      LogInfo("weight set '", (*set)->name, "' not published: ", s.message());
+      LogInfo("weight set '", set->name, "' not published: ", s.message());
       return s;
     }
   }
-  if (absl::StatusOr<std::shared_ptr<const WeightSet>> replaced = store_.Publish(*set, header.replace());
+  if (absl::StatusOr<std::shared_ptr<const WeightSet>> replaced = store_.Publish(set, header.replace());
       !replaced.ok()) {
     return replaced.status();
   }
   RefreshOnWorker();
-  LogInfo("loaded weight set '", (*set)->name, "' from ", (*set)->source, ": ", (*set)->mhc ? "mhc " : "",
-          (*set)->swa ? "swa " : "", (*set)->resident_bytes, " bytes resident");
-  return InfoOf(**set);
+  LogInfo("loaded weight set '", set->name, "' from ", set->source, ": ", set->mhc ? "mhc " : "",
+          set->swa ? "swa " : "", set->resident_bytes, " bytes resident");
+  return InfoOf(*set);
 }
 
 v1::WeightSetInfo WeightManager::InfoOf(const WeightSet& set) const {
@@ -127,6 +186,7 @@ v1::WeightSetInfo WeightManager::InfoOf(const WeightSet& set) const {
 }
 
 absl::StatusOr<uint64_t> WeightManager::UnloadOnWorker(std::string_view name) {
+  deferred_->FreeParked();
   absl::StatusOr<uint64_t> freed = store_.Unload(name);
   if (!freed.ok()) return freed.status();
   RefreshOnWorker();

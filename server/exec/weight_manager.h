@@ -29,6 +29,8 @@ namespace fusedlayer::server {
 class WeightManager {
  public:
   WeightManager(const ServerConfig& config, Backend& backend, Executor& executor, Metrics& metrics, Health& health);
+  // Frees, here, the sets whose last reference dropped off the executor and are still waiting.
+  ~WeightManager();
 
   // Executor thread only. Build + warm-up + publish: nothing is visible unless all succeed.
   // ALREADY_EXISTS when the name is taken and !header.replace; BuildWeightSet's codes otherwise;
@@ -47,7 +49,9 @@ class WeightManager {
   absl::StatusOr<v1::WeightSetInfo> InstallAndWait(const v1::WeightSetHeader& header, std::string payload,
                                                    std::string source);
 
-  // Any thread.
+  // Any thread. The backend memory of a published set is always freed on the executor, whichever
+  // thread drops its last reference: a gRPC thread that held a set (a refused compute call,
+  // Contains) while it was unloaded or replaced hands it to the executor instead of freeing it.
   absl::StatusOr<std::shared_ptr<const WeightSet>> Get(std::string_view name) const;
   bool Contains(std::string_view name) const;
   std::vector<v1::WeightSetInfo> Infos() const;
@@ -57,6 +61,12 @@ class WeightManager {
   void FinishStartup();
 
  private:
+  // The sets whose last reference dropped off the executor, waiting to be freed on it (shared with
+  // the published sets' deleters, which may run after the manager is gone).
+  struct DeferredRelease;
+  // `set` as published: the same set, whose last reference frees it on the executor.
+  std::shared_ptr<const WeightSet> FreedOnExecutor(std::shared_ptr<const WeightSet> set);
+
   // Recomputes capability, health, infos and resident bytes from the store (executor thread).
   void RefreshOnWorker();
   // The wire description of a set on this server (kill switch applied). Executor thread.
@@ -67,6 +77,7 @@ class WeightManager {
   Executor& executor_;
   Metrics& metrics_;
   Health& health_;
+  std::shared_ptr<DeferredRelease> deferred_;
   WeightStore store_;
 
   mutable std::mutex mu_;  // guards the snapshots below

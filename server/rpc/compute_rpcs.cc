@@ -228,6 +228,9 @@ template <typename Rpc>
 absl::Status FusedLayerService::StartCompute(UnaryCall* call, typename Rpc::Messages* held,
                                              const typename Rpc::Request* request, typename Rpc::Response* response) {
   if (absl::Status s = CheckPreference(request->path_preference()); !s.ok()) return s;
+  if (request->verify()) {
+    if (absl::Status s = AdmitVerify(call); !s.ok()) return s;
+  }
   absl::StatusOr<std::shared_ptr<const WeightSet>> set = weights_.Get(request->weight_set());
   if (!set.ok()) return set.status();
   if (Rpc::Part(**set) == nullptr) {

@@ -3,8 +3,11 @@
 // warms up and publishes the set (all or nothing). Bounded (docs/operations.md): streams open at
 // once (--max_concurrent_uploads), the payload announced (--max_weight_payload_bytes) and the bytes
 // all uploads buffer together (--max_upload_buffer_bytes, counted as chunks arrive). Refused while
-// draining; a client that cancels before the set is published gets nothing published.
+// draining; a client that cancels before the set is published gets nothing published. A stream
+// that sends nothing for --upload_idle_timeout_seconds is ended with DEADLINE_EXCEEDED by the
+// service's IdleWatch and its buffered bytes are released (rpc/idle_watch.h).
 #include <atomic>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -21,7 +24,11 @@ namespace fusedlayer::server {
 class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
  public:
   LoadWeightsReactor(FusedLayerService& service, grpc::CallbackServerContext* ctx, v1::WeightSetInfo* response)
-      : service_(service), ctx_(ctx), response_(response), start_(Clock::now()) {
+      : service_(service),
+        ctx_(ctx),
+        response_(response),
+        start_(Clock::now()),
+        idle_([this] { IdleTimeout(); }) {
     service_.metrics_.InflightAdd(1);
     const int open = service_.open_uploads_.fetch_add(1, std::memory_order_acq_rel) + 1;
     if (absl::Status s = service_.AdmitDuringDrain(); !s.ok()) {
@@ -34,14 +41,19 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
                        " LoadWeights streams are already open (--max_concurrent_uploads); retry later")));
       return;
     }
-    StartRead(&chunk_);
+    service_.upload_idle_.Add(&idle_);
+    watched_ = true;
+    ReadNext();
   }
 
   void OnCancel() override { cancelled_.store(true, std::memory_order_release); }
 
   void OnReadDone(bool ok) override {
+    idle_.Touch();
+    // Finished by the idle watch while this read was pending: nothing more to do with the stream.
+    if (Finished()) return;
     if (!ok) return EndOfStream();
-    request_bytes_ += chunk_.ByteSizeLong();
+    request_bytes_.fetch_add(chunk_.ByteSizeLong(), std::memory_order_relaxed);
     if (!have_header_) {
       if (!chunk_.has_header()) {
         return Complete(absl::InvalidArgumentError("the first WeightChunk must carry the header"));
@@ -81,12 +93,15 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
           " bytes (--max_upload_buffer_bytes); retry later")));
     }
     payload_.append(chunk_.data());
+    received_bytes_.store(payload_.size(), std::memory_order_relaxed);
     hasher_.Update(chunk_.data());  // hashed as it arrives, not on the device executor
     chunk_.Clear();
-    StartRead(&chunk_);
+    ReadNext();
   }
 
   void OnDone() override {
+    // After Remove the idle watch no longer runs (and will never run) IdleTimeout on this reactor.
+    if (watched_) service_.upload_idle_.Remove(&idle_);
     buffered_.Release();
     service_.open_uploads_.fetch_sub(1, std::memory_order_acq_rel);
     service_.metrics_.InflightAdd(-1);
@@ -94,7 +109,37 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   }
 
  private:
+  bool Finished() {
+    std::lock_guard<std::mutex> lock(finish_mu_);
+    return finished_;
+  }
+
+  // The next read, unless the call was finished meanwhile (by the idle watch, on its thread).
+  void ReadNext() {
+    std::lock_guard<std::mutex> lock(finish_mu_);
+    if (!finished_) StartRead(&chunk_);
+  }
+
+  // On the idle watch's thread: reads only atomics (the reactor's thread may be in OnReadDone).
+  void IdleTimeout() {
+    const int seconds = service_.config_.upload_idle_timeout_seconds;
+    Complete(absl::DeadlineExceededError(absl::StrCat(
+                 "LoadWeights stream sent nothing for ", seconds, " s (--upload_idle_timeout_seconds=", seconds,
+                 ") after ", received_bytes_.load(std::memory_order_relaxed),
+                 " payload bytes: the upload was dropped and its buffered bytes released; send the chunks without "
+                 "pausing")),
+             /*from_idle_watch=*/true);
+  }
+
   void EndOfStream() {
+    idle_.Disarm();  // the stream is complete: building may take long and is not idleness
+    {
+      // Either the idle watch finished the call just before (nothing may be built now), or from
+      // here on it never will (Complete skips it once the stream ended).
+      std::lock_guard<std::mutex> lock(finish_mu_);
+      if (finished_) return;
+      stream_ended_ = true;
+    }
     if (ctx_->IsCancelled()) return Complete(absl::CancelledError("LoadWeights cancelled by the client"));
     if (absl::Status s = service_.AdmitDuringDrain(); !s.ok()) return Complete(s);
     if (!have_header_) return Complete(absl::InvalidArgumentError("empty LoadWeights stream: no header"));
@@ -128,12 +173,23 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
     if (!submitted.ok()) Complete(std::move(submitted));
   }
 
-  void Complete(const absl::Status& status) {
+  // Exactly once: from the reactor's thread, the executor, or the idle watch (from_idle_watch:
+  // then header_ may be being written by the reactor's thread and is not read).
+  void Complete(const absl::Status& status, bool from_idle_watch = false) {
+    {
+      std::lock_guard<std::mutex> lock(finish_mu_);
+      if (finished_ || (from_idle_watch && stream_ended_)) return;
+      finished_ = true;
+    }
+    idle_.Disarm();
     const uint64_t response_bytes = status.ok() ? response_->ByteSizeLong() : 0;
     service_.metrics_.RecordRequest(Method::kLoadWeights, static_cast<grpc::StatusCode>(status.code()),
-                                    SecondsSince(start_), request_bytes_, response_bytes);
+                                    SecondsSince(start_), request_bytes_.load(std::memory_order_relaxed),
+                                    response_bytes);
     if (!status.ok() && status.code() != absl::StatusCode::kCancelled) {
-      LogWarning("LoadWeights", have_header_ ? absl::StrCat(" '", ClientString(header_.name()), "'") : std::string(),
+      LogWarning("LoadWeights",
+                 !from_idle_watch && have_header_ ? absl::StrCat(" '", ClientString(header_.name()), "'")
+                                                  : std::string(),
                  " failed: ", status.ToString());
     }
     Finish(ToGrpcStatus(status));
@@ -151,7 +207,13 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   Sha256 hasher_;                // over payload_, chunk by chunk
   std::string payload_sha256_;
   std::atomic<bool> cancelled_{false};
-  uint64_t request_bytes_ = 0;
+  std::atomic<uint64_t> request_bytes_{0};
+  std::atomic<uint64_t> received_bytes_{0};  // payload_.size(), for the idle watch's message
+  std::mutex finish_mu_;  // guards finished_ and stream_ended_: Finish once, no StartRead after it
+  bool finished_ = false;
+  bool stream_ended_ = false;  // EndOfStream took over: the idle watch may no longer finish the call
+  IdleWatch::Entry idle_;
+  bool watched_ = false;  // added to the service's IdleWatch (the early refusals are not)
 };
 
 grpc::ServerReadReactor<v1::WeightChunk>* FusedLayerService::LoadWeights(grpc::CallbackServerContext* ctx,

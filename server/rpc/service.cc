@@ -24,9 +24,11 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
       shadow_(shadow),
       inflight_bytes_(config.EffectiveMaxInflightBytes(), metrics.inflight_bytes()),
       upload_bytes_(config.EffectiveMaxUploadBufferBytes(), metrics.upload_buffered_bytes()),
+      verify_slots_(static_cast<uint64_t>(config.max_inflight_verify)),
       shared_memory_(transport::SharedMemoryLimits{config.allow_shared_memory, config.shared_memory_max_regions,
                                                    config.shared_memory_max_bytes},
                      *metrics.registry()),
+      upload_idle_(std::chrono::seconds(config.upload_idle_timeout_seconds)),
       request_id_salt_(std::random_device{}() & 0xffffff) {
   SetMessageAllocatorFor_MhcSeam(&mhc_messages_);
   SetMessageAllocatorFor_SwaNormQuant(&swa_messages_);
@@ -72,6 +74,21 @@ absl::Status FusedLayerService::AdmitComputeBytes(UnaryCall* call, uint64_t resp
         inflight_bytes_.in_use(), " of ", inflight_bytes_.limit(), " (--max_inflight_bytes); retry with backoff"));
   }
   call->HoldBytes(std::move(*lease));
+  return absl::OkStatus();
+}
+
+absl::Status FusedLayerService::AdmitVerify(UnaryCall* call) {
+  if (verify_slots_.limit() == 0) {
+    return absl::FailedPreconditionError(
+        "verify is switched off on this server (--max_inflight_verify=0); send the call without verify");
+  }
+  std::optional<ByteBudget::Lease> slot = verify_slots_.TryAcquire(1);
+  if (!slot.has_value()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "server busy: ", verify_slots_.limit(), " verify = true calls are already in flight (--max_inflight_verify; "
+        "each runs the op twice); retry with backoff or send the call without verify"));
+  }
+  call->HoldVerifySlot(std::move(*slot));
   return absl::OkStatus();
 }
 

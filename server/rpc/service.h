@@ -19,6 +19,7 @@
 #include "shadow/shadow_verifier.h"
 #include "transport/shared_memory.h"
 #include "exec/weight_manager.h"
+#include "rpc/idle_watch.h"
 
 namespace fusedlayer::server {
 
@@ -75,6 +76,10 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   // staging) bytes do not fit in what --max_inflight_bytes leaves; otherwise the call holds the
   // bytes until it is done.
   absl::Status AdmitComputeBytes(UnaryCall* call, uint64_t response_bytes, uint64_t staged_bytes = 0);
+  // A verify = true call runs the op twice: FAILED_PRECONDITION when --max_inflight_verify is 0,
+  // RESOURCE_EXHAUSTED when that many verify calls are already admitted; otherwise the call holds
+  // a slot until it is done.
+  absl::Status AdmitVerify(UnaryCall* call);
   class LoadWeightsReactor;
   // One compute request on the executor, alone or in a dynamic batch (rpc/compute_rpcs.cc).
   template <typename Rpc>
@@ -101,10 +106,12 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   std::atomic<bool> draining_{false};
   ByteBudget inflight_bytes_;  // compute request + response bytes admitted (--max_inflight_bytes)
   ByteBudget upload_bytes_;    // payload bytes buffered by LoadWeights streams (--max_upload_buffer_bytes)
+  ByteBudget verify_slots_;    // verify = true calls admitted, one unit each (--max_inflight_verify)
   std::atomic<int> open_uploads_{0};  // LoadWeights streams not yet done (--max_concurrent_uploads)
   // Registered system shared-memory regions (--allow_shared_memory); in-flight requests hold
   // references to the regions they use, so it may go before them.
   transport::SharedMemoryRegistry shared_memory_;
+  IdleWatch upload_idle_;             // ends LoadWeights streams idle for --upload_idle_timeout_seconds
   const uint64_t request_id_salt_;
   // The compute methods' messages are reference counted (shadow/shared_messages.h) so a sampled
   // request's shadow job can read them after the response without copying them. Registered in the

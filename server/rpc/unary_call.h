@@ -36,6 +36,8 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   // The call's admitted bytes (rpc/service.cc AdmitComputeBytes): given back in OnDone, once the
   // response has been sent or the call has failed, when its messages are no longer needed.
   void HoldBytes(ByteBudget::Lease lease) { bytes_lease_ = std::move(lease); }
+  // A verify = true call's slot in --max_inflight_verify, given back in OnDone like the bytes.
+  void HoldVerifySlot(ByteBudget::Lease slot) { verify_slot_ = std::move(slot); }
 
   void OnCancel() override { cancelled_.store(true, std::memory_order_release); }
   void OnDone() override;
@@ -50,6 +52,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   const uint64_t request_bytes_;
   std::atomic<bool> cancelled_{false};
   ByteBudget::Lease bytes_lease_;
+  ByteBudget::Lease verify_slot_;
 };
 
 }  // namespace fusedlayer::server

@@ -73,15 +73,22 @@ v1::Verification NotCompared(std::string reason) {
 absl::StatusOr<std::unique_ptr<ShadowVerifier>> ShadowVerifier::Create(ShadowOptions options, Backend& backend,
                                                                       Executor& executor,
                                                                       prometheus::Registry& registry) {
-  std::unique_ptr<ShadowDumpWriter> dumps;
+  std::unique_ptr<ShadowDumpWriter> dumps, verify_dumps;
   if (!options.dump_dir.empty()) {
     absl::StatusOr<std::unique_ptr<ShadowDumpWriter>> w =
         ShadowDumpWriter::Open(options.dump_dir, options.dump_max_files, options.dump_max_bytes);
     if (!w.ok()) return w.status();
     dumps = std::move(*w);
+    // A subdirectory: the sampled writer counts only the files directly in dump_dir, so the two
+    // bounds stay apart across restarts too.
+    absl::StatusOr<std::unique_ptr<ShadowDumpWriter>> vw = ShadowDumpWriter::Open(
+        absl::StrCat(options.dump_dir, "/verify"), options.verify_dump_max_files, options.verify_dump_max_bytes);
+    if (!vw.ok()) return vw.status();
+    verify_dumps = std::move(*vw);
   }
   std::unique_ptr<ShadowVerifier> v(new ShadowVerifier(std::move(options), backend, executor, registry));
   v->dumps_ = std::move(dumps);
+  v->verify_dumps_ = std::move(verify_dumps);
   if (v->options_.sample_rate > 0) {
     LogInfo("shadow verification: sampling ", v->options_.sample_rate, " of fused requests, queue ",
             v->options_.queue_size, " jobs / ", v->options_.queue_max_bytes, " bytes",
@@ -249,7 +256,10 @@ void ShadowVerifier::Record(Op op, const WeightSet& set, const std::string& requ
   metrics_.RecordComparison(op, comparison);
   if (!comparison.mismatch()) return;
   std::string dumped;
-  if (dumps_ != nullptr) {
+  auto source = metadata.find("source");
+  ShadowDumpWriter* writer =
+      source != metadata.end() && source->second == "verify" ? verify_dumps_.get() : dumps_.get();
+  if (writer != nullptr) {
     DumpCase c;
     c.op = OpName(op);
     c.request_id = request_id;
@@ -269,7 +279,7 @@ void ShadowVerifier::Record(Op op, const WeightSet& set, const std::string& requ
     c.metadata["device"] = options_.device;
     c.metadata["mismatched_outputs"] = absl::StrJoin(outputs, ",");
     c.metadata["summary"] = comparison.MismatchSummary();
-    absl::StatusOr<std::string> path = dumps_->Write(c);
+    absl::StatusOr<std::string> path = writer->Write(c);
     if (path.ok()) {
       metrics_.RecordDump(op, DumpResult::kWritten);
       dumped = absl::StrCat("; dump ", *path);

@@ -20,7 +20,10 @@
 //
 // Verify (request field `verify`): the same comparison, synchronously in the request's own
 // executor job, returned in the response's Verification; it is recorded in the same metrics, logs
-// and dumps as sampled comparisons.
+// and metrics as sampled comparisons; its mismatch dumps go to <dump_dir>/verify under their own
+// bounds (verify_dump_max_files / _bytes): a client asks for verify, so its dumps must not use up
+// the budget of the sampled dumps an operator relies on. How many verify calls run at once is
+// bounded by the service (--max_inflight_verify).
 #pragma once
 
 #include <cstdint>
@@ -50,6 +53,8 @@ struct ShadowOptions {
   std::string dump_dir;                            // --shadow_dump_dir (empty: no dumps)
   int64_t dump_max_files = 32;                     // --shadow_dump_max_files
   uint64_t dump_max_bytes = uint64_t{1} << 30;     // --shadow_dump_max_bytes
+  int64_t verify_dump_max_files = 8;               // --verify_dump_max_files (in dump_dir/verify)
+  uint64_t verify_dump_max_bytes = uint64_t{256} << 20;  // --verify_dump_max_bytes
   std::string backend, device;                     // written into dumps
 };
 
@@ -95,7 +100,8 @@ class ShadowVerifier {
   absl::StatusOr<Comparison> CompareSwaOnWorker(const WeightSet& set, const v1::SwaNormQuantRequest& request,
                                                 const v1::SwaNormQuantResponse& fused,
                                                 v1::SwaNormQuantResponse* unfused);
-  // Metrics, and on a mismatch the log line and the dump.
+  // Metrics, and on a mismatch the log line and the dump (metadata "source" = "verify" picks the
+  // verify writer).
   void Record(Op op, const WeightSet& set, const std::string& request_id, const Comparison& comparison,
               const google::protobuf::Message& request, const google::protobuf::Message& fused,
               const google::protobuf::Message& unfused, std::map<std::string, std::string> metadata);
@@ -104,7 +110,8 @@ class ShadowVerifier {
   Backend& backend_;
   Executor& executor_;
   ShadowMetrics metrics_;
-  std::unique_ptr<ShadowDumpWriter> dumps_;
+  std::unique_ptr<ShadowDumpWriter> dumps_;         // sampled comparisons: dump_dir
+  std::unique_ptr<ShadowDumpWriter> verify_dumps_;  // verify = true: dump_dir/verify
   mutable std::mutex mu_;
   std::mt19937_64 rng_;
   size_t jobs_ = 0;       // reserved: captured and not yet destroyed

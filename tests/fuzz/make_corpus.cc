@@ -5,6 +5,11 @@
 //                                   mhc only, swa fnuz with ue8m0 column-major, a bad one
 //   <out>/fuzz_request_validation/  valid requests of every mHC stage/mode and of SWA (strided rows,
 //                                   both weight sets), plus invalid shapes
+//   <out>/fuzz_weight_set_header/   the small set's headers (both variants, with and without
+//                                   sha256), plus near misses (offset past the payload, short
+//                                   payload_bytes, a hyper-parameter out of range, a bad name)
+//   <out>/fuzz_auth_files/          a token file and an identity file with every right, comments
+//                                   and CRLF, plus near misses
 // Seeds are deterministic (fixed RNG seed), so regenerating them changes nothing.
 #include <cstdint>
 #include <cstdio>
@@ -205,16 +210,50 @@ void RequestSeeds(const std::string& dir) {
   WriteRequest(dir, "swa_shm", 5, shm_swa);
 }
 
+void HeaderSeeds(const std::string& dir) {
+  for (uint8_t variant : {0, 1}) {
+    const v1::WeightSetHeader header = SmallPackedSet(variant).first;
+    const std::string v = std::to_string(variant);
+    WriteFile(dir + "/set_" + v, std::string(1, static_cast<char>(variant)) + header.SerializeAsString());
+    WriteFile(dir + "/set_" + v + "_nosha", std::string(1, static_cast<char>(variant | 2)) + header.SerializeAsString());
+    v1::WeightSetHeader past = header;
+    if (past.tensors_size() > 0) past.mutable_tensors(0)->set_offset(header.payload_bytes());
+    WriteFile(dir + "/offset_past_" + v, std::string(1, static_cast<char>(variant | 2)) + past.SerializeAsString());
+    v1::WeightSetHeader short_payload = header;
+    short_payload.set_payload_bytes(header.payload_bytes() - 1);
+    WriteFile(dir + "/short_payload_" + v, std::string(1, static_cast<char>(variant | 2)) + short_payload.SerializeAsString());
+  }
+  v1::WeightSetHeader iters = SmallPackedSet(0).first;
+  iters.mutable_mhc()->set_sinkhorn_iters(1001);
+  WriteFile(dir + "/sinkhorn_iters_over", std::string(1, '\x02') + iters.SerializeAsString());
+  v1::WeightSetHeader name = SmallPackedSet(1).first;
+  name.set_name("bad name\n");
+  WriteFile(dir + "/bad_name", std::string(1, '\x03') + name.SerializeAsString());
+}
+
+void AuthFileSeeds(const std::string& dir) {
+  WriteFile(dir + "/tokens", "# tokens\n0123456789abcdef0123456789abcdef compute\n\nABCDEFGHIJKLMNOP+/== admin\r\n"
+                             "tok-en.with_all~chars0 admin,compute\n");
+  WriteFile(dir + "/identities", "# identities\nspiffe://td.example/ns/a/sa/loader admin\r\n"
+                                 "subject:CN=orchestrator,O=Acme Inc compute\n\tsubject:CN=x compute,admin\n");
+  WriteFile(dir + "/token_near_misses", "short compute\n0123456789abcdef0123456789abcdef root\n"
+                                        "0123456789abcdef0123456789abcdef compute,compute\n");
+  WriteFile(dir + "/identity_near_misses", "CN=x compute\nspiffe:// admin\nsubject:CN=x compute\nsubject:CN=x admin\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::fprintf(stderr, "usage: %s OUT_DIR (holding fuzz_safetensors/, fuzz_manifest/, fuzz_request_validation/)\n", argv[0]);
+    std::fprintf(stderr, "usage: %s OUT_DIR (holding fuzz_safetensors/, fuzz_manifest/, fuzz_request_validation/, "
+                 "fuzz_weight_set_header/, fuzz_auth_files/)\n", argv[0]);
     return 2;
   }
   const std::string out = argv[1];
   SafetensorsSeeds(out + "/fuzz_safetensors");
   ManifestSeeds(out + "/fuzz_manifest");
   RequestSeeds(out + "/fuzz_request_validation");
+  HeaderSeeds(out + "/fuzz_weight_set_header");
+  AuthFileSeeds(out + "/fuzz_auth_files");
   return 0;
 }

@@ -545,6 +545,48 @@ TEST(LoadWeightsLimits, BufferedBytesOfAllUploadsAreBounded) {
   EXPECT_TRUE(again.ok()) << again.error_message();
 }
 
+// A client that sends the header (and part of the payload) and then stalls, without half-closing:
+// after --upload_idle_timeout_seconds the server ends the stream with DEADLINE_EXCEEDED, releases
+// its buffered bytes and its upload slot, and publishes nothing. The client's own deadline (60 s)
+// is far away: before the idle timeout existed it alone ended the stream.
+TEST(LoadWeightsLimits, StalledUploadIsEndedAfterTheIdleTimeout) {
+  std::mt19937_64 rng{std::random_device{}()};
+  server::ServerConfig config = TestConfig();
+  config.max_concurrent_uploads = 1;
+  config.upload_idle_timeout_seconds = 1;
+  std::unique_ptr<TestServer> ts = TestServer::Start(config);
+  ASSERT_NE(ts, nullptr);
+  const server::PackedWeightSet a = MakeWeightSet(rng, "stalled", MhcSetSpec{}, std::nullopt);
+  for (const size_t first_bytes : {size_t{0}, a.second.size() / 2}) {  // header only; header + half
+    OpenUpload stalled(ts->stub(), a, first_bytes);
+    ASSERT_TRUE(stalled.ok);
+    if (first_bytes > 0) {
+      EXPECT_EQ(WaitMetricAtLeast([&] { return ts->Scrape(); }, "fusedlayer_upload_buffered_bytes", first_bytes),
+                first_bytes);
+    }
+    // No WritesDone, no more chunks: Finish waits for the server's verdict.
+    const grpc::Status ended = stalled.writer->Finish();
+    EXPECT_EQ(ended.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << ended.error_message();
+    EXPECT_NE(ended.error_message().find("--upload_idle_timeout_seconds=1"), std::string::npos)
+        << ended.error_message();
+    EXPECT_NE(ended.error_message().find("after " + std::to_string(first_bytes) + " payload bytes"), std::string::npos)
+        << ended.error_message();
+    const std::string idle = ScrapeWhenIdle(*ts);
+    EXPECT_EQ(MetricValue(idle, "fusedlayer_upload_buffered_bytes"), 0);
+    EXPECT_EQ(MetricValue(idle, "fusedlayer_requests_total", {{"method", "LoadWeights"}, {"code", "DEADLINE_EXCEEDED"}}),
+              first_bytes == 0 ? 1 : 2);
+  }
+  // The single upload slot is free again, and nothing of the stalled streams was published.
+  grpc::ClientContext list_ctx;
+  v1::ListWeightSetsResponse list;
+  ASSERT_TRUE(ts->stub().ListWeightSets(&list_ctx, {}, &list).ok());
+  EXPECT_EQ(list.weight_sets_size(), 0);
+  v1::WeightSetInfo info;
+  const grpc::Status loaded = LoadWeights(ts->stub(), a, &info);
+  ASSERT_TRUE(loaded.ok()) << loaded.error_message();
+  EXPECT_EQ(info.name(), "stalled");
+}
+
 // A client that half-closes and then gives up while its set is still queued behind device work
 // gets CANCELLED, and the set is never published.
 TEST_F(Reliability, LoadWeightsCancelledAfterTheStreamEndedPublishesNothing) {

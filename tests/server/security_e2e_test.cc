@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "auth/identity_file.h"
 #include "auth/token_auth_processor.h"
 #include "auth/token_file.h"
 #include "auth/transport_security.h"
@@ -61,6 +62,9 @@ std::string RandomToken() {
 struct Pki {
   std::string dir;
   std::string ca, server_cert, server_key, client_cert, client_key, rogue_cert, rogue_key;
+  // From the trusted CA too: one with a SPIFFE ID (a single URI SAN), one whose subject has two
+  // attributes (one with a space), one listed nowhere.
+  std::string spiffe_cert, spiffe_key, ops_cert, ops_key, unlisted_cert, unlisted_key;
 };
 
 // Runs a shell command (openssl); returns its exit status. Called before any gRPC thread exists
@@ -82,7 +86,7 @@ Pki* MakePki() {
   };
   auto make_leaf = [&](const std::string& name, const std::string& ca, const std::string& cn, const std::string& ext) {
     std::ofstream(d + name + ".ext") << ext << "\n";
-    if (int rc = Shell("openssl req" + newkey + "-subj /CN=" + cn + " -keyout " + d + name + ".key -out " + d + name +
+    if (int rc = Shell("openssl req" + newkey + "-subj '/CN=" + cn + "' -keyout " + d + name + ".key -out " + d + name +
                        ".csr");
         rc != 0) {
       return rc;
@@ -97,6 +101,12 @@ Pki* MakePki() {
   }
   if (make_leaf("client", "ca", "fusedlayer-test-client", "extendedKeyUsage=clientAuth") != 0) return nullptr;
   if (make_leaf("rogue", "rogue-ca", "fusedlayer-rogue-client", "extendedKeyUsage=clientAuth") != 0) return nullptr;
+  if (make_leaf("spiffe", "ca", "fusedlayer-loader",
+                "subjectAltName=URI:spiffe://fusedlayer.test/ns/ci/sa/loader\nextendedKeyUsage=clientAuth") != 0) {
+    return nullptr;
+  }
+  if (make_leaf("ops", "ca", "fusedlayer-ops/O=Acme Inc", "extendedKeyUsage=clientAuth") != 0) return nullptr;
+  if (make_leaf("unlisted", "ca", "fusedlayer-unlisted", "extendedKeyUsage=clientAuth") != 0) return nullptr;
   pki->ca = d + "ca.pem";
   pki->server_cert = d + "server.pem";
   pki->server_key = d + "server.key";
@@ -104,6 +114,12 @@ Pki* MakePki() {
   pki->client_key = d + "client.key";
   pki->rogue_cert = d + "rogue.pem";
   pki->rogue_key = d + "rogue.key";
+  pki->spiffe_cert = d + "spiffe.pem";
+  pki->spiffe_key = d + "spiffe.key";
+  pki->ops_cert = d + "ops.pem";
+  pki->ops_key = d + "ops.key";
+  pki->unlisted_cert = d + "unlisted.pem";
+  pki->unlisted_key = d + "unlisted.key";
   return pki;
 }
 
@@ -118,6 +134,16 @@ class SecurityTest : public ::testing::Test {
       tokens_file_ = pki_->dir + "/tokens";
       WriteFile(tokens_file_, "# fusedlayer test tokens\n" + compute_token_ + " compute\n\n" + admin_token_ +
                                   " admin\n" + both_token_ + "   admin,compute  \n");
+      identities_file_ = pki_->dir + "/identities";
+      // The subject as gRPC reports it: RFC 2253, the last attribute first.
+      WriteFile(identities_file_,
+                "# fusedlayer test client identities\n"
+                "subject:CN=fusedlayer-test-client compute\n"
+                "spiffe://fusedlayer.test/ns/ci/sa/loader admin\n"
+                "subject:O=Acme Inc,CN=fusedlayer-ops\tcompute,admin\n"
+                "# a subject that no certificate has, and a SPIFFE ID on no certificate\n"
+                "subject:CN=fusedlayer-unlisted,O=Elsewhere admin\n"
+                "spiffe://fusedlayer.test/ns/ci/sa/unlisted compute,admin\n");
     }
   }
   static void TearDownTestSuite() {
@@ -162,12 +188,12 @@ class SecurityTest : public ::testing::Test {
   }
 
   static Pki* pki_;
-  static std::string compute_token_, admin_token_, both_token_, tokens_file_;
+  static std::string compute_token_, admin_token_, both_token_, tokens_file_, identities_file_;
 };
 
 Pki* SecurityTest::pki_ = nullptr;
 std::string SecurityTest::compute_token_, SecurityTest::admin_token_, SecurityTest::both_token_,
-    SecurityTest::tokens_file_;
+    SecurityTest::tokens_file_, SecurityTest::identities_file_;
 
 // ---- TLS ----------------------------------------------------------------------------------------
 
@@ -394,6 +420,275 @@ TEST_F(SecurityTest, BadTlsFilesFailStartWithTheFlagName) {
   EXPECT_NE(s.message().find("missing.pem"), std::string::npos) << s;
 }
 
+// ---- client-certificate identities (mutual TLS) --------------------------------------------------
+
+// Every FusedLayer method and the right it needs, called with the given client (OK or the code).
+struct MethodCodes {
+  StatusCode seam, swa, info, list, load, unload;
+};
+
+MethodCodes CallEveryMethod(FusedLayerClient& c, std::mt19937_64& rng, const std::string& load_name) {
+  MethodCodes m;
+  m.seam = c.MhcSeam(MakeMhcRequest(rng, "sec/resident", MhcRequestSpec{})).status().code();
+  m.swa = c.SwaNormQuant(MakeSwaRequest(rng, "sec/swa", 2, 256 + 128)).status().code();
+  m.info = c.GetServerInfo().status().code();
+  m.list = c.ListWeightSets().status().code();
+  server::PackedWeightSet extra = MakeWeightSet(rng, load_name, MhcSetSpec{}, std::nullopt);
+  m.load = c.LoadWeights(extra.first, extra.second).status().code();
+  // Unloads what it just loaded when it could; NOT_FOUND proves the call got past authorization.
+  m.unload = c.UnloadWeightSet(load_name).status().code();
+  return m;
+}
+
+void ExpectCodes(const MethodCodes& got, const MethodCodes& want, const std::string& who) {
+  EXPECT_EQ(got.seam, want.seam) << who << ": MhcSeam";
+  EXPECT_EQ(got.swa, want.swa) << who << ": SwaNormQuant";
+  EXPECT_EQ(got.info, want.info) << who << ": GetServerInfo";
+  EXPECT_EQ(got.list, want.list) << who << ": ListWeightSets";
+  EXPECT_EQ(got.load, want.load) << who << ": LoadWeights";
+  EXPECT_EQ(got.unload, want.unload) << who << ": UnloadWeightSet";
+}
+
+constexpr StatusCode kOk = StatusCode::kOk, kDenied = StatusCode::kPermissionDenied,
+                     kUnauth = StatusCode::kUnauthenticated;
+constexpr MethodCodes kComputeOnly{kOk, kOk, kOk, kOk, kDenied, kDenied};
+constexpr MethodCodes kAdminOnly{kDenied, kDenied, kDenied, kDenied, kOk, kOk};
+constexpr MethodCodes kEverything{kOk, kOk, kOk, kOk, kOk, kOk};
+constexpr MethodCodes kNobody{kUnauth, kUnauth, kUnauth, kUnauth, kUnauth, kUnauth};
+
+std::vector<server::PackedWeightSet> ResidentSets(std::mt19937_64& rng) {
+  std::vector<server::PackedWeightSet> sets;
+  sets.push_back(MakeWeightSet(rng, "sec/resident", MhcSetSpec{}, std::nullopt));
+  sets.push_back(MakeWeightSet(rng, "sec/swa", std::nullopt, SwaSetSpec{}));
+  return sets;
+}
+
+// Mutual TLS with --auth_identities_file and no token file: each certificate gets the rights of
+// its SPIFFE ID or subject; a certificate of the trusted CA listed nowhere gets UNAUTHENTICATED;
+// one of another CA does not complete the handshake; a token is refused (the server checks none).
+TEST_F(SecurityTest, MutualTlsIdentitiesGrantRightsPerCertificate) {
+  std::mt19937_64 rng = MakeRng(71);
+  server::ServerConfig c = TlsConfig(/*mutual=*/true, /*tokens=*/false);
+  c.allow_unauthenticated_tls = false;  // the identities are the authorization
+  c.auth_identities_file = identities_file_;
+  auto ts = TestServer::Start(c, nullptr, ResidentSets(rng));
+  ASSERT_NE(ts, nullptr);
+  const int port = ts->server().port();
+  auto by_subject = Client(port, "", pki_->ca, pki_->client_cert, pki_->client_key);
+  auto by_spiffe = Client(port, "", pki_->ca, pki_->spiffe_cert, pki_->spiffe_key);
+  auto by_two_attribute_subject = Client(port, "", pki_->ca, pki_->ops_cert, pki_->ops_key);
+  auto unlisted = Client(port, "", pki_->ca, pki_->unlisted_cert, pki_->unlisted_key);
+  auto with_token = Client(port, compute_token_, pki_->ca, pki_->client_cert, pki_->client_key);
+  auto rogue = Client(port, "", pki_->ca, pki_->rogue_cert, pki_->rogue_key);
+  ASSERT_TRUE(by_subject && by_spiffe && by_two_attribute_subject && unlisted && with_token && rogue);
+
+  ExpectCodes(CallEveryMethod(*by_subject, rng, "sec/a"), kComputeOnly, "subject CN=fusedlayer-test-client");
+  ExpectCodes(CallEveryMethod(*by_spiffe, rng, "sec/b"), kAdminOnly, "spiffe://fusedlayer.test/ns/ci/sa/loader");
+  ExpectCodes(CallEveryMethod(*by_two_attribute_subject, rng, "sec/c"), kEverything, "subject O=Acme Inc,CN=...");
+  ExpectCodes(CallEveryMethod(*unlisted, rng, "sec/d"), kNobody, "an unlisted certificate");
+  const absl::Status unlisted_status = unlisted->GetServerInfo().status();
+  EXPECT_NE(unlisted_status.message().find("--auth_identities_file"), std::string::npos) << unlisted_status;
+  // A token where none is checked: refused, although the certificate alone would have sufficed.
+  const absl::Status token_status = with_token->GetServerInfo().status();
+  EXPECT_EQ(token_status.code(), kUnauth) << token_status;
+  EXPECT_NE(token_status.message().find("no --auth_tokens_file"), std::string::npos) << token_status;
+  EXPECT_EQ(rogue->GetServerInfo().status().code(), StatusCode::kUnavailable);
+  // Probes need the handshake, not an identity.
+  EXPECT_TRUE(unlisted->CheckHealth("").ok());
+  EXPECT_TRUE(by_subject->MhcSeam(MakeMhcRequest(rng, "sec/resident", MhcRequestSpec{})).ok());
+}
+
+// Identities and tokens together: a call has the union of its certificate's and its token's
+// rights; a bad token is refused even with a good certificate.
+TEST_F(SecurityTest, MutualTlsIdentitiesCombineWithTokens) {
+  std::mt19937_64 rng = MakeRng(72);
+  server::ServerConfig c = TlsConfig(/*mutual=*/true, /*tokens=*/true);
+  c.auth_identities_file = identities_file_;
+  auto ts = TestServer::Start(c, nullptr, ResidentSets(rng));
+  ASSERT_NE(ts, nullptr);
+  const int port = ts->server().port();
+  struct Case {
+    std::string who, cert, key, token;
+    MethodCodes want;
+  };
+  const std::vector<Case> cases = {
+      {"compute certificate, no token", pki_->client_cert, pki_->client_key, "", kComputeOnly},
+      {"compute certificate + admin token", pki_->client_cert, pki_->client_key, admin_token_, kEverything},
+      {"admin certificate + compute token", pki_->spiffe_cert, pki_->spiffe_key, compute_token_, kEverything},
+      {"unlisted certificate + compute token", pki_->unlisted_cert, pki_->unlisted_key, compute_token_, kComputeOnly},
+      {"unlisted certificate + admin token", pki_->unlisted_cert, pki_->unlisted_key, admin_token_, kAdminOnly},
+      {"unlisted certificate, no token", pki_->unlisted_cert, pki_->unlisted_key, "", kNobody},
+      {"compute certificate + unknown token", pki_->client_cert, pki_->client_key, RandomToken(), kNobody},
+  };
+  int n = 0;
+  for (const Case& k : cases) {
+    auto client = Client(port, k.token, pki_->ca, k.cert, k.key);
+    ASSERT_NE(client, nullptr) << k.who;
+    ExpectCodes(CallEveryMethod(*client, rng, "sec/combined-" + std::to_string(n++)), k.want, k.who);
+  }
+}
+
+TEST_F(SecurityTest, IdentitiesNeedMutualTls) {
+  for (const bool tls : {false, true}) {
+    server::ServerConfig c = tls ? TlsConfig(/*mutual=*/false, /*tokens=*/true) : TestConfig();
+    c.auth_identities_file = identities_file_;
+    const absl::Status s = server::FusedLayerServer::Start(c, CpuBackendFor(c), {}).status();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("--tls_client_ca"), std::string::npos) << s;
+  }
+  // A bad identity file names the file and line; mutual TLS alone is refused without it.
+  server::ServerConfig c = TlsConfig(/*mutual=*/true, /*tokens=*/false);
+  c.allow_unauthenticated_tls = false;
+  absl::Status s = server::FusedLayerServer::Start(c, CpuBackendFor(c), {}).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("--auth_identities_file"), std::string::npos) << s;
+  const std::string bad = pki_->dir + "/bad-identities";
+  WriteFile(bad, "spiffe://fusedlayer.test/x compute\nCN=no-prefix admin\n");
+  c.auth_identities_file = bad;
+  s = server::FusedLayerServer::Start(c, CpuBackendFor(c), {}).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("bad-identities:2:"), std::string::npos) << s;
+}
+
+// ---- the authorization header, as a client or proxy might shape it -------------------------------
+
+// One call of `method` with the given raw `authorization` values (none, one, or several).
+grpc::Status CallWithHeaders(v1::FusedLayer::Stub& stub, const std::string& method,
+                             const std::vector<std::string>& values, std::mt19937_64& rng) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  for (const std::string& v : values) ctx.AddMetadata("authorization", v);
+  if (method == "MhcSeam") {
+    v1::MhcSeamResponse r;
+    return stub.MhcSeam(&ctx, MakeMhcRequest(rng, "sec/resident", MhcRequestSpec{}), &r);
+  }
+  if (method == "SwaNormQuant") {
+    v1::SwaNormQuantResponse r;
+    return stub.SwaNormQuant(&ctx, MakeSwaRequest(rng, "sec/swa", 2, 256 + 128), &r);
+  }
+  if (method == "GetServerInfo") {
+    v1::GetServerInfoResponse r;
+    return stub.GetServerInfo(&ctx, {}, &r);
+  }
+  if (method == "ListWeightSets") {
+    v1::ListWeightSetsResponse r;
+    return stub.ListWeightSets(&ctx, {}, &r);
+  }
+  if (method == "UnloadWeightSet") {
+    v1::UnloadWeightSetRequest req;
+    req.set_name("sec/not-loaded");  // past authorization: NOT_FOUND
+    v1::UnloadWeightSetResponse r;
+    return stub.UnloadWeightSet(&ctx, req, &r);
+  }
+  // LoadWeights: the header of a set that fails validation after authorization (no sha256).
+  v1::WeightSetInfo info;
+  auto writer = stub.LoadWeights(&ctx, &info);
+  v1::WeightChunk chunk;
+  chunk.mutable_header()->set_name("sec/unchecked");
+  chunk.mutable_header()->set_payload_bytes(1);
+  writer->Write(chunk);
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+// Bearer tokens over loopback (local credentials) and over TLS: every shape of the header, and
+// every token against every method, with exact status codes.
+TEST_F(SecurityTest, AuthorizationHeaderShapesAndRightsPerMethod) {
+  std::mt19937_64 rng = MakeRng(73);
+  for (const bool tls : {false, true}) {
+    SCOPED_TRACE(tls ? "TLS" : "loopback, local credentials");
+    server::ServerConfig c = tls ? TlsConfig(/*mutual=*/false, /*tokens=*/true) : TestConfig();
+    c.auth_tokens_file = tokens_file_;
+    auto ts = TestServer::Start(c, nullptr, ResidentSets(rng));
+    ASSERT_NE(ts, nullptr);
+    std::shared_ptr<grpc::Channel> channel;
+    if (tls) {
+      std::ifstream in(pki_->ca);
+      std::stringstream ca;
+      ca << in.rdbuf();
+      grpc::SslCredentialsOptions o;
+      o.pem_root_certs = ca.str();
+      channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(ts->server().port()), grpc::SslCredentials(o));
+    } else {
+      channel = MakeChannel(ts->server().port());
+    }
+    auto stub = v1::FusedLayer::NewStub(channel);
+    auto code = [&](const std::string& method, const std::vector<std::string>& values) {
+      const grpc::Status s = CallWithHeaders(*stub, method, values, rng);
+      return std::make_pair(s.error_code(), s.error_message());
+    };
+    const std::string bearer_compute = "Bearer " + compute_token_;
+
+    // The header's shape, on a compute method with a token that has the right.
+    struct Shape {
+      std::string what;
+      std::vector<std::string> values;
+      grpc::StatusCode want;
+      std::string message;  // in the error
+    };
+    const std::vector<Shape> shapes = {
+        {"no header", {}, grpc::StatusCode::UNAUTHENTICATED, "missing credentials"},
+        {"empty header", {""}, grpc::StatusCode::UNAUTHENTICATED, "not `Bearer <token>`"},
+        {"Basic scheme", {"Basic dXNlcjpwYXNzd29yZA=="}, grpc::StatusCode::UNAUTHENTICATED, "not `Bearer <token>`"},
+        {"scheme without a token", {"Bearer"}, grpc::StatusCode::UNAUTHENTICATED, "not `Bearer <token>`"},
+        {"the token without a scheme", {compute_token_}, grpc::StatusCode::UNAUTHENTICATED, "not `Bearer <token>`"},
+        {"two spaces after Bearer", {"Bearer  " + compute_token_}, grpc::StatusCode::UNAUTHENTICATED,
+         "invalid bearer token"},
+        // (A tab cannot be sent: gRPC's client refuses it as a header value.)
+        {"lowercase scheme", {"bearer " + compute_token_}, grpc::StatusCode::OK, ""},
+        {"uppercase scheme", {"BEARER " + compute_token_}, grpc::StatusCode::OK, ""},
+        {"two identical headers", {bearer_compute, bearer_compute}, grpc::StatusCode::UNAUTHENTICATED,
+         "2 authorization headers"},
+        {"a good and a bad header", {bearer_compute, "Bearer " + RandomToken()}, grpc::StatusCode::UNAUTHENTICATED,
+         "2 authorization headers"},
+        {"a bad and a good header", {"Basic x", bearer_compute}, grpc::StatusCode::UNAUTHENTICATED,
+         "2 authorization headers"},
+        {"an admin and a compute token", {"Bearer " + admin_token_, bearer_compute},
+         grpc::StatusCode::UNAUTHENTICATED, "2 authorization headers"},
+        {"an unknown token", {"Bearer " + RandomToken()}, grpc::StatusCode::UNAUTHENTICATED, "invalid bearer token"},
+        {"the token with a suffix", {bearer_compute + "x"}, grpc::StatusCode::UNAUTHENTICATED, "invalid bearer token"},
+        {"a prefix of the token", {bearer_compute.substr(0, bearer_compute.size() - 1)},
+         grpc::StatusCode::UNAUTHENTICATED, "invalid bearer token"},
+    };
+    for (const Shape& sh : shapes) {
+      const auto [got, message] = code("GetServerInfo", sh.values);
+      EXPECT_EQ(got, sh.want) << sh.what << ": " << message;
+      EXPECT_NE(message.find(sh.message), std::string::npos) << sh.what << ": " << message;
+      EXPECT_EQ(message.find(compute_token_), std::string::npos) << sh.what << ": the token is in the error";
+    }
+
+    // Each token against each method: the right it lacks is PERMISSION_DENIED, the right it has
+    // gets past authorization (OK, or the method's own error for the deliberately bad requests).
+    const std::vector<std::string> compute_methods = {"MhcSeam", "SwaNormQuant", "GetServerInfo", "ListWeightSets"};
+    const std::vector<std::pair<std::string, grpc::StatusCode>> admin_methods = {
+        {"LoadWeights", grpc::StatusCode::INVALID_ARGUMENT},  // no sha256
+        {"UnloadWeightSet", grpc::StatusCode::NOT_FOUND}};
+    for (const auto& [token, name] : std::vector<std::pair<std::string, std::string>>{
+             {compute_token_, "compute"}, {admin_token_, "admin"}, {both_token_, "compute,admin"}}) {
+      const bool compute = name != "admin", admin = name != "compute";
+      for (const std::string& m : compute_methods) {
+        const auto [got, message] = code(m, {"Bearer " + token});
+        EXPECT_EQ(got, compute ? grpc::StatusCode::OK : grpc::StatusCode::PERMISSION_DENIED)
+            << name << " token, " << m << ": " << message;
+      }
+      for (const auto& [m, past_auth] : admin_methods) {
+        const auto [got, message] = code(m, {"Bearer " + token});
+        EXPECT_EQ(got, admin ? past_auth : grpc::StatusCode::PERMISSION_DENIED)
+            << name << " token, " << m << ": " << message;
+        if (!admin) EXPECT_NE(message.find("do not include admin"), std::string::npos) << message;
+      }
+    }
+    // No header on the admin methods: UNAUTHENTICATED (not PERMISSION_DENIED).
+    for (const auto& [m, unused] : admin_methods) {
+      EXPECT_EQ(code(m, {}).first, grpc::StatusCode::UNAUTHENTICATED) << m;
+    }
+    // Health stays open whatever the header says.
+    int serving = 0;
+    EXPECT_TRUE(HealthCheck(channel, "", &serving).ok());
+    EXPECT_EQ(serving, 1);
+  }
+}
+
 // ---- the binary ---------------------------------------------------------------------------------
 
 TEST_F(SecurityTest, BinaryExitsOneOnABadTokenFileWithoutPrintingTokens) {
@@ -582,6 +877,46 @@ TEST(ClientToken, ReadBearerTokenFileTakesOneTokenAndNothingElse) {
   ClientOptions o;
   o.bearer_token = token + "\n";
   EXPECT_EQ(FusedLayerClient::Connect("127.0.0.1:1", o).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(IdentityFile, ParsesSpiffeIdsSubjectsRightsCommentsAndCrlf) {
+  absl::StatusOr<std::vector<auth::IdentityEntry>> e = auth::ParseIdentityFile(
+      "# comment\r\n\r\n  spiffe://td.example/ns/a/sa/b   compute\r\n"
+      "subject:CN=loader,O=Acme Inc\tadmin,compute\n",
+      "ids");
+  ASSERT_TRUE(e.ok()) << e.status();
+  ASSERT_EQ(e->size(), 2u);
+  EXPECT_EQ((*e)[0].kind, auth::IdentityEntry::Kind::kSpiffeId);
+  EXPECT_EQ((*e)[0].value, "spiffe://td.example/ns/a/sa/b");
+  EXPECT_EQ((*e)[0].rights, auth::kRightCompute);
+  EXPECT_EQ((*e)[1].kind, auth::IdentityEntry::Kind::kSubject);
+  EXPECT_EQ((*e)[1].value, "CN=loader,O=Acme Inc");
+  EXPECT_EQ((*e)[1].rights, auth::kRightCompute | auth::kRightAdmin);
+}
+
+TEST(IdentityFile, RejectsMalformedLinesNamingTheLine) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"spiffe://td/x\n", "ids:1: expected `<identity> <rights>`"},
+      {"spiffe://td/x root\n", "ids:1: unknown right 'root'"},
+      {"# c\nCN=x compute\n", "ids:2: an identity starts with spiffe://"},
+      {"spiffe:// compute\n", "ids:1: a SPIFFE ID is"},
+      {"spiffe:///path compute\n", "ids:1: a SPIFFE ID is"},
+      {"spiffe://td/a b compute\n", "ids:1: a SPIFFE ID is"},
+      {"subject: compute\n", "ids:1: subject:<distinguished name>"},
+      {"subject:noequals compute\n", "ids:1: subject:<distinguished name>"},
+      {"subject:CN=a\x01 compute\n", "ids:1: identity has characters outside printable ASCII"},
+      {"spiffe://td/x compute\nspiffe://td/x admin\n", "ids:2: identity already listed"},
+      {"subject:CN=" + std::string(3000, 'a') + " compute\n", "ids:1: identity has 3011 characters"},
+      {"# nothing\n", "ids: no identities"},
+  };
+  for (const auto& [contents, expected] : cases) {
+    absl::StatusOr<std::vector<auth::IdentityEntry>> e = auth::ParseIdentityFile(contents, "ids");
+    ASSERT_FALSE(e.ok()) << expected;
+    EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(e.status().message().find(expected), std::string::npos) << e.status() << " / want " << expected;
+  }
+  // The same identity as a SPIFFE ID and as a subject are different identities.
+  EXPECT_TRUE(auth::ParseIdentityFile("spiffe://td/x compute\nsubject:CN=spiffe://td/x admin\n", "ids").ok());
 }
 
 TEST(TokenAuth, MethodRights) {

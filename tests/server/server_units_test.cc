@@ -1,16 +1,21 @@
 // Unit tests of the server's pure parts: the dispatcher's precedence and fallback rules, the
 // tensor codec's validation, the executor's bound, and flag parsing.
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <future>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "common/byte_budget.h"
 #include "config.h"
 #include "exec/dispatcher.h"
 #include "exec/executor.h"
+#include "exec/weight_manager.h"
 #include "gtest/gtest.h"
+#include "rpc/idle_watch.h"
 #include "rpc/proto_convert.h"
 #include "server_test_env.h"
 #include "weights/weight_set.h"
@@ -348,6 +353,239 @@ TEST(ByteBudget, AdmitsUpToTheLimitAndReleasesOnDestruction) {
   ByteBudget::Lease empty;
   EXPECT_TRUE(budget.TryExtend(empty, 10));
   EXPECT_EQ(budget.in_use(), 10u);
+}
+
+// ---- the last reference to a weight set is freed on the executor -----------------------------
+
+// Which thread destroyed prepared weights: the CPU backend's, wrapped so their destructor records it.
+struct FreedOn {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<std::thread::id> thread;
+  void Record() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      thread = std::this_thread::get_id();
+    }
+    cv.notify_all();
+  }
+  std::optional<std::thread::id> WaitFor(std::chrono::seconds limit) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, limit, [&] { return thread.has_value(); });
+    return thread;
+  }
+};
+
+class TrackedMhc final : public PreparedMhcWeights {
+ public:
+  TrackedMhc(std::unique_ptr<PreparedMhcWeights> inner, std::shared_ptr<FreedOn> freed)
+      : inner_(std::move(inner)), freed_(std::move(freed)) {}
+  ~TrackedMhc() override { freed_->Record(); }
+  const MhcHyperParams& params() const override { return inner_->params(); }
+  bool has_norm_weight() const override { return inner_->has_norm_weight(); }
+  size_t resident_bytes() const override { return inner_->resident_bytes(); }
+  const PreparedMhcWeights& inner() const { return *inner_; }
+
+ private:
+  std::unique_ptr<PreparedMhcWeights> inner_;
+  std::shared_ptr<FreedOn> freed_;
+};
+
+// The CPU backend, with mHC prepared weights that say where they were freed.
+class FreeTrackingBackend final : public Backend {
+ public:
+  FreeTrackingBackend(std::unique_ptr<Backend> inner, std::shared_ptr<FreedOn> freed)
+      : inner_(std::move(inner)), freed_(std::move(freed)) {}
+  std::string_view kind() const override { return inner_->kind(); }
+  std::string device_name() const override { return inner_->device_name(); }
+  std::string arch() const override { return inner_->arch(); }
+  bool host_accessible() const override { return inner_->host_accessible(); }
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return inner_->Allocate(bytes); }
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    return inner_->CopyToDevice(dst, src, bytes);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    return inner_->CopyToHost(dst, src, bytes);
+  }
+  absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> PrepareMhc(const MhcHyperParams& p,
+                                                                 const MhcWeightsHost& w) override {
+    absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> prepared = inner_->PrepareMhc(p, w);
+    if (!prepared.ok()) return prepared.status();
+    return std::make_unique<TrackedMhc>(*std::move(prepared), freed_);
+  }
+  FusedSupport MhcFusedSupport(const PreparedMhcWeights& w, const MhcShapeQuery& q) const override {
+    return inner_->MhcFusedSupport(static_cast<const TrackedMhc&>(w).inner(), q);
+  }
+  absl::StatusOr<RunStats> RunMhc(const PreparedMhcWeights& w, const MhcArgs& a, Path path) override {
+    return inner_->RunMhc(static_cast<const TrackedMhc&>(w).inner(), a, path);
+  }
+  absl::StatusOr<std::unique_ptr<PreparedSwaWeights>> PrepareSwa(const SwaHyperParams& p,
+                                                                 const SwaWeightsHost& w) override {
+    return inner_->PrepareSwa(p, w);
+  }
+  FusedSupport SwaFusedSupport(const PreparedSwaWeights& w, const SwaShapeQuery& q) const override {
+    return inner_->SwaFusedSupport(w, q);
+  }
+  absl::StatusOr<RunStats> RunSwa(const PreparedSwaWeights& w, const SwaArgs& a, Path path) override {
+    return inner_->RunSwa(w, a, path);
+  }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  std::shared_ptr<FreedOn> freed_;
+};
+
+// A caller off the executor (a gRPC thread refusing a compute call, LoadWeights asking Contains)
+// holds the last reference to a set that was unloaded or replaced meanwhile: dropping it there
+// must not free the backend memory there, but on the executor, soon after.
+class LastReference : public ::testing::TestWithParam<bool /*replace instead of unload*/> {};
+
+TEST_P(LastReference, IsFreedOnTheExecutorNotWhereItDropped) {
+  const bool replace = GetParam();
+  std::mt19937_64 rng{std::random_device{}()};
+  const ServerConfig config = fusedlayer::testing::TestConfig();
+  auto freed = std::make_shared<FreedOn>();
+  FreeTrackingBackend backend(fusedlayer::testing::CpuBackendFor(config), freed);
+  Executor executor(4);
+  Metrics metrics("test", "cpu", "x86_64", "cpu");
+  Health health;
+  WeightManager weights(config, backend, executor, metrics, health);
+  PackedWeightSet set = fusedlayer::testing::MakeWeightSet(rng, "held", fusedlayer::testing::MhcSetSpec{}, std::nullopt);
+  PackedWeightSet again = set;
+  ASSERT_TRUE(weights.InstallAndWait(set.first, std::move(set.second), "test").ok());
+
+  std::promise<std::thread::id> worker_id;
+  ASSERT_TRUE(executor.SubmitControl([&](double) { worker_id.set_value(std::this_thread::get_id()); }).ok());
+  const std::thread::id worker = worker_id.get_future().get();
+
+  absl::StatusOr<std::shared_ptr<const WeightSet>> held = weights.Get("held");  // this thread: "gRPC"
+  ASSERT_TRUE(held.ok()) << held.status();
+  if (replace) {
+    // The replacement's prepared weights are tracked too; only the first free is recorded.
+    again.first.set_replace(true);
+    ASSERT_TRUE(weights.InstallAndWait(again.first, std::move(again.second), "test").ok());
+  } else {
+    std::promise<absl::StatusOr<uint64_t>> unloaded;
+    ASSERT_TRUE(executor.SubmitControl([&](double) { unloaded.set_value(weights.UnloadOnWorker("held")); }).ok());
+    ASSERT_TRUE(unloaded.get_future().get().ok());
+  }
+  EXPECT_FALSE(freed->WaitFor(std::chrono::seconds(0)).has_value()) << "freed while a reference was held";
+
+  held->reset();  // the last reference, dropped off the executor
+  const std::optional<std::thread::id> on = freed->WaitFor(std::chrono::seconds(30));
+  ASSERT_TRUE(on.has_value()) << "the set was never freed";
+  EXPECT_EQ(*on, worker) << "freed on the thread that dropped the last reference, not on the executor";
+  EXPECT_NE(*on, std::this_thread::get_id());
+  executor.Stop();
+}
+
+INSTANTIATE_TEST_SUITE_P(WeightManager, LastReference, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "Replaced" : "Unloaded"; });
+
+// Once the executor has stopped nothing can run there any more: the last reference frees the set
+// where it drops (shutdown), rather than never.
+TEST(WeightManager, AfterTheExecutorStoppedTheLastReferenceFreesInPlace) {
+  std::mt19937_64 rng{std::random_device{}()};
+  const ServerConfig config = fusedlayer::testing::TestConfig();
+  auto freed = std::make_shared<FreedOn>();
+  FreeTrackingBackend backend(fusedlayer::testing::CpuBackendFor(config), freed);
+  Executor executor(4);
+  Metrics metrics("test", "cpu", "x86_64", "cpu");
+  Health health;
+  std::shared_ptr<const WeightSet> held;
+  {
+    WeightManager weights(config, backend, executor, metrics, health);
+    PackedWeightSet set =
+        fusedlayer::testing::MakeWeightSet(rng, "held", fusedlayer::testing::MhcSetSpec{}, std::nullopt);
+    ASSERT_TRUE(weights.InstallAndWait(set.first, std::move(set.second), "test").ok());
+    absl::StatusOr<std::shared_ptr<const WeightSet>> got = weights.Get("held");
+    ASSERT_TRUE(got.ok());
+    held = *std::move(got);
+    executor.Stop();
+  }
+  EXPECT_FALSE(freed->WaitFor(std::chrono::seconds(0)).has_value());
+  held.reset();
+  const std::optional<std::thread::id> on = freed->WaitFor(std::chrono::seconds(0));
+  ASSERT_TRUE(on.has_value());
+  EXPECT_EQ(*on, std::this_thread::get_id());
+}
+
+// ---- IdleWatch (LoadWeights upload idle timeout) ------------------------------------------------
+
+// An entry left idle expires exactly once; a disarmed one never; after Remove nothing runs. No
+// timing assertion: the test waits for events, never for a duration.
+TEST(IdleWatch, ExpiresIdleEntriesOnceAndNeverDisarmedOnes) {
+  IdleWatch watch(std::chrono::milliseconds(50));
+  std::mutex mu;
+  std::condition_variable cv;
+  int idle_expired = 0, disarmed_expired = 0;
+  auto count = [&](int* n) {
+    return [&, n] {
+      std::lock_guard<std::mutex> lock(mu);
+      ++*n;
+      cv.notify_all();
+    };
+  };
+  IdleWatch::Entry idle(count(&idle_expired));
+  IdleWatch::Entry disarmed(count(&disarmed_expired));
+  disarmed.Disarm();
+  watch.Add(&idle);
+  watch.Add(&disarmed);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return idle_expired > 0; }));
+  }
+  // A second idle entry added later expires too; by then the watch has looked at the first one
+  // again several times without calling it again.
+  IdleWatch::Entry later(count(&idle_expired));
+  later.Touch();
+  watch.Add(&later);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return idle_expired > 1; }));
+  }
+  watch.Remove(&idle);
+  watch.Remove(&disarmed);
+  watch.Remove(&later);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(idle_expired, 2);
+  EXPECT_EQ(disarmed_expired, 0);
+}
+
+TEST(Config, UploadIdleTimeoutAndVerifyBounds) {
+  ServerConfig c = fusedlayer::testing::TestConfig();
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+  for (int bad : {0, -1, 3601}) {
+    c.upload_idle_timeout_seconds = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  for (int good : {1, 3600}) {
+    c.upload_idle_timeout_seconds = good;
+    EXPECT_TRUE(c.Validate().ok()) << good;
+  }
+  for (int bad : {-1, 1025}) {
+    c.max_inflight_verify = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  for (int good : {0, 1024}) {
+    c.max_inflight_verify = good;
+    EXPECT_TRUE(c.Validate().ok()) << good;
+  }
+  c.verify_dump_max_files = -1;
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.verify_dump_max_files = 0;
+  c.verify_dump_max_bytes = -1;
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.verify_dump_max_bytes = 0;
+  EXPECT_TRUE(c.Validate().ok());
+  for (int bad : {-1, 1025}) {
+    c.malloc_arena_max = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  for (int good : {0, 1, 1024}) {
+    c.malloc_arena_max = good;
+    EXPECT_TRUE(c.Validate().ok()) << good;
+  }
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 
 #include "gtest/gtest.h"
 #include "demo_server_process.h"
+#include "fault_backend.h"
 #include "server_process.h"
 #include "server_test_env.h"
 #include "shadow/shared_messages.h"
@@ -249,6 +250,78 @@ TEST(ShadowE2E, VerifyReturnsTheComparisonSynchronously) {
   }
   m = ScrapeWhenIdle(*ts);
   EXPECT_EQ(Shadow(m, "comparisons_total", {{"op", "mhc"}}), 1);  // unfused runs are not compared
+}
+
+// verify = true runs the op twice in the call's own executor job: --max_inflight_verify bounds how
+// many such calls are admitted at once. Over it: RESOURCE_EXHAUSTED before anything runs, while
+// calls without verify are admitted as before; the slot comes back when the call is done.
+TEST(ShadowE2E, VerifyCallsAreBoundedByMaxInflightVerify) {
+  std::mt19937_64 rng = MakeRng(44);
+  server::ServerConfig cfg = ShadowConfig(0.0);
+  cfg.max_inflight_verify = 1;
+  auto backend = std::make_unique<FaultBackend>(CpuBackendFor(cfg));
+  std::shared_ptr<FaultBackend::Control> control = backend->control();
+  auto ts = TestServer::Start(cfg, std::move(backend), {MakeWeightSet(rng, "v", MhcSetSpec{}, std::nullopt)});
+  ASSERT_NE(ts, nullptr);
+  v1::MhcSeamRequest verify = MakeMhcRequest(rng, "v", {});
+  verify.set_verify(true);
+  const v1::MhcSeamRequest plain = MakeMhcRequest(rng, "v", {});
+  auto call = [&](const v1::MhcSeamRequest& req, v1::MhcSeamResponse* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    return ts->stub().MhcSeam(&ctx, req, resp);
+  };
+
+  const int entered = control->Entered();
+  control->CloseGate();
+  grpc::Status running_status, plain_status;
+  v1::MhcSeamResponse running, plain_resp;
+  std::thread holder([&] { running_status = call(verify, &running); });
+  control->WaitEntered(entered + 1);  // the verify call is inside its first run: it holds the slot
+
+  v1::MhcSeamResponse refused_resp;
+  const grpc::Status refused = call(verify, &refused_resp);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("--max_inflight_verify"), std::string::npos) << refused.error_message();
+  EXPECT_EQ(control->Entered(), entered + 1) << "the refused verify call ran";
+  std::thread plain_caller([&] { plain_status = call(plain, &plain_resp); });  // admitted: queues
+
+  control->OpenGate();
+  holder.join();
+  plain_caller.join();
+  ASSERT_TRUE(running_status.ok()) << running_status.error_message();
+  EXPECT_TRUE(running.verification().compared());
+  EXPECT_FALSE(running.verification().mismatch());
+  ASSERT_TRUE(plain_status.ok()) << plain_status.error_message();
+  EXPECT_FALSE(plain_resp.has_verification());
+
+  // The slot is given back when the call is done (its OnDone, just after the client saw the
+  // status): the next verify call is admitted once the server is idle.
+  ScrapeWhenIdle(*ts);
+  v1::MhcSeamResponse again;
+  const grpc::Status after = call(verify, &again);
+  ASSERT_TRUE(after.ok()) << after.error_message();
+  EXPECT_TRUE(again.verification().compared());
+}
+
+TEST(ShadowE2E, VerifyIsRefusedWhenSwitchedOff) {
+  std::mt19937_64 rng = MakeRng(45);
+  server::ServerConfig cfg = ShadowConfig(0.0);
+  cfg.max_inflight_verify = 0;
+  auto ts = TestServer::Start(cfg, nullptr, {MakeWeightSet(rng, "v", MhcSetSpec{}, std::nullopt)});
+  ASSERT_NE(ts, nullptr);
+  v1::MhcSeamRequest req = MakeMhcRequest(rng, "v", {});
+  req.set_verify(true);
+  v1::MhcSeamResponse resp;
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status s = ts->stub().MhcSeam(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+    EXPECT_NE(s.error_message().find("--max_inflight_verify=0"), std::string::npos) << s.error_message();
+  }
+  req.set_verify(false);
+  grpc::ClientContext ctx;
+  EXPECT_TRUE(ts->stub().MhcSeam(&ctx, req, &resp).ok());
 }
 
 TEST(ShadowE2E, QueueBoundDropsAndServingNeverWaitsBehindShadowWork) {
@@ -578,6 +651,45 @@ TEST(ShadowFaults, UlpFlipIsCountedLoggedDumpedAndReplayed) {
   EXPECT_EQ(Fusedctl({"replay", "--dump=" + not_dump, "--target=127.0.0.1:" + std::to_string(clean.port)}, &out), 1)
       << out;
   std::filesystem::remove_all(dir);
+}
+
+// Dumps of verify = true calls (the client's choice) go to <dump_dir>/verify under their own
+// bounds: verify calls cannot use up the budget of the sampled dumps.
+TEST(ShadowFaults, VerifyDumpsHaveTheirOwnBudget) {
+  const std::string dir = MakeTempDir();
+  DemoServerProcess faulty(FUSEDLAYER_FAULT_SERVER_BINARY,
+                           {"--fault_inject=ulp_flip", "--shadow_sample_rate=1", "--shadow_dump_dir=" + dir,
+                            "--shadow_dump_max_files=2", "--verify_dump_max_files=1"},
+                           true);
+  ASSERT_NE(faulty.port, 0) << faulty.process.ReadAll();
+  std::mt19937_64 rng = MakeRng(46);
+  constexpr int kVerify = 3, kSampled = 2;
+  for (int i = 0; i < kVerify + kSampled; ++i) {
+    v1::MhcSeamRequest req = MakeMhcRequest(rng, "v41-flash/demo", {.hidden = 5120, .tokens = 2});
+    req.set_verify(i < kVerify);  // the verify calls first: before the fix they took the whole budget
+    req.set_request_id("budget-" + std::to_string(i));
+    v1::MhcSeamResponse resp;
+    grpc::ClientContext ctx;
+    const grpc::Status s = faulty.stub->MhcSeam(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    if (i < kVerify) EXPECT_TRUE(resp.verification().mismatch()) << i;
+  }
+  const std::string m = WaitForMetrics([&] { return faulty.Metrics(); }, [&](const std::string& s) {
+    double dumps = 0;
+    for (const char* r : {"written", "limit_reached", "error"}) dumps += Shadow(s, "dumps_total", {{"op", "mhc"}, {"result", r}});
+    return Shadow(s, "comparisons_total", {{"op", "mhc"}}) == kVerify + kSampled && dumps == kVerify + kSampled;
+  });
+  EXPECT_EQ(Shadow(m, "dumps_total", {{"op", "mhc"}, {"result", "written"}}), 1 + kSampled);
+  EXPECT_EQ(Shadow(m, "dumps_total", {{"op", "mhc"}, {"result", "limit_reached"}}), kVerify - 1);
+  EXPECT_EQ(Dumps(dir).size(), static_cast<size_t>(kSampled));  // the sampled dumps all fit
+  const std::vector<std::string> verify_dumps = Dumps(dir + "/verify");
+  ASSERT_EQ(verify_dumps.size(), 1u);
+  // Still a replayable dump, of the first verify call.
+  std::string out;
+  EXPECT_EQ(Fusedctl({"replay", "--dump=" + verify_dumps[0], "--target=127.0.0.1:" + std::to_string(faulty.port)}, &out),
+            3)
+      << out;
+  EXPECT_NE(out.find("REPRODUCED"), std::string::npos) << out;
 }
 
 TEST(ShadowFaults, WrongScaleIsAQScaleMismatchForBothScaleFormats) {
