@@ -103,7 +103,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
     // After Remove the idle watch no longer runs (and will never run) IdleTimeout on this reactor.
     if (watched_) service_.upload_idle_.Remove(&idle_);
     buffered_.Release();
-    service_.open_uploads_.fetch_sub(1, std::memory_order_acq_rel);
+    ReleaseUploadSlot();
     service_.metrics_.InflightAdd(-1);
     delete this;
   }
@@ -192,7 +192,18 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
                                                   : std::string(),
                  " failed: ", status.ToString());
     }
+    // The slot is free before the client can see the status: a client that retries (or uploads
+    // the next set) as soon as this one's error arrives must not find it still counted, which
+    // OnDone alone (run after the status went out) could not promise.
+    ReleaseUploadSlot();
     Finish(ToGrpcStatus(status));
+  }
+
+  // Exactly once, from Complete or OnDone, whichever comes first.
+  void ReleaseUploadSlot() {
+    if (!slot_released_.exchange(true, std::memory_order_acq_rel)) {
+      service_.open_uploads_.fetch_sub(1, std::memory_order_acq_rel);
+    }
   }
 
   FusedLayerService& service_;
@@ -207,6 +218,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   Sha256 hasher_;                // over payload_, chunk by chunk
   std::string payload_sha256_;
   std::atomic<bool> cancelled_{false};
+  std::atomic<bool> slot_released_{false};  // this stream's --max_concurrent_uploads slot given back
   std::atomic<uint64_t> request_bytes_{0};
   std::atomic<uint64_t> received_bytes_{0};  // payload_.size(), for the idle watch's message
   std::mutex finish_mu_;  // guards finished_ and stream_ended_: Finish once, no StartRead after it
