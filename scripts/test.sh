@@ -13,9 +13,10 @@
 #    and examples/whole_model.py,
 # 4. sanitizers (scripts/sanitize.sh): the WHOLE test suite again, built with ASan+UBSan (GCC) and run
 #    with ctest (leaks are failures); the concurrency tests built with ThreadSanitizer and run,
-# 5. fuzzing (scripts/fuzz.sh): the libFuzzer targets (clang, ASan+UBSan) for request validation,
-#    the safetensors reader and the manifest parser, each for FUZZ_SECONDS (default 60) from the
-#    seed corpus in tests/fuzz/corpus/,
+# 5. fuzzing (scripts/fuzz.sh): the libFuzzer targets (clang, ASan+UBSan) for request validation
+#    (shared-memory references included), the safetensors reader, the manifest parser, a
+#    WeightSetHeader given to the weight-set builder, and the token and identity file parsers, each
+#    for FUZZ_SECONDS (default 60) from the seed corpus in tests/fuzz/corpus/,
 # 6. the CPU image (scripts/test-image.sh): built from the Dockerfile with Docker or podman, started
 #    read-only and non-root as deploy/k8s runs it, and checked (health, HEALTHCHECK on a non-default
 #    port, mHC + SWA calls, a manifest weight set on a read-only mount, /metrics, SIGTERM drain).
