@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "device/mhc_finalize_kernel.cuh"
 #include "device/mhc_fused_kernel.cuh"
+#include "device/mhc_staged_pass_kernel.cuh"
 #include "device/mhc_tuning.h"
 #include "device/mhc_unfused_kernels.cuh"
 
@@ -151,8 +152,37 @@ constexpr int64_t kSingleTileMaxTokens = FL_MHC_SINGLE_TILE_MAX_TOKENS;
 // choice may depend on T (tested: BatchInvariance crosses it).
 constexpr int kTile16WideMinBlocks = 4;
 
+// The staged pass (mhc_staged_pass_kernel.cuh, same bits) for the fused path at these token counts:
+// measured faster there (C = 7168: T = 64 14.5 -> 12.6 us, T = 1024 93.8 -> 90.9 us; T = 1 and the
+// GEMM-only pass of the unfused path were slower or equal: MHC_GPU_NOTES.md, "Staged round").
+constexpr int64_t kStagedMinTokens = 2;
+constexpr int64_t kStagedMaxTokens = 1024;
+// 3 resident CTAs per SM (<= 85 registers, no spills; 72 KB of shared memory each): measured
+// better than 2 at T = 128 for C = 5120 (15.8 vs 17.2 us) and within noise elsewhere.
+constexpr int kStagedMinBlocks = 3;
+
+template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix>
+void EnqueueStagedPass(const FusedParams& fp, int nchunk, gpuStream_t stream) {
+  constexpr int kTiles = 1;
+  auto kernel = mhc::MhcStagedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, false, kTiles, kStagedMinBlocks>;
+  constexpr size_t smem = mhc::StagedSmem<kFirst, kTiles>::kBytes;
+  // Above 48 KB of dynamic shared memory needs the opt-in attribute, once per instance; a failure
+  // shows up as the launch error that the caller checks.
+  static const gpuError_t attr =
+      gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), kMaxDynamicSmemAttr, int(smem));
+  (void)attr;
+  const dim3 grid(unsigned((fp.tokens + 15) / 16), unsigned(nchunk));
+  kernel<<<grid, mhc::kStagedThreadsPerTile * kTiles, smem, stream>>>(fp);
+}
+
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false>
 void EnqueueFusedPass(const FusedParams& fp, int nchunk, int sm_count, gpuStream_t stream) {
+  if constexpr (!kGemmOnly) {
+    if (fp.tokens >= kStagedMinTokens && fp.tokens <= kStagedMaxTokens) {
+      EnqueueStagedPass<kFirst, kShifted, kHasPre, kAux, kMix>(fp, nchunk, stream);
+      return;
+    }
+  }
   if (fp.tokens <= kSingleTileMaxTokens) {
     const int64_t tiles = (fp.tokens + 15) / 16;
     const dim3 grid{unsigned(tiles), unsigned(nchunk)};

@@ -503,8 +503,11 @@ TEST_F(GpuMhcTest, FirstAndHeadStages) {
 
 // A token's outputs do not depend on the batch size or its position in the batch.
 TEST_F(GpuMhcTest, BatchInvariance) {
-  // T = 1100 makes the fused pass use its 32-token tiles for the batch and 16-token tiles for the
-  // subsets (the tile choice depends on T; the arithmetic must not). C = 7168, T = 200 (13 tiles x
+  // The fused path runs the staged pass for 2 <= T <= 1024 and the register-resident pass for T = 1
+  // and T > 1024 (mhc_launch.cu): the one-token subset {41} and the T = 1100 batch cross both
+  // boundaries against the staged runs, so this test is also the bitwise check of the two kernels.
+  // T = 1100 makes the register-resident pass use its 32-token tiles for the batch (the tile choice
+  // depends on T; the arithmetic must not). C = 7168, T = 200 (13 tiles x
   // 56 chunks = 728 CTAs, more than 3 per SM on any GPU with < 243 SMs) runs the pass's 4-CTA/SM
   // 16-token instance for the batch and the 3-CTA/SM one for the subsets (both paths). T = 1100 also
   // runs the finalize kernel with 8 mix warps per block, its subsets with 4 (mhc_launch.cu).
