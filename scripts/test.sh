@@ -12,7 +12,8 @@
 #    (scripts/test-python.sh): installed as the README says, its pytest suite against real servers,
 #    and examples/whole_model.py,
 # 4. sanitizers (scripts/sanitize.sh): the WHOLE test suite again, built with ASan+UBSan (GCC) and run
-#    with ctest (leaks are failures); the concurrency tests built with ThreadSanitizer and run,
+#    with ctest (leaks are failures); the concurrency tests and the concurrency-heavy end-to-end
+#    gRPC suites built with ThreadSanitizer and run,
 # 5. fuzzing (scripts/fuzz.sh): the libFuzzer targets (clang, ASan+UBSan) for request validation
 #    (shared-memory references included), the safetensors reader, the manifest parser, a
 #    WeightSetHeader given to the weight-set builder, and the token and identity file parsers, each

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/tsan_annotations.h"
 #include "rpc/proto_convert.h"
 #include "rpc/service.h"
 #include "rpc/unary_call.h"
@@ -46,9 +47,15 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
     ReadNext();
   }
 
-  void OnCancel() override { cancelled_.store(true, std::memory_order_release); }
+  // Each callback first acquires what the thread that handed the stream to gRPC (StartRead,
+  // Finish) released (common/tsan_annotations.h).
+  void OnCancel() override {
+    TsanAcquireFrom(this);
+    cancelled_.store(true, std::memory_order_release);
+  }
 
   void OnReadDone(bool ok) override {
+    TsanAcquireFrom(this);
     idle_.Touch();
     // Finished by the idle watch while this read was pending: nothing more to do with the stream.
     if (Finished()) return;
@@ -100,12 +107,13 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   }
 
   void OnDone() override {
+    TsanAcquireFrom(this);
     // After Remove the idle watch no longer runs (and will never run) IdleTimeout on this reactor.
     if (watched_) service_.upload_idle_.Remove(&idle_);
     buffered_.Release();
     ReleaseUploadSlot();
     service_.metrics_.InflightAdd(-1);
-    delete this;
+    Unref();
   }
 
  private:
@@ -117,7 +125,9 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   // The next read, unless the call was finished meanwhile (by the idle watch, on its thread).
   void ReadNext() {
     std::lock_guard<std::mutex> lock(finish_mu_);
-    if (!finished_) StartRead(&chunk_);
+    if (finished_) return;
+    TsanReleaseTo(this);  // OnReadDone acquires it
+    StartRead(&chunk_);
   }
 
   // On the idle watch's thread: reads only atomics (the reactor's thread may be in OnReadDone).
@@ -196,7 +206,17 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
     // the next set) as soon as this one's error arrives must not find it still counted, which
     // OnDone alone (run after the status went out) could not promise.
     ReleaseUploadSlot();
+    // The reactor stays alive until Finish() has returned too: gRPC's inline Finish() still reads
+    // it after handing the status over, and OnDone may run on a gRPC thread before that.
+    refs_.fetch_add(1, std::memory_order_relaxed);
+    TsanReleaseTo(this);  // OnDone acquires it
     Finish(ToGrpcStatus(status));
+    Unref();  // `this` may be gone from here on
+  }
+
+  // acq_rel: whichever of OnDone and Complete lets go last sees everything the other did.
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
   }
 
   // Exactly once, from Complete or OnDone, whichever comes first.
@@ -218,6 +238,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   Sha256 hasher_;                // over payload_, chunk by chunk
   std::string payload_sha256_;
   std::atomic<bool> cancelled_{false};
+  std::atomic<int> refs_{1};  // gRPC's (dropped in OnDone), and Complete's while it is in Finish()
   std::atomic<bool> slot_released_{false};  // this stream's --max_concurrent_uploads slot given back
   std::atomic<uint64_t> request_bytes_{0};
   std::atomic<uint64_t> received_bytes_{0};  // payload_.size(), for the idle watch's message

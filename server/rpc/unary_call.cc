@@ -2,7 +2,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/tsan_annotations.h"
 #include "rpc/proto_convert.h"
+#include "shadow/shared_messages.h"
 
 namespace fusedlayer::server {
 
@@ -34,7 +36,17 @@ bool UnaryCall::Complete(absl::Status status) {
   metrics_.RecordRequest(method_, static_cast<grpc::StatusCode>(status.code()), SecondsSince(start_), request_bytes_,
                          response_bytes);
   const bool sent = status.ok();
-  Finish(ToGrpcStatus(status));  // `this` may be gone from here on (OnDone)
+  // The compute methods' messages (shadow/shared_messages.h) stay alive until Finish() has
+  // returned (gRPC serializes the response inside it): whoever lets go last deletes them.
+  shadow::SharedMessagesCount* messages = dynamic_cast<shadow::SharedMessagesCount*>(ctx_->GetRpcAllocatorState());
+  if (messages != nullptr) messages->Ref();
+  // This call stays alive until Finish() has returned too: gRPC's inline Finish() still reads
+  // the reactor after handing the status over, and OnDone may run on a gRPC thread before that.
+  refs_.fetch_add(1, std::memory_order_relaxed);
+  TsanReleaseTo(this);  // hand-off to gRPC: OnDone (another gRPC thread) acquires it
+  Finish(ToGrpcStatus(status));
+  if (messages != nullptr) messages->Unref();
+  Unref();  // `this` may be gone from here on
   return sent;
 }
 
@@ -50,10 +62,16 @@ absl::Status UnaryCall::LaunchCheck() const {
 }
 
 void UnaryCall::OnDone() {
+  TsanAcquireFrom(this);  // what the thread that called Finish did happens before (tsan_annotations.h)
   // Bytes first: a scrape that sees no call in flight also sees their bytes given back.
   bytes_lease_.Release();
   metrics_.InflightAdd(-1);
-  delete this;
+  Unref();
+}
+
+void UnaryCall::Unref() {
+  // acq_rel: whichever of OnDone and Complete lets go last sees everything the other did.
+  if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
 }
 
 }  // namespace fusedlayer::server

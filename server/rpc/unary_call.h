@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "common/byte_budget.h"
 #include "common/metrics.h"
+#include "common/tsan_annotations.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/server_callback.h"
@@ -39,7 +40,10 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   // A verify = true call's slot in --max_inflight_verify, given back in OnDone like the bytes.
   void HoldVerifySlot(ByteBudget::Lease slot) { verify_slot_ = std::move(slot); }
 
-  void OnCancel() override { cancelled_.store(true, std::memory_order_release); }
+  void OnCancel() override {
+    TsanAcquireFrom(this);
+    cancelled_.store(true, std::memory_order_release);
+  }
   void OnDone() override;
 
  private:
@@ -50,7 +54,10 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   google::protobuf::Message* const response_;
   const Clock::time_point start_;
   const uint64_t request_bytes_;
+  void Unref();
+
   std::atomic<bool> cancelled_{false};
+  std::atomic<int> refs_{1};  // gRPC's (dropped in OnDone), and Complete's while it is in Finish()
   ByteBudget::Lease bytes_lease_;
   ByteBudget::Lease verify_slot_;
 };

@@ -53,8 +53,30 @@ struct SharedMessagesCounters {
 template <typename Req, typename Resp>
 class SharedMessagesRef;
 
+// The count, apart from the message types: UnaryCall (rpc/unary_call.cc) holds a reference across
+// its Finish() without knowing the method. Why: gRPC serializes the response inside Finish() on the
+// calling thread, and the call may complete (OnDone, then Release() on a gRPC thread) before
+// Finish() returns. gRPC orders that, but through its uninstrumented internals; with this
+// reference the messages are deleted by whoever lets go last, ordered by the count's acq_rel, so
+// ThreadSanitizer sees the serialization happen before the delete (common/tsan_annotations.h).
+class SharedMessagesCount {
+ public:
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) Destroy();
+  }
+  int refs_for_test() const { return refs_.load(std::memory_order_acquire); }
+
+ protected:
+  virtual ~SharedMessagesCount() = default;
+  virtual void Destroy() = 0;
+
+ private:
+  std::atomic<int> refs_{1};  // gRPC's
+};
+
 template <typename Req, typename Resp>
-class SharedMessages final : public grpc::MessageHolder<Req, Resp> {
+class SharedMessages final : public grpc::MessageHolder<Req, Resp>, public SharedMessagesCount {
  public:
   SharedMessages() {
     this->set_request(&request_);
@@ -66,10 +88,11 @@ class SharedMessages final : public grpc::MessageHolder<Req, Resp> {
 
   // gRPC's reference ends (once, when the call is done).
   void Release() override { Unref(); }
+  using SharedMessagesCount::Unref;
 
   // Another reference, for a reader that outlives the call. Only while a reference is held.
   SharedMessagesRef<Req, Resp> AddRef() {
-    refs_.fetch_add(1, std::memory_order_relaxed);
+    Ref();
     return SharedMessagesRef<Req, Resp>(this);
   }
 
@@ -78,16 +101,12 @@ class SharedMessages final : public grpc::MessageHolder<Req, Resp> {
     return dynamic_cast<SharedMessages*>(ctx->GetRpcAllocatorState());
   }
 
-  int refs_for_test() const { return refs_.load(std::memory_order_acquire); }
 
  private:
   friend class SharedMessagesRef<Req, Resp>;
   ~SharedMessages() override { SharedMessagesCounters::freed.fetch_add(1, std::memory_order_release); }
-  void Unref() {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
-  }
+  void Destroy() override { delete this; }
 
-  std::atomic<int> refs_{1};  // gRPC's
   Req request_;
   Resp response_;
 };

@@ -1,0 +1,59 @@
+// Happens-before edges through gRPC, made visible to ThreadSanitizer.
+//
+// Why: Debian's libgrpc / libgrpc++ are prebuilt without TSan instrumentation. When our code hands
+// a call to gRPC (StartRead, StartWrite, Finish) and gRPC later calls us back for it on another of
+// its threads (OnReadDone, OnWriteDone, OnDone), the synchronisation that orders the two (its
+// completion queues, combiners, executors: atomics and futexes inside libgrpc) is invisible to TSan.
+// Every object our code touched before the hand-off and touches (or gRPC frees, through the
+// intercepted free) after it then looks unsynchronised: the messages a reactor fills, the reactor
+// itself when OnDone deletes it, the call arena gRPC frees after OnDone. TSan reports these as data
+// races although gRPC does order them.
+//
+// What: the reactors announce the hand-off themselves, the way an instrumented gRPC would:
+// TsanReleaseTo(reactor) just before every StartRead / Finish (everything this thread did so far
+// happens before what follows), TsanAcquireFrom(reactor) first thing in every callback gRPC runs for
+// the call (OnReadDone, OnCancel, OnDone). The address is only a key for TSan's sync object: the
+// reactor's own address, alive for as long as gRPC may call it back. gRPC does deliver each callback
+// after the operation that triggered it, so the edges are the ones gRPC really provides; they add
+// no ordering TSan could not otherwise prove wrong in our code: an access made on another thread
+// WITHOUT going through such a hand-off (or one of our own locks) is still reported.
+//
+// In builds without TSan these are empty inline functions (no code). Detection as in
+// common/annotated_mutex.h (GCC: __SANITIZE_THREAD__, clang: __has_feature(thread_sanitizer)).
+#pragma once
+
+#ifndef FUSEDLAYER_TSAN
+#if defined(__SANITIZE_THREAD__)
+#define FUSEDLAYER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define FUSEDLAYER_TSAN 1
+#endif
+#endif
+#endif
+
+#ifdef FUSEDLAYER_TSAN
+#include <sanitizer/tsan_interface.h>
+#endif
+
+namespace fusedlayer::server {
+
+// Before handing the call keyed by `key` to gRPC (StartRead, StartWrite, Finish, ...).
+inline void TsanReleaseTo(const void* key) {
+#ifdef FUSEDLAYER_TSAN
+  __tsan_release(const_cast<void*>(key));
+#else
+  (void)key;
+#endif
+}
+
+// First thing in a callback gRPC runs for the call keyed by `key` (OnReadDone, OnCancel, OnDone).
+inline void TsanAcquireFrom(const void* key) {
+#ifdef FUSEDLAYER_TSAN
+  __tsan_acquire(const_cast<void*>(key));
+#else
+  (void)key;
+#endif
+}
+
+}  // namespace fusedlayer::server
