@@ -18,6 +18,7 @@
 #include "client/bench_stats.h"
 #include "client/cli_options.h"
 #include "client/echo_floor.h"
+#include "client/fusedctl_commands.h"
 #include "client/fusedlayer_client.h"
 #include "client/latency_stats.h"
 #include "client/random_inputs.h"
@@ -673,6 +674,24 @@ TEST(BenchStatsTest, StagesLineHasEachStagesP50) {
   no_stages.report.clear_stages();
   old.Add(no_stages);
   EXPECT_FALSE(absl::StrContains(old.Format(info), "stages p50")) << old.Format(info);
+}
+
+// `fusedctl seam` / `swa` print the stages of the report when the server sent them.
+TEST(FusedctlReportTest, PrintsTheStagesWhenPresent) {
+  v1::ExecutionReport r;
+  r.set_path(v1::EXECUTION_PATH_FUSED);
+  r.set_server_seconds(2e-3);
+  EXPECT_FALSE(absl::StrContains(FormatReport(r, 3e-3), "stages")) << FormatReport(r, 3e-3);
+  v1::StageSeconds* st = r.mutable_stages();
+  st->set_decode(11e-6);
+  st->set_copy_in(22e-6);
+  st->set_device(1.5e-3);
+  st->set_copy_out(33e-6);
+  st->set_response(44e-6);
+  const std::string text = FormatReport(r, 3e-3);
+  EXPECT_TRUE(absl::StrContains(text, "  stages      decode 11.0 us  copy_in 22.0 us  device 1.500 ms  "
+                                      "copy_out 33.0 us  response 44.0 us\n"))
+      << text;
 }
 
 TEST(BenchStatsTest, EchoFloorBlockHasTheFieldsAndRatios) {
