@@ -1,5 +1,7 @@
 #include "client/bench_stats.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli_options.h"
@@ -17,6 +19,14 @@ void BenchStats::Add(const CallOutcome& o) {
   kernel_.push_back(o.report.kernel_seconds());
   server_.push_back(o.report.server_seconds());
   queue_.push_back(o.report.queue_seconds());
+  if (o.report.has_stages()) {
+    const v1::StageSeconds& st = o.report.stages();
+    decode_.push_back(st.decode());
+    copy_in_.push_back(st.copy_in());
+    device_.push_back(st.device());
+    copy_out_.push_back(st.copy_out());
+    response_.push_back(st.response());
+  }
   if (o.report.path() == v1::EXECUTION_PATH_FUSED) {
     ++fused_;
   } else {
@@ -29,6 +39,11 @@ void BenchStats::Merge(const BenchStats& other) {
   kernel_.insert(kernel_.end(), other.kernel_.begin(), other.kernel_.end());
   server_.insert(server_.end(), other.server_.begin(), other.server_.end());
   queue_.insert(queue_.end(), other.queue_.begin(), other.queue_.end());
+  for (auto [mine, theirs] : {std::pair{&decode_, &other.decode_}, {&copy_in_, &other.copy_in_},
+                              {&device_, &other.device_}, {&copy_out_, &other.copy_out_},
+                              {&response_, &other.response_}}) {
+    mine->insert(mine->end(), theirs->begin(), theirs->end());
+  }
   fused_ += other.fused_;
   for (const auto& [k, v] : other.fallbacks_) fallbacks_[k] += v;
   for (const auto& [k, v] : other.errors_) errors_[k] += v;
@@ -79,6 +94,15 @@ std::string BenchStats::Format(const RunInfo& info) const {
     absl::StrAppend(&s, "server side  kernel p50 ", FormatSeconds(k.p50), " p99 ", FormatSeconds(k.p99),
                     "; server p50 ", FormatSeconds(sv.p50), " p99 ", FormatSeconds(sv.p99), "; queue p50 ",
                     FormatSeconds(q.p50), " p99 ", FormatSeconds(q.p99), "\n");
+    if (!decode_.empty()) {
+      // Where the server time went (ExecutionReport.stages): each stage's own p50, beside server p50.
+      absl::StrAppend(&s, "stages p50   decode ", FormatSeconds(SummarizeLatencies(decode_).p50), "  queue ",
+                      FormatSeconds(q.p50), "  copy_in ", FormatSeconds(SummarizeLatencies(copy_in_).p50),
+                      "  device ", FormatSeconds(SummarizeLatencies(device_).p50), "  copy_out ",
+                      FormatSeconds(SummarizeLatencies(copy_out_).p50), "  response ",
+                      FormatSeconds(SummarizeLatencies(response_).p50), "  (server p50 ", FormatSeconds(sv.p50),
+                      ")\n");
+    }
   }
   absl::StrAppend(&s, absl::StrFormat("fused hit    %.2f%% (%d of %d OK responses)\n", 100.0 * FusedHitRate(), fused_, ok()));
   if (fallbacks_.empty()) {

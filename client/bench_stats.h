@@ -62,6 +62,8 @@ class BenchStats {
  private:
   std::vector<double> latencies_;      // OK calls only
   std::vector<double> kernel_, server_, queue_;
+  // ExecutionReport.stages of the OK calls that had them (a server older than stages sends none).
+  std::vector<double> decode_, copy_in_, device_, copy_out_, response_;
   int64_t fused_ = 0;
   std::map<std::string, int64_t> fallbacks_;
   std::map<absl::StatusCode, int64_t> errors_;

@@ -96,6 +96,13 @@ std::string FormatReport(const v1::ExecutionReport& r, double round_trip_seconds
   absl::StrAppend(&s, "  kernel      ", FormatSeconds(r.kernel_seconds()), "\n");
   absl::StrAppend(&s, "  queue       ", FormatSeconds(r.queue_seconds()), "\n");
   absl::StrAppend(&s, "  server      ", FormatSeconds(r.server_seconds()), "\n");
+  if (r.has_stages()) {
+    // Where the server time went (queue is above); docs/operations.md lists what each covers.
+    const v1::StageSeconds& st = r.stages();
+    absl::StrAppend(&s, "  stages      decode ", FormatSeconds(st.decode()), "  copy_in ", FormatSeconds(st.copy_in()),
+                    "  device ", FormatSeconds(st.device()), "  copy_out ", FormatSeconds(st.copy_out()),
+                    "  response ", FormatSeconds(st.response()), "\n");
+  }
   absl::StrAppend(&s, "  round trip  ", FormatSeconds(round_trip_seconds), "  (transfer + serialisation: ",
                   FormatSeconds(round_trip_seconds - r.server_seconds()), ")\n");
   return s;

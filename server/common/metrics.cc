@@ -154,6 +154,20 @@ Metrics::Metrics(std::string_view version, std::string_view backend, std::string
                                   .Name("fusedlayer_batch_tokens")
                                   .Help("Tokens computed by one op launch (dynamic batching)")
                                   .Register(reg);
+  // The stage a request spent its server time in (ExecutionReport.stages), pre-created at 0.
+  auto& stage_family = prometheus::BuildHistogram()
+                           .Name("fusedlayer_request_stage_seconds")
+                           .Help("Server time of one OK compute request by stage: decode (gRPC thread), queue, "
+                                 "copy_in, device, copy_out, response")
+                           .Register(reg);
+  static constexpr const char* kStageNames[kNumStages] = {"decode", "queue", "copy_in", "device", "copy_out",
+                                                           "response"};
+  for (Op op : kAllOps) {
+    for (int s = 0; s < kNumStages; ++s) {
+      stage_duration_[static_cast<int>(op)][s] =
+          &stage_family.Add({{"op", OpName(op)}, {"stage", kStageNames[s]}}, QueueBuckets());
+    }
+  }
   for (Op op : kAllOps) {
     batch_requests_[static_cast<int>(op)] = &batch_requests_family.Add({{"op", OpName(op)}}, BatchRequestBuckets());
     batch_tokens_[static_cast<int>(op)] = &batch_tokens_family.Add({{"op", OpName(op)}}, BatchTokenBuckets());
@@ -226,6 +240,16 @@ void Metrics::RecordRequest(Method method, grpc::StatusCode code, double seconds
 void Metrics::RecordBatch(Op op, size_t requests, int64_t tokens) {
   batch_requests_[static_cast<int>(op)]->Observe(static_cast<double>(requests));
   batch_tokens_[static_cast<int>(op)]->Observe(static_cast<double>(tokens));
+}
+
+}  // namespace fusedlayer::server
+
+namespace fusedlayer::server {
+
+void Metrics::RecordStages(Op op, const RequestStages& st) {
+  const auto& h = stage_duration_[static_cast<int>(op)];
+  const double values[kNumStages] = {st.decode, st.queue, st.copy_in, st.device, st.copy_out, st.response};
+  for (int s = 0; s < kNumStages; ++s) h[s]->Observe(values[s]);
 }
 
 }  // namespace fusedlayer::server

@@ -39,6 +39,12 @@ const char* MethodName(Method m);
 // gRPC code name as the "code" label: "OK", "INVALID_ARGUMENT", ...
 const char* StatusCodeName(grpc::StatusCode code);
 
+// One compute request's stages, seconds (ExecutionReport.stages and queue_seconds).
+struct RequestStages {
+  double decode, queue, copy_in, device, copy_out, response;
+};
+inline constexpr int kNumStages = 6;
+
 class Metrics {
  public:
   // `device` labels the resident-bytes gauge ("cpu:0", "cuda:0").
@@ -61,6 +67,8 @@ class Metrics {
   void ObserveQueue(double seconds) { queue_duration_->Observe(seconds); }
   // One launch of `op` that served `requests` requests with `tokens` tokens in all (dynamic batching).
   void RecordBatch(Op op, size_t requests, int64_t tokens);
+  // fusedlayer_request_stage_seconds{op,stage} of one OK compute request.
+  void RecordStages(Op op, const RequestStages& stages);
   void SetResidentBytes(uint64_t bytes) { resident_bytes_->Set(static_cast<double>(bytes)); }
 
  private:
@@ -91,6 +99,7 @@ class Metrics {
   prometheus::Histogram* queue_duration_;
   std::array<prometheus::Histogram*, 2> batch_requests_{};  // [op]
   std::array<prometheus::Histogram*, 2> batch_tokens_{};    // [op]
+  std::array<std::array<prometheus::Histogram*, kNumStages>, 2> stage_duration_{};  // [op][stage]
   prometheus::Gauge* resident_bytes_;
 };
 

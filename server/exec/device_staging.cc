@@ -117,10 +117,13 @@ absl::Status LaneStaging::EnqueueCopiesBack() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out) {
+absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out, StageTimes* times,
+                                             std::chrono::steady_clock::time_point device_from) {
   // Always wait, even for a call that enqueued nothing: the lane's kernel time (and the error of
   // a launch that was enqueued) belongs to this call.
   absl::StatusOr<RunStats> waited = lane_.Wait();
+  const auto waited_at = std::chrono::steady_clock::now();
+  if (times != nullptr) times->device += SecondsBetween(device_from, waited_at);
   enqueued_ = false;
   if (!waited.ok()) {
     // The device's state is unknown: do not hand this block to the next request.
@@ -132,6 +135,7 @@ absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out) {
     for (const Tensor& t : tensors_) {
       if (!t.input && t.bytes > 0) std::memcpy(t.host.data, staging + t.offset, t.bytes);
     }
+    if (times != nullptr) times->copy_out += SecondsBetween(waited_at, std::chrono::steady_clock::now());
   }
   return waited;
 }

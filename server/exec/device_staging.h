@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "exec/host_staging_pool.h"
+#include "exec/stage_times.h"
 #include "fusedlayer/backend.h"
 
 namespace fusedlayer::server {
@@ -51,8 +52,10 @@ class LaneStaging {
   absl::Status Stage();
   absl::Status EnqueueCopiesBack();
   // Waits for the lane; when `copy_out`, copies the outputs into their host views. The lane's
-  // error (Internal) if its work failed.
-  absl::StatusOr<RunStats> Finish(bool copy_out);
+  // error (Internal) if its work failed. When `times` is set, the wait (from `device_from`, the
+  // end of Stage()) is added to its device stage and the memcpy out to its copy_out stage.
+  absl::StatusOr<RunStats> Finish(bool copy_out, StageTimes* times = nullptr,
+                                  std::chrono::steady_clock::time_point device_from = {});
 
  private:
   struct Tensor {

@@ -9,14 +9,35 @@
 namespace fusedlayer::server {
 namespace {
 
+// The default path's stages (DeviceStaging: copies in, synchronous run, copies back; on a
+// host-accessible backend the copies are no-ops and everything is the run): Next(stage) adds the
+// time since the previous boundary to `stage`.
+class StageClock {
+ public:
+  explicit StageClock(StageTimes* times) : times_(times), last_(std::chrono::steady_clock::now()) {}
+  void Next(double StageTimes::*stage) {
+    if (times_ == nullptr) return;
+    const auto now = std::chrono::steady_clock::now();
+    times_->*stage += SecondsBetween(last_, now);
+    last_ = now;
+  }
+
+ private:
+  StageTimes* const times_;
+  std::chrono::steady_clock::time_point last_;
+};
+
 // The lane path (op_calls.h): stage, enqueue the op, queue the copies back, wait once.
 template <typename Args, typename Enqueue>
 absl::StatusOr<RunStats> RunOnLane(const ExecTarget& target, const Args& dev, LaneStaging& staging,
                                    Enqueue&& enqueue) {
+  const auto t0 = std::chrono::steady_clock::now();
   absl::Status launched = staging.Stage();
+  const auto staged = std::chrono::steady_clock::now();
+  if (target.times != nullptr) target.times->copy_in += SecondsBetween(t0, staged);
   if (launched.ok()) launched = enqueue(dev);
   if (launched.ok()) launched = staging.EnqueueCopiesBack();
-  absl::StatusOr<RunStats> waited = staging.Finish(/*copy_out=*/launched.ok());
+  absl::StatusOr<RunStats> waited = staging.Finish(/*copy_out=*/launched.ok(), target.times, staged);
   if (!launched.ok()) return launched;  // a validation or allocation error, as the default path reports it
   return waited;
 }
@@ -38,6 +59,7 @@ absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcW
     return RunOnLane(target, dev, staging,
                      [&](const MhcArgs& a) { return target.lane->EnqueueMhc(weights, a, path); });
   }
+  StageClock clock(target.times);
   DeviceStaging staging(target.backend);
   for (auto [dst, src] : inputs) {
     FL_ASSIGN_OR_RETURN(*dst, staging.Input(*src));
@@ -45,9 +67,12 @@ absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcW
   for (auto [dst, src] : outputs) {
     FL_ASSIGN_OR_RETURN(*dst, staging.Output(*src));
   }
+  clock.Next(&StageTimes::copy_in);
   absl::StatusOr<RunStats> stats = target.backend.RunMhc(weights, dev, path);
+  clock.Next(&StageTimes::device);
   if (!stats.ok()) return stats.status();
   if (absl::Status s = staging.CopyOutputsBack(); !s.ok()) return s;
+  clock.Next(&StageTimes::copy_out);
   return stats;
 }
 
@@ -63,14 +88,18 @@ absl::StatusOr<RunStats> RunSwaCall(const ExecTarget& target, const PreparedSwaW
     return RunOnLane(target, dev, staging,
                      [&](const SwaArgs& a) { return target.lane->EnqueueSwa(weights, a, path); });
   }
+  StageClock clock(target.times);
   DeviceStaging staging(target.backend);
   FL_ASSIGN_OR_RETURN(dev.qr_kv, staging.Input(host.qr_kv));
   for (auto [dst, src] : outputs) {
     FL_ASSIGN_OR_RETURN(*dst, staging.Output(*src));
   }
+  clock.Next(&StageTimes::copy_in);
   absl::StatusOr<RunStats> stats = target.backend.RunSwa(weights, dev, path);
+  clock.Next(&StageTimes::device);
   if (!stats.ok()) return stats.status();
   if (absl::Status s = staging.CopyOutputsBack(); !s.ok()) return s;
+  clock.Next(&StageTimes::copy_out);
   return stats;
 }
 

@@ -18,6 +18,7 @@
 #pragma once
 
 #include "absl/status/statusor.h"
+#include "exec/stage_times.h"
 #include "fusedlayer/backend.h"
 
 namespace fusedlayer::server {
@@ -38,6 +39,7 @@ struct ExecTarget {
   Backend& backend;
   Lane* lane = nullptr;                // null: the backend's default context (or host views on a CPU)
   HostStagingPool* staging = nullptr;  // set with `lane`
+  StageTimes* times = nullptr;         // when set, the run's stage times are added to it
 };
 
 absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcWeights& weights,

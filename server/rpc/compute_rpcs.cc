@@ -3,6 +3,7 @@
 // dynamic batching with compatible queued requests (exec/executor.h, exec/batch_assembly.h), the
 // path choice and run with fallback (exec/dispatcher.h), verify or shadow sampling, each request's
 // own report, the response. What differs between the two ops is in rpc/op_traits.h.
+#include <chrono>
 #include <utility>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "common/log.h"
 #include "exec/batch_assembly.h"
 #include "exec/dispatcher.h"
+#include "exec/stage_times.h"
 #include "rpc/op_traits.h"
 #include "rpc/proto_convert.h"
 #include "rpc/service.h"
@@ -51,7 +53,7 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   ComputeTask(FusedLayerService& service, UnaryCall* call, typename Rpc::Messages* held,
               const typename Rpc::Request* request, typename Rpc::Response* response,
               std::shared_ptr<const WeightSet> set, typename Rpc::Call decoded,
-              std::unique_ptr<transport::TensorTransfer> transfer)
+              std::unique_ptr<transport::TensorTransfer> transfer, double decode_seconds)
       : service_(service),
         call_(call),
         held_(held),
@@ -59,7 +61,8 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
         response_(response),
         set_(std::move(set)),
         decoded_(std::move(decoded)),
-        transfer_(std::move(transfer)) {}
+        transfer_(std::move(transfer)),
+        decode_seconds_(decode_seconds) {}
 
   int64_t tokens() const override { return decoded_.args.tokens; }
   // verify runs the unfused comparison in the same job (per request), and an empty request has
@@ -72,8 +75,10 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
 
  private:
   void RunBatch(std::vector<std::unique_ptr<BatchableTask>>& batch, const std::vector<double>& queue_seconds) override;
-  // Path choice and run with fallback for `call` (one request's or a batch's).
-  absl::StatusOr<DispatchOutcome> Execute(const typename Rpc::Call& call, const std::string& what) const;
+  // Path choice and run with fallback for `call` (one request's or a batch's); its stage times
+  // are added to `times`.
+  absl::StatusOr<DispatchOutcome> Execute(const typename Rpc::Call& call, const std::string& what,
+                                          StageTimes* times) const;
   // Metrics, report, verify or shadow sampling, response: this request's part after the launch.
   void Finish(const absl::StatusOr<DispatchOutcome>& ran, size_t batch_requests, int64_t batch_tokens);
   std::string What() const {
@@ -92,11 +97,14 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   // views, and the outputs written to their regions after the run (server/transport/).
   const std::unique_ptr<transport::TensorTransfer> transfer_;
   double queue_seconds_ = 0;
+  const double decode_seconds_;  // on the gRPC thread, receipt to hand-off (StartCompute)
+  StageTimes stages_;            // of this request's launch (the batch's when it shared one)
 };
 
 template <typename Rpc>
 absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(const typename Rpc::Call& call,
-                                                                             const std::string& what) const {
+                                                                             const std::string& what,
+                                                                             StageTimes* times) const {
   const typename Rpc::Prepared& part = *Rpc::Part(*set_);
   Backend& backend = service_.backend_;
   const v1::PathPreference preference = request_->path_preference();
@@ -104,7 +112,8 @@ absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(con
                                                      [&] { return Rpc::Support(backend, part, call); });
   if (!decision.ok()) return decision.status();
   // This worker's lane (or the backend itself on a host-accessible backend).
-  const ExecTarget target = service_.lanes_.For(service_.executor_.worker_index());
+  ExecTarget target = service_.lanes_.For(service_.executor_.worker_index());
+  target.times = times;
   return RunWithFallback(Rpc::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what,
                          [&](Path path) { return Rpc::Run(target, part, call, path); });
 }
@@ -140,8 +149,12 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
     if (same_path) {
       const std::string what = absl::StrCat("a batch of ", live.size(), " requests from ", live.front()->What(),
                                             ", ", Rpc::kTokensSymbol, " = ", batched.args.tokens, " in all");
-      absl::StatusOr<DispatchOutcome> ran = Execute(batched, what);
+      StageTimes times;
+      absl::StatusOr<DispatchOutcome> ran = Execute(batched, what, &times);
       if (ran.ok()) {
+        // (Scattering the batch's outputs into the responses falls between stages: it is in
+        // server_seconds but in no stage.)
+        for (ComputeTask* task : live) task->stages_ = times;
         assembly.Scatter();
         metrics.RecordBatch(Rpc::kOp, live.size(), batched.args.tokens);
         for (ComputeTask* task : live) task->Finish(ran, live.size(), batched.args.tokens);
@@ -152,7 +165,7 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
     }
   }
   for (ComputeTask* task : live) {
-    absl::StatusOr<DispatchOutcome> ran = task->Execute(task->decoded_, task->What());
+    absl::StatusOr<DispatchOutcome> ran = task->Execute(task->decoded_, task->What(), &task->stages_);
     metrics.RecordBatch(Rpc::kOp, 1, task->decoded_.args.tokens);
     task->Finish(ran, 1, task->decoded_.args.tokens);
   }
@@ -161,6 +174,7 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
 template <typename Rpc>
 void FusedLayerService::ComputeTask<Rpc>::Finish(const absl::StatusOr<DispatchOutcome>& ran, size_t batch_requests,
                                                  int64_t batch_tokens) {
+  const auto response_start = std::chrono::steady_clock::now();
   Metrics& metrics = service_.metrics_;
   shadow::ShadowVerifier& shadow = service_.shadow_;
   std::unique_ptr<shadow::ShadowVerifier::Job> shadow_job;
@@ -195,7 +209,16 @@ void FusedLayerService::ComputeTask<Rpc>::Finish(const absl::StatusOr<DispatchOu
       shadow_job = Rpc::Capture(shadow, set_, held_);
     }
     service_.FillReport(report, set_->name);
+    v1::StageSeconds* stages = report->mutable_stages();
+    stages->set_decode(decode_seconds_);
+    stages->set_copy_in(stages_.copy_in);
+    stages->set_device(stages_.device);
+    stages->set_copy_out(stages_.copy_out);
+    // Last: every stage ends before server_seconds is read, so they add up to at most it.
+    stages->set_response(SecondsBetween(response_start, std::chrono::steady_clock::now()));
     report->set_server_seconds(call_->elapsed());
+    metrics.RecordStages(Rpc::kOp, RequestStages{decode_seconds_, queue_seconds_, stages_.copy_in, stages_.device,
+                                                 stages_.copy_out, stages->response()});
   }
   // A response over the send limit is cleared and not sent: nothing to shadow-verify.
   if (!call_->Complete(ran.status())) shadow_job.reset();
@@ -253,8 +276,11 @@ absl::Status FusedLayerService::StartCompute(UnaryCall* call, typename Rpc::Mess
       Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response, transfer.get());
   if (!decoded.ok()) return decoded.status();
   response->set_request_id(RequestId(request->request_id()));
-  return executor_.SubmitBatchable(std::make_unique<ComputeTask<Rpc>>(
-      *this, call, held, request, response, std::move(*set), std::move(*decoded), std::move(transfer)));
+  // The decode stage ends here: the queue wait starts inside SubmitBatchable.
+  const double decode_seconds = call->elapsed();
+  return executor_.SubmitBatchable(std::make_unique<ComputeTask<Rpc>>(*this, call, held, request, response,
+                                                                      std::move(*set), std::move(*decoded),
+                                                                      std::move(transfer), decode_seconds));
 }
 
 }  // namespace fusedlayer::server

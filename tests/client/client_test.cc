@@ -18,6 +18,7 @@
 #include "client/bench_stats.h"
 #include "client/cli_options.h"
 #include "client/echo_floor.h"
+#include "client/fusedctl_commands.h"
 #include "client/fusedlayer_client.h"
 #include "client/latency_stats.h"
 #include "client/random_inputs.h"
@@ -634,6 +635,63 @@ TEST(BenchStatsTest, HitRateFallbacksErrorsAndMerge) {
   EXPECT_TRUE(absl::StrContains(text, "p50 2.000 ms")) << text;  // nearest rank of {1,2,3,4} ms
   EXPECT_EQ(BenchStats().FusedHitRate(), 0.0);
   EXPECT_EQ(BenchStats().MostFrequentError(), absl::StatusCode::kOk);
+}
+
+// The "stages p50" line: each stage's own p50 over the merged OK calls, beside the server p50;
+// absent when no response carried stages (an older server), and failed calls count in none.
+TEST(BenchStatsTest, StagesLineHasEachStagesP50) {
+  auto ok = [](double k) {  // stage i of call k is k * (i + 1) us; server time 100k us
+    CallOutcome o;
+    o.round_trip_seconds = 1e-3 * k;
+    o.report.set_path(v1::EXECUTION_PATH_FUSED);
+    o.report.set_server_seconds(1e-4 * k);
+    o.report.set_queue_seconds(2e-6 * k);
+    v1::StageSeconds* st = o.report.mutable_stages();
+    st->set_decode(1e-6 * k);
+    st->set_copy_in(3e-6 * k);
+    st->set_device(4e-6 * k);
+    st->set_copy_out(5e-6 * k);
+    st->set_response(6e-6 * k);
+    return o;
+  };
+  BenchStats a, b;
+  a.Add(ok(1));
+  a.Add(ok(3));
+  b.Add(ok(2));
+  b.Add(ok(4));
+  CallOutcome failed;
+  failed.status = absl::UnavailableError("down");
+  b.Add(failed);
+  a.Merge(b);
+  const BenchStats::RunInfo info{.op = "mhc", .tokens_per_request = 1, .elapsed_seconds = 1.0};
+  const std::string text = a.Format(info);
+  // Nearest rank of {1, 2, 3, 4}: k = 2.
+  EXPECT_TRUE(absl::StrContains(text, "stages p50   decode 2.0 us  queue 4.0 us  copy_in 6.0 us  device 8.0 us  "
+                                      "copy_out 10.0 us  response 12.0 us  (server p50 200.0 us)"))
+      << text;
+  BenchStats old;
+  CallOutcome no_stages = ok(1);
+  no_stages.report.clear_stages();
+  old.Add(no_stages);
+  EXPECT_FALSE(absl::StrContains(old.Format(info), "stages p50")) << old.Format(info);
+}
+
+// `fusedctl seam` / `swa` print the stages of the report when the server sent them.
+TEST(FusedctlReportTest, PrintsTheStagesWhenPresent) {
+  v1::ExecutionReport r;
+  r.set_path(v1::EXECUTION_PATH_FUSED);
+  r.set_server_seconds(2e-3);
+  EXPECT_FALSE(absl::StrContains(FormatReport(r, 3e-3), "stages")) << FormatReport(r, 3e-3);
+  v1::StageSeconds* st = r.mutable_stages();
+  st->set_decode(11e-6);
+  st->set_copy_in(22e-6);
+  st->set_device(1.5e-3);
+  st->set_copy_out(33e-6);
+  st->set_response(44e-6);
+  const std::string text = FormatReport(r, 3e-3);
+  EXPECT_TRUE(absl::StrContains(text, "  stages      decode 11.0 us  copy_in 22.0 us  device 1.500 ms  "
+                                      "copy_out 33.0 us  response 44.0 us\n"))
+      << text;
 }
 
 TEST(BenchStatsTest, EchoFloorBlockHasTheFieldsAndRatios) {

@@ -134,7 +134,8 @@ TEST(ServerMetrics, ExpositionPassesPromtoolAndHasTheDocumentedNames) {
        {"fusedlayer_op_executions_total", "fusedlayer_op_fallbacks_total", "fusedlayer_fused_kernel_available",
         "fusedlayer_op_duration_seconds", "fusedlayer_requests_total", "fusedlayer_request_duration_seconds",
         "fusedlayer_request_bytes_total", "fusedlayer_response_bytes_total", "fusedlayer_inflight_requests",
-        "fusedlayer_queue_duration_seconds", "fusedlayer_weights_resident_bytes", "fusedlayer_build_info"}) {
+        "fusedlayer_queue_duration_seconds", "fusedlayer_request_stage_seconds", "fusedlayer_weights_resident_bytes",
+        "fusedlayer_build_info"}) {
     EXPECT_NE(m.find(std::string("# TYPE ") + name + " "), std::string::npos) << name;
   }
   EXPECT_EQ(MetricValue(m, "fusedlayer_build_info",

@@ -567,6 +567,92 @@ TEST(PipelineServer, ConcurrentRequestsOverGrpcMatchTheLibraryBatchingOffAndOn) 
   }
 }
 
+// Every stage of ExecutionReport.stages, checked against the report's own server time.
+void ExpectStagesWithinServerTime(const v1::ExecutionReport& r, bool lane) {
+  ASSERT_TRUE(r.has_stages());
+  const v1::StageSeconds& st = r.stages();
+  for (double v : {st.decode(), r.queue_seconds(), st.copy_in(), st.device(), st.copy_out(), st.response()}) {
+    EXPECT_GE(v, 0.0);
+  }
+  // Disjoint intervals of one request inside [receipt, server_seconds read].
+  EXPECT_LE(st.decode() + r.queue_seconds() + st.copy_in() + st.device() + st.copy_out() + st.response(),
+            r.server_seconds());
+  EXPECT_GT(st.decode(), 0.0);  // validation and decode always run
+  EXPECT_GT(st.device(), 0.0);  // so does the op
+  if (lane) {
+    // The lane path really copies: a memcpy in and out of staging between two clock readings.
+    EXPECT_GT(st.copy_in(), 0.0);
+    EXPECT_GT(st.copy_out(), 0.0);
+  }
+}
+
+// The per-stage server timing (ExecutionReport.stages, fusedlayer_request_stage_seconds) on a
+// lane server (batching off and on) and on the CPU backend: present on every OK response,
+// non-negative, adding up to no more than server_seconds, and one histogram observation per
+// stage per request. A failed request records none.
+TEST(PipelineServer, StageTimesArePresentAndAddUpToAtMostTheServerTime) {
+  for (const bool lane : {true, false}) {
+    for (int64_t batch_tokens : {int64_t{0}, int64_t{64}}) {
+      SCOPED_TRACE(::testing::Message() << (lane ? "lanes" : "cpu") << " max_batch_tokens " << batch_tokens);
+      std::mt19937_64 rng = MakeRng(static_cast<uint64_t>(batch_tokens) + (lane ? 0 : 7));
+      const server::PackedWeightSet set = MakeWeightSet(rng, "g", MhcSetSpec{.hidden = 512}, SwaSetSpec{});
+      std::unique_ptr<Backend> backend;
+      if (lane) backend = std::make_unique<LaneTestBackend>(8);
+      auto ts = TestServer::Start(LaneConfig(lane ? 2 : 1, batch_tokens), std::move(backend), {set});
+      ASSERT_NE(ts, nullptr);
+      Reference ref(set);
+      constexpr int kRequests = 8;
+      std::vector<v1::MhcSeamRequest> mreqs;
+      std::vector<v1::SwaNormQuantRequest> sreqs;
+      for (int i = 0; i < kRequests; ++i) {
+        mreqs.push_back(MakeMhcRequest(rng, "g", MhcRequestSpec{.hidden = 512, .tokens = 1 + i % 5}));
+        sreqs.push_back(MakeSwaRequest(rng, "g", 1 + i % 4, 256 + 128));
+      }
+      std::vector<v1::MhcSeamResponse> mresps(kRequests);
+      std::vector<v1::SwaNormQuantResponse> sresps(kRequests);
+      std::vector<grpc::Status> mstat(kRequests), sstat(kRequests);
+      std::vector<std::thread> threads;
+      for (int i = 0; i < kRequests; ++i) {
+        threads.emplace_back([&, i] {
+          grpc::ClientContext c1, c2;
+          c1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+          c2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+          mstat[i] = ts->stub().MhcSeam(&c1, mreqs[i], &mresps[i]);
+          sstat[i] = ts->stub().SwaNormQuant(&c2, sreqs[i], &sresps[i]);
+        });
+      }
+      for (auto& t : threads) t.join();
+      for (int i = 0; i < kRequests; ++i) {
+        SCOPED_TRACE(i);
+        ASSERT_TRUE(mstat[i].ok()) << mstat[i].error_message();
+        ASSERT_TRUE(sstat[i].ok()) << sstat[i].error_message();
+        ExpectMhcEqual(mresps[i], ref.RunMhc(mreqs[i], Path::kFused));
+        ExpectSwaEqual(sresps[i], ref.RunSwa(sreqs[i], Path::kFused));
+        ExpectStagesWithinServerTime(mresps[i].report(), lane);
+        ExpectStagesWithinServerTime(sresps[i].report(), lane);
+      }
+      {
+        // Refused at decode (unknown weight set): no stage is recorded for it.
+        grpc::ClientContext ctx;
+        v1::MhcSeamRequest bad = mreqs[0];
+        bad.set_weight_set("no-such-set");
+        v1::MhcSeamResponse resp;
+        EXPECT_EQ(ts->stub().MhcSeam(&ctx, bad, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+        EXPECT_FALSE(resp.report().has_stages());
+      }
+      const std::string scrape = ScrapeWhenIdle(*ts);
+      for (const char* op : {"mhc", "swa"}) {
+        for (const char* stage : {"decode", "queue", "copy_in", "device", "copy_out", "response"}) {
+          SCOPED_TRACE(::testing::Message() << op << " " << stage);
+          EXPECT_EQ(MetricValue(scrape, "fusedlayer_request_stage_seconds_count", {{"op", op}, {"stage", stage}}),
+                    kRequests);
+          EXPECT_GE(MetricValue(scrape, "fusedlayer_request_stage_seconds_sum", {{"op", op}, {"stage", stage}}), 0.0);
+        }
+      }
+    }
+  }
+}
+
 // A request whose tensors exceed --host_staging_bytes gets RESOURCE_EXHAUSTED naming the flag;
 // the server keeps serving.
 TEST(PipelineServer, RequestLargerThanTheStagingBoundIsResourceExhausted) {

@@ -39,6 +39,10 @@ _WIRE_DTYPES = {  # DataType -> (numpy dtype, what the user passes)
 _HEALTH_STATUS = {v.number: v.name for v in health_pb2.HealthCheckResponse.ServingStatus.DESCRIPTOR.values}
 
 
+# ExecutionReport.stages' fields (the queue wait is queue_seconds).
+_REPORT_STAGES = ("decode", "copy_in", "device", "copy_out", "response")
+
+
 def _enum_suffix(enum_type, value, prefix):
     """FALLBACK_REASON_HC_MULT_UNSUPPORTED -> "hc_mult_unsupported" (the metrics' label)."""
     return enum_type.Name(value)[len(prefix):].lower()
@@ -56,6 +60,9 @@ class ExecutionReport:
     queue_seconds: float
     server_seconds: float
     round_trip_seconds: float  # measured by this client: call start to response decoded
+    # Where server_seconds went (ExecutionReport.stages, docs/operations.md): "decode", "copy_in",
+    # "device", "copy_out", "response" -> seconds; empty from a server that does not send them.
+    stages: dict = field(default_factory=dict)
 
     @staticmethod
     def _from_proto(r, round_trip_seconds):
@@ -64,7 +71,8 @@ class ExecutionReport:
             fallback_reason=_enum_suffix(pb.FallbackReason, r.fallback_reason, "FALLBACK_REASON_"),
             fallback_detail=r.fallback_detail, backend=r.backend, device=r.device, weight_set=r.weight_set,
             kernel_seconds=r.kernel_seconds, queue_seconds=r.queue_seconds, server_seconds=r.server_seconds,
-            round_trip_seconds=round_trip_seconds)
+            round_trip_seconds=round_trip_seconds,
+            stages={name: getattr(r.stages, name) for name in _REPORT_STAGES} if r.HasField("stages") else {})
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,10 @@ def test_seam_on_demo_sets_fused_and_unfused_agree_bitwise(client, rng, weight_s
     assert unfused.report.path == "unfused" and unfused.report.fallback_reason == "client_forced_unfused"
     assert fused.report.weight_set == weight_set and fused.report.backend == "cpu"
     assert fused.report.server_seconds > 0 and fused.report.round_trip_seconds > 0
+    for report in (fused.report, unfused.report):
+        assert sorted(report.stages) == ["copy_in", "copy_out", "decode", "device", "response"]
+        assert all(v >= 0 for v in report.stages.values())
+        assert sum(report.stages.values()) + report.queue_seconds <= report.server_seconds
     # The contract: new_residual bitwise everywhere, shifted-mode y bitwise between the paths.
     assert fused.new_residual.dtype == np.uint16 and fused.new_residual.shape == (5, 4, C)
     assert np.array_equal(fused.new_residual, unfused.new_residual)
