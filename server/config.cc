@@ -123,6 +123,16 @@ absl::Status ServerConfig::Validate() const {
   if (malloc_arena_max < 0 || malloc_arena_max > 1024) {
     return absl::InvalidArgumentError(absl::StrCat("--malloc_arena_max must be in [0, 1024], got ", malloc_arena_max));
   }
+  // glibc's mallopt refuses an mmap threshold above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit).
+  if (malloc_mmap_threshold_bytes < 0 || malloc_mmap_threshold_bytes > (int64_t{32} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat("--malloc_mmap_threshold_bytes must be in [0, 33554432], got ",
+                                                   malloc_mmap_threshold_bytes));
+  }
+  // mallopt takes an int; 4 GiB would not fit, 2 GiB - 1 does.
+  if (malloc_trim_threshold_bytes < 0 || malloc_trim_threshold_bytes > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--malloc_trim_threshold_bytes must be in [0, 2147483647], got ",
+                                                   malloc_trim_threshold_bytes));
+  }
   if (cpu_threads < 0) return absl::InvalidArgumentError(absl::StrCat("--cpu_threads must be >= 0, got ", cpu_threads));
   if (!(max_connection_age_seconds >= 0) || max_connection_age_seconds > 1e6) {
     return absl::InvalidArgumentError(absl::StrCat("--max_connection_age_seconds must be in [0, 1e6], got ",

@@ -73,6 +73,14 @@ struct ServerConfig {
   // multi-megabyte tensor and upload buffers freed in them stay resident: with the default a 60 s
   // soak with weight-set churn grew the RSS by 72 MiB, with 2 arenas by none (docs/operations.md).
   int malloc_arena_max = 2;
+  // glibc M_MMAP_THRESHOLD and M_TRIM_THRESHOLD (bytes; 0 = glibc's dynamic defaults). With the
+  // defaults a seam call's multi-megabyte request/response blocks were either mmap'd and munmap'd or
+  // trimmed back to the kernel after every call, so every call page-faulted ~5.7 MiB in again (1455
+  // minor faults per mHC T=64 call, ~0.9 ms of its 2.5 ms server time); keeping them in the heap up
+  // to these sizes makes the pages stay warm, at the cost of that much more idle RSS
+  // (docs/operations.md#malloc-thresholds). glibc caps the mmap threshold at 32 MiB on 64-bit.
+  int64_t malloc_mmap_threshold_bytes = int64_t{32} << 20;
+  int64_t malloc_trim_threshold_bytes = int64_t{64} << 20;
   double drain_seconds = 30;
   double max_connection_age_seconds = 0;  // 0: connections never age out
   // Largest LoadWeights payload accepted (bytes): the biggest DeepSeek weight part is far smaller

@@ -56,6 +56,14 @@ ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend worker threads (0 = all cores)")
 ABSL_FLAG(int32_t, malloc_arena_max, 2,
           "glibc malloc arenas at most (M_ARENA_MAX; 0 = glibc's default, 8 per core): fewer arenas keep the "
           "large tensor and upload buffers from pinning memory in many per-thread arenas");
+ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, int64_t{32} << 20,
+          "glibc M_MMAP_THRESHOLD (0 to 33554432; 0 = glibc's dynamic default): blocks below it come from "
+          "the heap and are reused, so a call's multi-megabyte tensors are not mmap'd and page-faulted in "
+          "again on every call");
+ABSL_FLAG(int64_t, malloc_trim_threshold_bytes, int64_t{64} << 20,
+          "glibc M_TRIM_THRESHOLD (0 to 2147483647; 0 = glibc's dynamic default): free memory a heap keeps "
+          "before giving it back to the kernel; the server's idle RSS may stay up to about this much per "
+          "arena above its live data");
 ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM/SIGINT, how long in-flight calls may take to finish (0 to 3600)");
 ABSL_FLAG(double, max_connection_age_seconds, 0,
           "close client connections (GOAWAY, after a grace of --drain_seconds) after this age so clients "
@@ -134,6 +142,8 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.upload_idle_timeout_seconds = absl::GetFlag(FLAGS_upload_idle_timeout_seconds);
   c.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   c.malloc_arena_max = absl::GetFlag(FLAGS_malloc_arena_max);
+  c.malloc_mmap_threshold_bytes = absl::GetFlag(FLAGS_malloc_mmap_threshold_bytes);
+  c.malloc_trim_threshold_bytes = absl::GetFlag(FLAGS_malloc_trim_threshold_bytes);
   c.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   c.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
   c.tls_cert = absl::GetFlag(FLAGS_tls_cert);

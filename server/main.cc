@@ -56,6 +56,18 @@ int main(int argc, char** argv) {
   if (config->malloc_arena_max > 0 && mallopt(M_ARENA_MAX, config->malloc_arena_max) != 1) {
     fs::LogInfo("--malloc_arena_max=", config->malloc_arena_max, " not applied (this malloc has no M_ARENA_MAX)");
   }
+  // A call's tensors (4.4 MiB of mHC T=64 outputs, its request, gRPC's copies) are larger than
+  // glibc's default thresholds keep in the heap: they were mmap'd/munmap'd or trimmed away after each
+  // call and page-faulted in again by the next (docs/operations.md#malloc-thresholds). Setting either
+  // also turns off glibc's dynamic mmap threshold, so both are set together.
+  if (config->malloc_mmap_threshold_bytes > 0 &&
+      mallopt(M_MMAP_THRESHOLD, static_cast<int>(config->malloc_mmap_threshold_bytes)) != 1) {
+    fs::LogInfo("--malloc_mmap_threshold_bytes=", config->malloc_mmap_threshold_bytes, " not applied");
+  }
+  if (config->malloc_trim_threshold_bytes > 0 &&
+      mallopt(M_TRIM_THRESHOLD, static_cast<int>(config->malloc_trim_threshold_bytes)) != 1) {
+    fs::LogInfo("--malloc_trim_threshold_bytes=", config->malloc_trim_threshold_bytes, " not applied");
+  }
 
   fusedlayer::BackendOptions options;
   options.num_threads = config->cpu_threads;

@@ -586,6 +586,22 @@ TEST(Config, UploadIdleTimeoutAndVerifyBounds) {
     c.malloc_arena_max = good;
     EXPECT_TRUE(c.Validate().ok()) << good;
   }
+  for (int64_t bad : {int64_t{-1}, (int64_t{32} << 20) + 1}) {
+    c.malloc_mmap_threshold_bytes = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  for (int64_t good : {int64_t{0}, int64_t{4096}, int64_t{32} << 20}) {
+    c.malloc_mmap_threshold_bytes = good;
+    EXPECT_TRUE(c.Validate().ok()) << good;
+  }
+  for (int64_t bad : {int64_t{-1}, int64_t{INT32_MAX} + 1}) {
+    c.malloc_trim_threshold_bytes = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  for (int64_t good : {int64_t{0}, int64_t{64} << 20, int64_t{INT32_MAX}}) {
+    c.malloc_trim_threshold_bytes = good;
+    EXPECT_TRUE(c.Validate().ok()) << good;
+  }
 }
 
 }  // namespace
