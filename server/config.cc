@@ -86,6 +86,10 @@ absl::Status ServerConfig::Validate() const {
   if (device_lanes < 0 || device_lanes > 16) {
     return absl::InvalidArgumentError(absl::StrCat("--device_lanes must be in [0, 16] (0: auto), got ", device_lanes));
   }
+  if (host_copy_threads < -1 || host_copy_threads > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--host_copy_threads must be -1 (auto) or in [0, 64], got ", host_copy_threads));
+  }
   if (host_staging_bytes < (uint64_t{1} << 20)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--host_staging_bytes must be at least 1 MiB (1048576), got ", host_staging_bytes));

@@ -48,6 +48,10 @@ struct ServerConfig {
   // The bound on page-locked host staging memory the lanes hold (in use + kept for reuse); a
   // request whose tensors need more is RESOURCE_EXHAUSTED. GPU backends only.
   uint64_t host_staging_bytes = uint64_t{1} << 30;
+  // Helper threads that split the host copies into and out of staging (exec/parallel_copy.h):
+  // -1 = auto (a quarter of the cores, at most 3, none below 4 cores), 0 = the lane's worker copies
+  // alone. GPU backends only. At most 64.
+  int host_copy_threads = -1;
   // Compute admission by memory (docs/operations.md): the request and response bytes of every
   // compute call admitted and not yet finished (queued, running or sending) stay under this; a call
   // that would go over is refused with RESOURCE_EXHAUSTED before its response is allocated.

@@ -35,6 +35,9 @@ ABSL_FLAG(int32_t, device_lanes, 0,
 ABSL_FLAG(uint64_t, host_staging_bytes, uint64_t{1} << 30,
           "GPU: bound on the page-locked host staging memory the lanes hold (in use + kept for reuse); a request "
           "whose tensors need more is RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, host_copy_threads, -1,
+          "GPU: helper threads that split the host memcpys into and out of pinned staging (-1 = auto: a quarter "
+          "of the cores, at most 3, none below 4 cores; 0 = none; at most 64)");
 ABSL_FLAG(uint64_t, max_inflight_bytes, 0,
           "compute admission: request + response bytes of all admitted compute calls (queued, running, "
           "sending) stay under this; beyond it RESOURCE_EXHAUSTED before anything is allocated. "
@@ -133,6 +136,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
   c.device_lanes = absl::GetFlag(FLAGS_device_lanes);
   c.host_staging_bytes = absl::GetFlag(FLAGS_host_staging_bytes);
+  c.host_copy_threads = absl::GetFlag(FLAGS_host_copy_threads);
   c.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   c.grpc_memory_quota_bytes = absl::GetFlag(FLAGS_grpc_memory_quota_bytes);
   c.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);

@@ -1,6 +1,7 @@
 #include "exec/device_lanes.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 
@@ -8,12 +9,14 @@ namespace fusedlayer::server {
 
 absl::StatusOr<std::unique_ptr<DeviceLanes>> DeviceLanes::Create(Backend& backend, int requested,
                                                                  size_t staging_bytes,
-                                                                 prometheus::Registry* registry) {
+                                                                 prometheus::Registry* registry, int copy_threads) {
   std::unique_ptr<DeviceLanes> lanes(new DeviceLanes(backend));
   const int max = backend.max_lanes();
   if (max <= 0) return lanes;  // host-accessible: no lanes, no staging
   const int count = std::clamp(requested == 0 ? kDefaultDeviceLanes : requested, 1, std::min(max, kMaxDeviceLanes));
-  lanes->staging_ = std::make_unique<HostStagingPool>(backend, staging_bytes, registry);
+  const int helpers =
+      copy_threads < 0 ? ParallelCopy::AutoHelperThreads(std::thread::hardware_concurrency()) : copy_threads;
+  lanes->staging_ = std::make_unique<HostStagingPool>(backend, staging_bytes, registry, helpers);
   for (int i = 0; i < count; ++i) {
     absl::StatusOr<std::unique_ptr<Lane>> lane = backend.CreateLane();
     if (!lane.ok()) {

@@ -24,8 +24,11 @@ class DeviceLanes {
   // `requested`: 0 = kDefaultDeviceLanes (bounded by backend.max_lanes()); a backend without lanes
   // gets none whatever is asked. `staging_bytes`: the pinned pool's bound (--host_staging_bytes).
   // Unavailable when a lane cannot be created.
+  // `copy_threads`: helper threads for the staging copies (--host_copy_threads; -1 = auto,
+  // ParallelCopy::AutoHelperThreads).
   static absl::StatusOr<std::unique_ptr<DeviceLanes>> Create(Backend& backend, int requested, size_t staging_bytes,
-                                                             prometheus::Registry* registry = nullptr);
+                                                             prometheus::Registry* registry = nullptr,
+                                                             int copy_threads = 0);
 
   // Executor workers to run: the lanes, or 1 without lanes.
   int workers() const { return lanes_.empty() ? 1 : static_cast<int>(lanes_.size()); }

@@ -96,7 +96,7 @@ absl::Status LaneStaging::Stage() {
     const char* const src = static_cast<const char*>(t.host.data);
     for (size_t done = 0; done < t.bytes; done += kStageChunkBytes) {
       const size_t n = std::min(kStageChunkBytes, t.bytes - done);
-      std::memcpy(staging + t.offset + done, src + done, n);
+      pool_.copier().Copy(staging + t.offset + done, src + done, n);
       enqueued_ = true;
       if (absl::Status s = lane_.EnqueueCopyToDevice(dev + t.offset + done, staging + t.offset + done, n); !s.ok()) {
         return s;
@@ -133,7 +133,7 @@ absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out, StageTimes* times,
   if (copy_out) {
     const char* const staging = block_.data();
     for (const Tensor& t : tensors_) {
-      if (!t.input && t.bytes > 0) std::memcpy(t.host.data, staging + t.offset, t.bytes);
+      if (!t.input && t.bytes > 0) pool_.copier().Copy(t.host.data, staging + t.offset, t.bytes);
     }
     if (times != nullptr) times->copy_out += SecondsBetween(waited_at, std::chrono::steady_clock::now());
   }

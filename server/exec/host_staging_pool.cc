@@ -27,8 +27,9 @@ void HostStagingPool::Lease::Release() {
   discard_ = false;
 }
 
-HostStagingPool::HostStagingPool(Backend& backend, size_t limit_bytes, prometheus::Registry* registry)
-    : backend_(backend), limit_(limit_bytes) {
+HostStagingPool::HostStagingPool(Backend& backend, size_t limit_bytes, prometheus::Registry* registry,
+                                 int copy_threads)
+    : backend_(backend), limit_(limit_bytes), copier_(copy_threads) {
   if (registry == nullptr) return;
   auto& bytes = prometheus::BuildGauge()
                     .Name("fusedlayer_host_staging_bytes")

@@ -18,6 +18,7 @@
 #include <mutex>
 
 #include "absl/status/statusor.h"
+#include "exec/parallel_copy.h"
 #include "fusedlayer/backend.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
@@ -49,7 +50,9 @@ class HostStagingPool {
   };
 
   // `limit_bytes`: the bound on what the pool holds. `registry` (optional): the pool's gauges.
-  HostStagingPool(Backend& backend, size_t limit_bytes, prometheus::Registry* registry = nullptr);
+  // `copy_threads`: helper threads of copier() (--host_copy_threads, resolved: >= 0).
+  HostStagingPool(Backend& backend, size_t limit_bytes, prometheus::Registry* registry = nullptr,
+                  int copy_threads = 0);
   ~HostStagingPool();
   HostStagingPool(const HostStagingPool&) = delete;
   HostStagingPool& operator=(const HostStagingPool&) = delete;
@@ -59,6 +62,8 @@ class HostStagingPool {
   absl::StatusOr<Lease> Acquire(size_t bytes);
 
   size_t limit_bytes() const { return limit_; }
+  // The host copies into and out of this pool's blocks (LaneStaging), shared by every lane.
+  ParallelCopy& copier() { return copier_; }
   size_t in_use_bytes() const;
   size_t held_bytes() const;  // in use + kept for reuse
   uint64_t waits() const;     // Acquire calls that had to wait for the bound (tests, metrics)
@@ -73,6 +78,7 @@ class HostStagingPool {
 
   Backend& backend_;
   const size_t limit_;
+  ParallelCopy copier_;
   mutable std::mutex mu_;
   std::condition_variable freed_;
   std::multimap<size_t, DeviceBuffer> kept_;  // free blocks by size

@@ -19,6 +19,7 @@
 #include "exec/device_staging.h"
 #include "exec/executor.h"
 #include "exec/host_staging_pool.h"
+#include "exec/parallel_copy.h"
 #include "exec/op_calls.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
@@ -55,7 +56,7 @@ void PoisonOutputs(const SwaArgs& a) {
 // One weight set with both parts, built on the lane backend (as the server would) and on the CPU
 // for the reference.
 struct Fixture {
-  explicit Fixture(int lanes, size_t staging_bytes = size_t{64} << 20, int max_lanes = 8)
+  explicit Fixture(int lanes, size_t staging_bytes = size_t{64} << 20, int max_lanes = 8, int copy_threads = 0)
       : rng(MakeRng()),
         packed(MakeWeightSet(rng, "p", MhcSetSpec{.hidden = 512}, SwaSetSpec{})),
         reference(packed) {
@@ -65,7 +66,7 @@ struct Fixture {
     auto built = server::BuildWeightSet(*backend, packed.first, packed.second, "test");
     EXPECT_TRUE(built.ok()) << built.status();
     if (built.ok()) set = *built;
-    auto made = DeviceLanes::Create(*backend, lanes, staging_bytes);
+    auto made = DeviceLanes::Create(*backend, lanes, staging_bytes, nullptr, copy_threads);
     EXPECT_TRUE(made.ok()) << made.status();
     if (made.ok()) device_lanes = std::move(*made);
   }
@@ -125,6 +126,83 @@ TEST(Pipeline, LaneCallsAreBitwiseTheCpuPathOnBothPaths) {
   // (none here: BuildWeightSet does not warm up).
   EXPECT_EQ(f.control->default_kernels.load(), 0);
   EXPECT_EQ(f.device_lanes->staging()->in_use_bytes(), 0u);
+}
+
+// The staging copies split over helper threads (--host_copy_threads): the same bits, from two
+// lanes at once sharing the helpers, for tensors below and above the split size (T = 300: x and R
+// are 0.3 and 1.2 MiB, staged in 1 MiB chunks, outputs copied back as a whole).
+TEST(Pipeline, SplitStagingCopiesAreBitwiseTheCpuPath) {
+  Fixture f(/*lanes=*/2, size_t{64} << 20, 8, /*copy_threads=*/3);
+  ASSERT_NE(f.device_lanes, nullptr);
+  ASSERT_EQ(f.device_lanes->staging()->copier().helper_threads(), 3);
+  for (int64_t tokens : {7, 300, 1000}) {
+    SCOPED_TRACE(::testing::Message() << "T = " << tokens);
+    std::vector<v1::MhcSeamRequest> req(2);
+    std::vector<v1::MhcSeamResponse> resp(2);
+    std::vector<server::MhcCall> calls;
+    for (int i = 0; i < 2; ++i) calls.push_back(f.Mhc(req[i], resp[i], tokens));
+    std::vector<absl::Status> st(2);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 2; ++i) {
+      threads.emplace_back([&, i] {
+        auto ran = server::RunMhcCall(f.device_lanes->For(i), *f.set->mhc, calls[i].args, Path::kFused);
+        st[i] = ran.status();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(st[i].ok()) << st[i];
+      ExpectMhcEqual(resp[i], f.reference.RunMhc(req[i], Path::kFused));
+    }
+  }
+  EXPECT_EQ(f.device_lanes->staging()->in_use_bytes(), 0u);
+}
+
+TEST(ParallelCopy, CopiesEveryByteOfEverySizeFromConcurrentCallers) {
+  server::ParallelCopy copier(3);
+  // Below the split size, exactly at it, odd sizes above it (shares end mid-page), and large.
+  const std::vector<size_t> sizes = {0, 1, 4095, server::ParallelCopy::kMinSplitBytes - 1,
+                                     server::ParallelCopy::kMinSplitBytes, (size_t{1} << 20) + 13,
+                                     (size_t{3} << 20) + 4097, size_t{8} << 20};
+  std::vector<std::thread> callers;
+  std::atomic<int> bad{0};
+  for (int c = 0; c < 4; ++c) {
+    callers.emplace_back([&, c] {
+      std::mt19937_64 r(100 + c);
+      for (int rep = 0; rep < 6; ++rep) {
+        for (size_t n : sizes) {
+          std::vector<unsigned char> src(n + 2), dst(n + 2, 0xAB);
+          for (auto& b : src) b = static_cast<unsigned char>(r());
+          copier.Copy(dst.data() + 1, src.data() + 1, n);  // unaligned on both sides
+          if (dst[0] != 0xAB || dst[n + 1] != 0xAB || std::memcmp(dst.data() + 1, src.data() + 1, n) != 0) ++bad;
+        }
+      }
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  EXPECT_EQ(bad.load(), 0);
+}
+
+TEST(ParallelCopy, HelpersTakeSharesAndNoHelpersMeansPlainMemcpy) {
+  std::vector<unsigned char> src(size_t{4} << 20), dst(src.size());
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
+  server::ParallelCopy none(0);
+  none.Copy(dst.data(), src.data(), src.size());
+  EXPECT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0);
+  EXPECT_EQ(none.helper_shares(), 0u);
+  server::ParallelCopy three(3);
+  // The caller takes back shares no helper has started, so one copy may run alone; over many
+  // copies of 4 MiB (3 of 4 shares queued each time) the helpers run some of them.
+  for (int i = 0; i < 200 && three.helper_shares() == 0; ++i) {
+    std::fill(dst.begin(), dst.end(), 0);
+    three.Copy(dst.data(), src.data(), src.size());
+    ASSERT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0);
+  }
+  EXPECT_GT(three.helper_shares(), 0u);
+  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(2), 0);
+  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(4), 1);
+  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(16), 3);
+  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(128), 3);
 }
 
 // Many requests of both ops from many threads through an executor with one worker per lane:

@@ -578,6 +578,14 @@ TEST(Config, UploadIdleTimeoutAndVerifyBounds) {
   EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
   c.verify_dump_max_bytes = 0;
   EXPECT_TRUE(c.Validate().ok());
+  for (int bad : {-2, 65}) {
+    c.host_copy_threads = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  for (int good : {-1, 0, 3, 64}) {
+    c.host_copy_threads = good;
+    EXPECT_TRUE(c.Validate().ok()) << good;
+  }
   for (int bad : {-1, 1025}) {
     c.malloc_arena_max = bad;
     EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
