@@ -50,8 +50,10 @@ struct ServerConfig {
   uint64_t host_staging_bytes = uint64_t{1} << 30;
   // Helper threads that split the host copies into and out of staging (exec/parallel_copy.h):
   // -1 = auto (a quarter of the cores, at most 3, none below 4 cores), 0 = the lane's worker copies
-  // alone. GPU backends only. At most 64.
-  int host_copy_threads = -1;
+  // alone (the default: on the H200 host the helpers cut the mHC T = 64 server p50 at concurrency 1
+  // by 14% but cost 22% of the requests per second at concurrency 16, docs/operations.md). GPU
+  // backends only. At most 64.
+  int host_copy_threads = 0;
   // Compute admission by memory (docs/operations.md): the request and response bytes of every
   // compute call admitted and not yet finished (queued, running or sending) stay under this; a call
   // that would go over is refused with RESOURCE_EXHAUSTED before its response is allocated.

@@ -35,9 +35,10 @@ ABSL_FLAG(int32_t, device_lanes, 0,
 ABSL_FLAG(uint64_t, host_staging_bytes, uint64_t{1} << 30,
           "GPU: bound on the page-locked host staging memory the lanes hold (in use + kept for reuse); a request "
           "whose tensors need more is RESOURCE_EXHAUSTED");
-ABSL_FLAG(int32_t, host_copy_threads, -1,
-          "GPU: helper threads that split the host memcpys into and out of pinned staging (-1 = auto: a quarter "
-          "of the cores, at most 3, none below 4 cores; 0 = none; at most 64)");
+ABSL_FLAG(int32_t, host_copy_threads, 0,
+          "GPU: helper threads that split the host memcpys into and out of pinned staging (0 = none; -1 = auto: a "
+          "quarter of the cores, at most 3, none below 4 cores; at most 64). Lower latency at low concurrency, "
+          "fewer requests per second at high concurrency (docs/operations.md)");
 ABSL_FLAG(uint64_t, max_inflight_bytes, 0,
           "compute admission: request + response bytes of all admitted compute calls (queued, running, "
           "sending) stay under this; beyond it RESOURCE_EXHAUSTED before anything is allocated. "
