@@ -52,6 +52,104 @@ __device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One token row x 8 channels of the pass (t < p.tokens): post (or the first stage's broadcast, or the
+// GEMM-only pass's read of R'), the stores of R', aux and z, R' as packed bf16 pairs (the MMA A words,
+// `rq`) and this lane's sums of squares of R' and z. Shared by MhcFusedPassKernel and
+// MhcStagedPassKernel (mhc_staged_pass_kernel.cuh), so the two give the same bits by construction.
+// `cf`: the row's 24 mixing coefficients (post[4], comb[16], pre[4]; unused in the first stage and
+// the GEMM-only pass).
+template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly>
+__device__ __forceinline__ void PassRow(const FusedParams& p, int64_t t, int64_t c0, const float* cf,
+                                        const uint4& raw_x, const uint4 (&raw_r)[4], uint4 (&rq)[kFirst ? 1 : 4],
+                                        float& sq_r, float& sq_z) {
+  constexpr int N = 4;
+  constexpr int kStreams = kFirst ? 1 : N;
+  const int64_t C = p.C;
+  float out[N][8];
+  if constexpr (kFirst) {
+    Unpack8(raw_x, out[0]);
+    rq[0] = raw_x;
+    if constexpr (!kGemmOnly) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) *reinterpret_cast<uint4*>(p.new_residual + (t * N + j) * C + c0) = raw_x;
+    }
+#pragma unroll
+    for (int j = 1; j < N; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[j][e] = out[0][e];
+  } else if constexpr (kGemmOnly) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      rq[j] = raw_r[j];
+      Unpack8(raw_r[j], out[j]);
+    }
+  } else {
+    float post[N], comb[N][N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) post[j] = cf[j];
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < N; ++j) comb[j][i] = cf[4 + i * N + j];
+    float x[8], r[N][8];
+    Unpack8(raw_x, x);
+#pragma unroll
+    for (int i = 0; i < N; ++i) Unpack8(raw_r[i], r[i]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float col[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) col[i] = r[i][e];
+#pragma unroll
+      for (int j = 0; j < N; ++j) out[j][e] = PostElement<N>(x[e], col, post[j], comb[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      rq[j] = Pack8(out[j]);
+      *reinterpret_cast<uint4*>(p.new_residual + (t * N + j) * C + c0) = rq[j];
+    }
+    if constexpr (kAux) {
+      float a[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float col[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) col[j] = out[j][e];
+        a[e] = AuxElement<N>(col);
+      }
+      *reinterpret_cast<uint4*>(p.aux + t * C + c0) = Pack8(a);
+    }
+  }
+  if constexpr (kMix) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kStreams; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s = __fmaf_rn(out[j][e], out[j][e], s);
+    sq_r = s;
+  }
+  if constexpr (kShifted) {
+    float z[8];
+    if (kHasPre && !kFirst) {
+      float pre[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) pre[j] = cf[20 + j];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float col[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) col[j] = out[j][e];
+        z[e] = CollapseElement<N>(col, pre);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) z[e] = out[0][e];  // pre_mix absent: stream 0, bit for bit
+    }
+    *reinterpret_cast<uint4*>(p.y + t * C + c0) = Pack8(z);
+    sq_z = VecSumSq(z);
+  }
+}
+
 // kFirst: R' = e on every stream (layer 0). kShifted: write z = Collapse(R', pre_mix or stream 0)
 // into y and its sum of squares. kMix: compute the mixes partials (not in the head stage).
 // kGemmOnly: the unfused path's mixes GEMM: R' is read from `residual` (already written by the
@@ -158,91 +256,8 @@ __global__ void __launch_bounds__(kFusedThreads, kMinBlocks > 0 ? kMinBlocks
         for (int j = 0; j < kStreams; ++j) rq[mt][h][j] = make_uint4(0, 0, 0, 0);
         continue;
       }
-      float out[N][8];
-      if constexpr (kFirst) {
-        Unpack8(raw_x[mt][h], out[0]);
-        rq[mt][h][0] = raw_x[mt][h];
-        if constexpr (!kGemmOnly) {
-#pragma unroll
-          for (int j = 0; j < N; ++j) *reinterpret_cast<uint4*>(p.new_residual + (t * N + j) * C + c0) = raw_x[mt][h];
-        }
-#pragma unroll
-        for (int j = 1; j < N; ++j)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) out[j][e] = out[0][e];
-      } else if constexpr (kGemmOnly) {
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-          rq[mt][h][j] = raw_r[mt][h][j];
-          Unpack8(raw_r[mt][h][j], out[j]);
-        }
-      } else {
-        const float* cf = coef[mt * 16 + h * 8 + g];
-        float post[N], comb[N][N];
-#pragma unroll
-        for (int j = 0; j < N; ++j) post[j] = cf[j];
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-#pragma unroll
-          for (int j = 0; j < N; ++j) comb[j][i] = cf[4 + i * N + j];
-        float x[8], r[N][8];
-        Unpack8(raw_x[mt][h], x);
-#pragma unroll
-        for (int i = 0; i < N; ++i) Unpack8(raw_r[mt][h][i], r[i]);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          float col[N];
-#pragma unroll
-          for (int i = 0; i < N; ++i) col[i] = r[i][e];
-#pragma unroll
-          for (int j = 0; j < N; ++j) out[j][e] = PostElement<N>(x[e], col, post[j], comb[j]);
-        }
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-          rq[mt][h][j] = Pack8(out[j]);
-          *reinterpret_cast<uint4*>(p.new_residual + (t * N + j) * C + c0) = rq[mt][h][j];
-        }
-        if constexpr (kAux) {
-          float a[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            float col[N];
-#pragma unroll
-            for (int j = 0; j < N; ++j) col[j] = out[j][e];
-            a[e] = AuxElement<N>(col);
-          }
-          *reinterpret_cast<uint4*>(p.aux + t * C + c0) = Pack8(a);
-        }
-      }
-      if constexpr (kMix) {
-        float s = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kStreams; ++j)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s = __fmaf_rn(out[j][e], out[j][e], s);
-        sq_r[mt][h] = s;
-      }
-      if constexpr (kShifted) {
-        float z[8];
-        if (kHasPre && !kFirst) {
-          const float* cf = coef[mt * 16 + h * 8 + g];
-          float pre[N];
-#pragma unroll
-          for (int j = 0; j < N; ++j) pre[j] = cf[20 + j];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            float col[N];
-#pragma unroll
-            for (int j = 0; j < N; ++j) col[j] = out[j][e];
-            z[e] = CollapseElement<N>(col, pre);
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) z[e] = out[0][e];  // pre_mix absent: stream 0, bit for bit
-        }
-        *reinterpret_cast<uint4*>(p.y + t * C + c0) = Pack8(z);
-        sq_z[mt][h] = VecSumSq(z);
-      }
+      PassRow<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly>(p, t, c0, coef[mt * 16 + h * 8 + g], raw_x[mt][h],
+                                                              raw_r[mt][h], rq[mt][h], sq_r[mt][h], sq_z[mt][h]);
     }
 
   // Mixes: acc[mt][nt] is the m16n8 tile (tokens of m-tile mt) x (outputs nt*8 .. nt*8+7).

@@ -120,98 +120,14 @@ __global__ void __launch_bounds__(kStagedThreadsPerTile * kTiles, kMinBlocks) Mh
     __syncthreads();
   }
 
-  // Phase A: one token row x 8 channels x 4 streams per thread (MhcFusedPassKernel's per-row code).
+  // Phase A: one token row x 8 channels x 4 streams per thread (PassRow, as in MhcFusedPassKernel).
   uint4 rq[kStreams];
   float sq_r = 0.0f, sq_z = 0.0f;
   if (!valid) {
 #pragma unroll
     for (int j = 0; j < kStreams; ++j) rq[j] = make_uint4(0, 0, 0, 0);
   } else {
-    float out[N][8];
-    if constexpr (kFirst) {
-      Unpack8(raw_x, out[0]);
-      rq[0] = raw_x;
-      if constexpr (!kGemmOnly) {
-#pragma unroll
-        for (int j = 0; j < N; ++j) *reinterpret_cast<uint4*>(p.new_residual + (t * N + j) * C + c0) = raw_x;
-      }
-#pragma unroll
-      for (int j = 1; j < N; ++j)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) out[j][e] = out[0][e];
-    } else if constexpr (kGemmOnly) {
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        rq[j] = raw_r[j];
-        Unpack8(raw_r[j], out[j]);
-      }
-    } else {
-      const float* cf = coef + row * 24;
-      float post[N], comb[N][N];
-#pragma unroll
-      for (int j = 0; j < N; ++j) post[j] = cf[j];
-#pragma unroll
-      for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int j = 0; j < N; ++j) comb[j][i] = cf[4 + i * N + j];
-      float x[8], r[N][8];
-      Unpack8(raw_x, x);
-#pragma unroll
-      for (int i = 0; i < N; ++i) Unpack8(raw_r[i], r[i]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        float col[N];
-#pragma unroll
-        for (int i = 0; i < N; ++i) col[i] = r[i][e];
-#pragma unroll
-        for (int j = 0; j < N; ++j) out[j][e] = PostElement<N>(x[e], col, post[j], comb[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        rq[j] = Pack8(out[j]);
-        *reinterpret_cast<uint4*>(p.new_residual + (t * N + j) * C + c0) = rq[j];
-      }
-      if constexpr (kAux) {
-        float a[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          float col[N];
-#pragma unroll
-          for (int j = 0; j < N; ++j) col[j] = out[j][e];
-          a[e] = AuxElement<N>(col);
-        }
-        *reinterpret_cast<uint4*>(p.aux + t * C + c0) = Pack8(a);
-      }
-    }
-    if constexpr (kMix) {
-      float s = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kStreams; ++j)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s = __fmaf_rn(out[j][e], out[j][e], s);
-      sq_r = s;
-    }
-    if constexpr (kShifted) {
-      float z[8];
-      if (kHasPre && !kFirst) {
-        const float* cf = coef + row * 24;
-        float pre[N];
-#pragma unroll
-        for (int j = 0; j < N; ++j) pre[j] = cf[20 + j];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          float col[N];
-#pragma unroll
-          for (int j = 0; j < N; ++j) col[j] = out[j][e];
-          z[e] = CollapseElement<N>(col, pre);
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) z[e] = out[0][e];  // pre_mix absent: stream 0, bit for bit
-      }
-      *reinterpret_cast<uint4*>(p.y + t * C + c0) = Pack8(z);
-      sq_z = VecSumSq(z);
-    }
+    PassRow<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly>(p, t, c0, coef + row * 24, raw_x, raw_r, rq, sq_r, sq_z);
   }
   if constexpr (kMix) {
 #pragma unroll
