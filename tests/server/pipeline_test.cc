@@ -596,6 +596,32 @@ server::ServerConfig LaneConfig(int lanes, int64_t batch_tokens) {
 
 // Many concurrent requests of both ops over gRPC on a 3-lane server, batching off and on: every
 // response bitwise equals the library run alone, and the report says its own path.
+// Each (mreqs[i], sreqs[i]) pair from its own thread over `ts` (60 s deadlines): the responses and
+// statuses by index.
+struct ConcurrentCalls {
+  std::vector<v1::MhcSeamResponse> mresps;
+  std::vector<v1::SwaNormQuantResponse> sresps;
+  std::vector<grpc::Status> mstat, sstat;
+};
+ConcurrentCalls CallConcurrently(TestServer& ts, const std::vector<v1::MhcSeamRequest>& mreqs,
+                                 const std::vector<v1::SwaNormQuantRequest>& sreqs) {
+  const size_t n = mreqs.size();
+  ConcurrentCalls r{std::vector<v1::MhcSeamResponse>(n), std::vector<v1::SwaNormQuantResponse>(n),
+                    std::vector<grpc::Status>(n), std::vector<grpc::Status>(n)};
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ClientContext c1, c2;
+      c1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      c2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      r.mstat[i] = ts.stub().MhcSeam(&c1, mreqs[i], &r.mresps[i]);
+      r.sstat[i] = ts.stub().SwaNormQuant(&c2, sreqs[i], &r.sresps[i]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return r;
+}
+
 TEST(PipelineServer, ConcurrentRequestsOverGrpcMatchTheLibraryBatchingOffAndOn) {
   for (int64_t batch_tokens : {int64_t{0}, int64_t{64}}) {
     SCOPED_TRACE(::testing::Message() << "max_batch_tokens " << batch_tokens);
@@ -615,28 +641,15 @@ TEST(PipelineServer, ConcurrentRequestsOverGrpcMatchTheLibraryBatchingOffAndOn) 
       if (i % 3 == 0) mreqs.back().set_path_preference(v1::PATH_PREFERENCE_FORCE_UNFUSED);
       sreqs.push_back(MakeSwaRequest(rng, "g", 1 + i % 4, 256 + 128));
     }
-    std::vector<v1::MhcSeamResponse> mresps(kRequests);
-    std::vector<v1::SwaNormQuantResponse> sresps(kRequests);
-    std::vector<grpc::Status> mstat(kRequests), sstat(kRequests);
-    std::vector<std::thread> threads;
-    for (int i = 0; i < kRequests; ++i) {
-      threads.emplace_back([&, i] {
-        grpc::ClientContext c1, c2;
-        c1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-        c2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-        mstat[i] = ts->stub().MhcSeam(&c1, mreqs[i], &mresps[i]);
-        sstat[i] = ts->stub().SwaNormQuant(&c2, sreqs[i], &sresps[i]);
-      });
-    }
-    for (auto& t : threads) t.join();
+    const ConcurrentCalls calls = CallConcurrently(*ts, mreqs, sreqs);
     for (int i = 0; i < kRequests; ++i) {
       SCOPED_TRACE(i);
-      ASSERT_TRUE(mstat[i].ok()) << mstat[i].error_message();
-      ASSERT_TRUE(sstat[i].ok()) << sstat[i].error_message();
+      ASSERT_TRUE(calls.mstat[i].ok()) << calls.mstat[i].error_message();
+      ASSERT_TRUE(calls.sstat[i].ok()) << calls.sstat[i].error_message();
       const Path mpath = i % 3 == 0 ? Path::kUnfused : Path::kFused;
-      EXPECT_EQ(mresps[i].report().path(), server::ToProto(mpath));
-      ExpectMhcEqual(mresps[i], ref.RunMhc(mreqs[i], mpath));
-      ExpectSwaEqual(sresps[i], ref.RunSwa(sreqs[i], Path::kFused));
+      EXPECT_EQ(calls.mresps[i].report().path(), server::ToProto(mpath));
+      ExpectMhcEqual(calls.mresps[i], ref.RunMhc(mreqs[i], mpath));
+      ExpectSwaEqual(calls.sresps[i], ref.RunSwa(sreqs[i], Path::kFused));
     }
     EXPECT_EQ(control->lane_kernels.load() > 0, true);
     const std::string scrape = ScrapeWhenIdle(*ts);
@@ -686,28 +699,15 @@ TEST(PipelineServer, StageTimesArePresentAndAddUpToAtMostTheServerTime) {
         mreqs.push_back(MakeMhcRequest(rng, "g", MhcRequestSpec{.hidden = 512, .tokens = 1 + i % 5}));
         sreqs.push_back(MakeSwaRequest(rng, "g", 1 + i % 4, 256 + 128));
       }
-      std::vector<v1::MhcSeamResponse> mresps(kRequests);
-      std::vector<v1::SwaNormQuantResponse> sresps(kRequests);
-      std::vector<grpc::Status> mstat(kRequests), sstat(kRequests);
-      std::vector<std::thread> threads;
-      for (int i = 0; i < kRequests; ++i) {
-        threads.emplace_back([&, i] {
-          grpc::ClientContext c1, c2;
-          c1.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-          c2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-          mstat[i] = ts->stub().MhcSeam(&c1, mreqs[i], &mresps[i]);
-          sstat[i] = ts->stub().SwaNormQuant(&c2, sreqs[i], &sresps[i]);
-        });
-      }
-      for (auto& t : threads) t.join();
+      const ConcurrentCalls calls = CallConcurrently(*ts, mreqs, sreqs);
       for (int i = 0; i < kRequests; ++i) {
         SCOPED_TRACE(i);
-        ASSERT_TRUE(mstat[i].ok()) << mstat[i].error_message();
-        ASSERT_TRUE(sstat[i].ok()) << sstat[i].error_message();
-        ExpectMhcEqual(mresps[i], ref.RunMhc(mreqs[i], Path::kFused));
-        ExpectSwaEqual(sresps[i], ref.RunSwa(sreqs[i], Path::kFused));
-        ExpectStagesWithinServerTime(mresps[i].report(), lane);
-        ExpectStagesWithinServerTime(sresps[i].report(), lane);
+        ASSERT_TRUE(calls.mstat[i].ok()) << calls.mstat[i].error_message();
+        ASSERT_TRUE(calls.sstat[i].ok()) << calls.sstat[i].error_message();
+        ExpectMhcEqual(calls.mresps[i], ref.RunMhc(mreqs[i], Path::kFused));
+        ExpectSwaEqual(calls.sresps[i], ref.RunSwa(sreqs[i], Path::kFused));
+        ExpectStagesWithinServerTime(calls.mresps[i].report(), lane);
+        ExpectStagesWithinServerTime(calls.sresps[i].report(), lane);
       }
       {
         // Refused at decode (unknown weight set): no stage is recorded for it.
