@@ -36,6 +36,11 @@ bool UnaryCall::Complete(absl::Status status) {
   metrics_.RecordRequest(method_, static_cast<grpc::StatusCode>(status.code()), SecondsSince(start_), request_bytes_,
                          response_bytes);
   const bool sent = status.ok();
+  // The verify work is over: give its slot back before the status goes out, so a client that
+  // sends its next verify call as soon as it has this answer never finds the slot still counted
+  // (OnDone runs on a gRPC thread some time after the client already has the status; the same
+  // ordering as LoadWeights' upload slot).
+  verify_slot_.Release();
   // The compute methods' messages (shadow/shared_messages.h) stay alive until Finish() has
   // returned (gRPC serializes the response inside it): whoever lets go last deletes them.
   shadow::SharedMessagesCount* messages = dynamic_cast<shadow::SharedMessagesCount*>(ctx_->GetRpcAllocatorState());

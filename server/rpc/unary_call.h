@@ -37,7 +37,8 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   // The call's admitted bytes (rpc/service.cc AdmitComputeBytes): given back in OnDone, once the
   // response has been sent or the call has failed, when its messages are no longer needed.
   void HoldBytes(ByteBudget::Lease lease) { bytes_lease_ = std::move(lease); }
-  // A verify = true call's slot in --max_inflight_verify, given back in OnDone like the bytes.
+  // A verify = true call's slot in --max_inflight_verify, given back in Complete() before the
+  // status is sent (the bytes stay held until OnDone: the messages live until then).
   void HoldVerifySlot(ByteBudget::Lease slot) { verify_slot_ = std::move(slot); }
 
   void OnCancel() override {
