@@ -555,8 +555,10 @@ std::string MakeTempDir() {
 TEST(ShadowFaults, UlpFlipIsCountedLoggedDumpedAndReplayed) {
   const std::string dir = MakeTempDir();
   DemoServerProcess faulty(FUSEDLAYER_FAULT_SERVER_BINARY,
+                // A queue that holds all 7 sampled jobs: the calls return before their shadow jobs
+                // finish, and with the default bound (4) a slow (ASan) run dropped one.
                 {"--fault_inject=ulp_flip", "--shadow_sample_rate=1", "--shadow_dump_dir=" + dir,
-                 "--shadow_dump_max_files=2"},
+                 "--shadow_dump_max_files=2", "--shadow_queue_size=16"},
                 true);
   ASSERT_NE(faulty.port, 0) << faulty.process.ReadAll();
   std::mt19937_64 rng = MakeRng(41);
