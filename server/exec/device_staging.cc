@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 namespace fusedlayer::server {
@@ -118,7 +119,7 @@ absl::Status LaneStaging::EnqueueCopiesBack() {
 }
 
 absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out, StageTimes* times,
-                                             std::chrono::steady_clock::time_point device_from) {
+                                             std::chrono::steady_clock::time_point device_from, OutputBuffers* lend_to) {
   // Always wait, even for a call that enqueued nothing: the lane's kernel time (and the error of
   // a launch that was enqueued) belongs to this call.
   absl::StatusOr<RunStats> waited = lane_.Wait();
@@ -131,9 +132,14 @@ absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out, StageTimes* times,
     return waited;
   }
   if (copy_out) {
-    const char* const staging = block_.data();
+    char* const staging = block_.data();
+    // The response's buffers take the block as it is (the copies back are done: Wait above; the
+    // inputs staged in it go along, never read again).
+    std::shared_ptr<const void> lent = lend_to != nullptr && staging != nullptr ? pool_.Lend(block_) : nullptr;
     for (const Tensor& t : tensors_) {
-      if (!t.input && t.bytes > 0) pool_.copier().Copy(t.host.data, staging + t.offset, t.bytes);
+      if (t.input || t.bytes == 0) continue;
+      if (lent != nullptr && lend_to->Move(t.host.data, t.bytes, staging + t.offset, lent)) continue;
+      pool_.copier().Copy(t.host.data, staging + t.offset, t.bytes);
     }
     if (times != nullptr) times->copy_out += SecondsBetween(waited_at, std::chrono::steady_clock::now());
   }

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "exec/host_staging_pool.h"
+#include "exec/output_buffers.h"
 #include "exec/stage_times.h"
 #include "fusedlayer/backend.h"
 
@@ -38,7 +39,8 @@ class DeviceStaging {
 // host view's device copy goes, Stage() takes one staging block for all of them, memcpy's the
 // inputs in and enqueues their copies to the device; after the op is enqueued, EnqueueCopiesBack()
 // queues the outputs' copies into the block, and Finish() waits once on the lane and memcpy's the
-// outputs into their host views. Finish() must be called once Stage() was (whatever failed in
+// outputs into their host views, or, when the host views are a response's OutputBuffers and the
+// pool lends the block, hands the block to those buffers instead (no memcpy). Finish() must be called once Stage() was (whatever failed in
 // between): the staging block goes back to the pool only after the lane's Wait(), when the device
 // no longer reads or writes it. Runs on the lane's worker.
 class LaneStaging {
@@ -51,11 +53,14 @@ class LaneStaging {
   void Output(const TensorView& host, TensorView* dev);
   absl::Status Stage();
   absl::Status EnqueueCopiesBack();
-  // Waits for the lane; when `copy_out`, copies the outputs into their host views. The lane's
-  // error (Internal) if its work failed. When `times` is set, the wait (from `device_from`, the
-  // end of Stage()) is added to its device stage and the memcpy out to its copy_out stage.
+  // Waits for the lane; when `copy_out`, copies the outputs into their host views, except those
+  // that `lend_to` (the buffers the host views point into, or null) takes over in the lent
+  // staging block. The lane's error (Internal) if its work failed. When `times` is set, the wait
+  // (from `device_from`, the end of Stage()) is added to its device stage and the copy out (or
+  // the lending) to its copy_out stage.
   absl::StatusOr<RunStats> Finish(bool copy_out, StageTimes* times = nullptr,
-                                  std::chrono::steady_clock::time_point device_from = {});
+                                  std::chrono::steady_clock::time_point device_from = {},
+                                  OutputBuffers* lend_to = nullptr);
 
  private:
   struct Tensor {

@@ -1,8 +1,10 @@
 #include "exec/host_staging_pool.h"
 
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 
 namespace fusedlayer::server {
 namespace {
@@ -15,30 +17,38 @@ HostStagingPool::Lease& HostStagingPool::Lease::operator=(Lease&& o) noexcept {
     pool_ = o.pool_;
     block_ = std::move(o.block_);
     discard_ = o.discard_;
+    lent_ = o.lent_;
     o.pool_ = nullptr;
     o.discard_ = false;
+    o.lent_ = false;
   }
   return *this;
 }
 
 void HostStagingPool::Lease::Release() {
-  if (pool_ != nullptr) pool_->Return(std::move(block_), discard_);
+  if (pool_ != nullptr) pool_->Return(std::move(block_), discard_, lent_);
   pool_ = nullptr;
   discard_ = false;
+  lent_ = false;
 }
 
 HostStagingPool::HostStagingPool(Backend& backend, size_t limit_bytes, prometheus::Registry* registry,
                                  int copy_threads)
-    : backend_(backend), limit_(limit_bytes), copier_(copy_threads) {
+    : backend_(backend),
+      limit_(limit_bytes),
+      copier_(copy_threads),
+      lend_state_(std::make_shared<LendState>(this)) {
   if (registry == nullptr) return;
   auto& bytes = prometheus::BuildGauge()
                     .Name("fusedlayer_host_staging_bytes")
-                    .Help("Page-locked host staging memory of the device lanes: in_use (held by running requests), "
-                          "held (in use + kept for reuse), limit (--host_staging_bytes)")
+                    .Help("Page-locked host staging memory of the device lanes: in_use (held by running requests "
+                          "and responses being sent), lent (of in_use, held by responses being sent), held (in "
+                          "use + kept for reuse), limit (--host_staging_bytes)")
                     .Register(*registry);
   in_use_gauge_ = &bytes.Add({{"state", "in_use"}});
   held_gauge_ = &bytes.Add({{"state", "held"}});
   limit_gauge_ = &bytes.Add({{"state", "limit"}});
+  lent_gauge_ = &bytes.Add({{"state", "lent"}});
   limit_gauge_->Set(static_cast<double>(limit_));
   waits_counter_ = &prometheus::BuildCounter()
                         .Name("fusedlayer_host_staging_waits_total")
@@ -49,8 +59,51 @@ HostStagingPool::HostStagingPool(Backend& backend, size_t limit_bytes, prometheu
 }
 
 HostStagingPool::~HostStagingPool() {
+  {
+    // Responses still being sent hold lent blocks; gRPC lets go of them as its server shuts down
+    // (before the lanes are destroyed, server.cc), possibly a little later on its own threads.
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!freed_.wait_for(lock, std::chrono::seconds(5), [&] { return lent_bytes_ == 0; })) {
+      LogWarning("host staging: ", lent_bytes_, " bytes still lent to responses 5 s after the server stopped; "
+                 "left allocated");
+    }
+  }
+  {
+    // Owners that let go later leave their block allocated instead of returning it here.
+    std::lock_guard<std::mutex> lock(lend_state_->mu);
+    lend_state_->pool = nullptr;
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  kept_.clear();  // every lease was returned (its owners are gone): frees the kept blocks
+  kept_.clear();  // every other lease was returned (its owners are gone): frees the kept blocks
+}
+
+std::shared_ptr<const void> HostStagingPool::Lend(Lease& lease) {
+  if (lease.pool_ != this || lease.block_.data() == nullptr || lease.lent_) return nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (lent_bytes_ + lease.bytes() > limit_ / 2) return nullptr;
+    lent_bytes_ += lease.bytes();
+    UpdateGauges();
+  }
+  struct Lent {
+    std::shared_ptr<LendState> state;
+    Lease lease;
+  };
+  auto* lent = new Lent{lend_state_, std::move(lease)};
+  lent->lease.lent_ = true;
+  return std::shared_ptr<const void>(lent->lease.data(), [lent](const void*) {
+    {
+      std::lock_guard<std::mutex> lock(lent->state->mu);
+      if (lent->state->pool == nullptr) {
+        // The pool (and maybe the backend that would free the block) is gone: leave it allocated
+        // (only at exit, when gRPC let go of a response more than 5 s after its server stopped).
+        static_cast<void>(new DeviceBuffer(std::move(lent->lease.block_)));
+        lent->lease.pool_ = nullptr;
+      }
+      lent->lease.Release();
+    }
+    delete lent;
+  });
 }
 
 size_t HostStagingPool::ClassBytes(size_t bytes) const {
@@ -119,10 +172,11 @@ absl::StatusOr<HostStagingPool::Lease> HostStagingPool::Acquire(size_t bytes) {
   return lease;
 }
 
-void HostStagingPool::Return(DeviceBuffer block, bool discard) {
+void HostStagingPool::Return(DeviceBuffer block, bool discard, bool lent) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     in_use_bytes_ -= block.bytes();
+    if (lent) lent_bytes_ -= block.bytes();
     if (!discard) {
       kept_bytes_ += block.bytes();
       const size_t bytes = block.bytes();
@@ -138,6 +192,7 @@ void HostStagingPool::UpdateGauges() {
   if (in_use_gauge_ == nullptr) return;
   in_use_gauge_->Set(static_cast<double>(in_use_bytes_));
   held_gauge_->Set(static_cast<double>(in_use_bytes_ + kept_bytes_));
+  lent_gauge_->Set(static_cast<double>(lent_bytes_));
 }
 
 size_t HostStagingPool::in_use_bytes() const {
@@ -148,6 +203,11 @@ size_t HostStagingPool::in_use_bytes() const {
 size_t HostStagingPool::held_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return in_use_bytes_ + kept_bytes_;
+}
+
+size_t HostStagingPool::lent_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lent_bytes_;
 }
 
 uint64_t HostStagingPool::waits() const {

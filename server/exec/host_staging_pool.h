@@ -8,6 +8,11 @@
 // for another, so lanes waiting for the bound cannot deadlock each other. A request larger than
 // the whole bound is refused at once (RESOURCE_EXHAUSTED naming the flag), never waits forever.
 // When the bound is taken by other lanes' requests, Acquire waits for one of them to finish.
+//
+// A block may outlive its request: Lend() hands it to the request's response, whose slices gRPC
+// is still writing to the socket (exec/output_buffers.h), and it comes back when gRPC lets go of
+// them. Lent blocks count as in use, and at most half of the bound may be lent, so responses that a
+// slow client does not read never take the staging the lanes need to run.
 // Thread-safe.
 #pragma once
 
@@ -47,6 +52,7 @@ class HostStagingPool {
     HostStagingPool* pool_ = nullptr;
     DeviceBuffer block_;
     bool discard_ = false;
+    bool lent_ = false;  // held by a response (Lend)
   };
 
   // `limit_bytes`: the bound on what the pool holds. `registry` (optional): the pool's gauges.
@@ -61,11 +67,18 @@ class HostStagingPool {
   // or when the system refuses page-locked memory; otherwise may wait for other requests' blocks.
   absl::StatusOr<Lease> Acquire(size_t bytes);
 
+  // Lends the lease's block to a response (see above): the returned owner gives the block back to
+  // the pool when its last copy is destroyed, on whatever thread, also after the pool is gone
+  // (then the block is left allocated: its backend may be gone too). Null, with the lease
+  // untouched, when the lent blocks would then hold more than half of the bound.
+  std::shared_ptr<const void> Lend(Lease& lease);
+
   size_t limit_bytes() const { return limit_; }
   // The host copies into and out of this pool's blocks (LaneStaging), shared by every lane.
   ParallelCopy& copier() { return copier_; }
   size_t in_use_bytes() const;
   size_t held_bytes() const;  // in use + kept for reuse
+  size_t lent_bytes() const;  // in use by responses (Lend)
   uint64_t waits() const;     // Acquire calls that had to wait for the bound (tests, metrics)
 
   // The size class a request of `bytes` gets: the next power of two from 64 KiB, but never more
@@ -73,7 +86,13 @@ class HostStagingPool {
   size_t ClassBytes(size_t bytes) const;
 
  private:
-  void Return(DeviceBuffer block, bool discard);
+  void Return(DeviceBuffer block, bool discard, bool lent);
+  // What a lent block's owner reaches the pool through: null once the pool is destroyed.
+  struct LendState {
+    explicit LendState(HostStagingPool* p) : pool(p) {}
+    std::mutex mu;
+    HostStagingPool* pool;
+  };
   void UpdateGauges();  // mu_ held
 
   Backend& backend_;
@@ -84,10 +103,13 @@ class HostStagingPool {
   std::multimap<size_t, DeviceBuffer> kept_;  // free blocks by size
   size_t kept_bytes_ = 0;
   size_t in_use_bytes_ = 0;
+  size_t lent_bytes_ = 0;
   uint64_t waits_ = 0;
+  const std::shared_ptr<LendState> lend_state_;
   prometheus::Gauge* in_use_gauge_ = nullptr;
   prometheus::Gauge* held_gauge_ = nullptr;
   prometheus::Gauge* limit_gauge_ = nullptr;
+  prometheus::Gauge* lent_gauge_ = nullptr;
   prometheus::Counter* waits_counter_ = nullptr;
 };
 

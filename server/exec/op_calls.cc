@@ -37,7 +37,7 @@ absl::StatusOr<RunStats> RunOnLane(const ExecTarget& target, const Args& dev, La
   if (target.times != nullptr) target.times->copy_in += SecondsBetween(t0, staged);
   if (launched.ok()) launched = enqueue(dev);
   if (launched.ok()) launched = staging.EnqueueCopiesBack();
-  absl::StatusOr<RunStats> waited = staging.Finish(/*copy_out=*/launched.ok(), target.times, staged);
+  absl::StatusOr<RunStats> waited = staging.Finish(/*copy_out=*/launched.ok(), target.times, staged, target.outputs);
   if (!launched.ok()) return launched;  // a validation or allocation error, as the default path reports it
   return waited;
 }

@@ -13,6 +13,10 @@
 //                                                                       --memcpy--> response bytes
 //       (host, the lane's worker)  (async on the lane's stream ..................)  (after Wait)
 //
+//     where the response's outputs are outside its message (exec/output_buffers.h), the last
+//     memcpy is replaced by lending the staging block to the response, which gRPC then sends
+//     from as it is;
+//
 //   - otherwise the backend's default context, synchronously (exec/device_staging.h): warm-up and
 //     shadow verification, which are rare and serialised by the executor.
 #pragma once
@@ -24,6 +28,7 @@
 namespace fusedlayer::server {
 
 class HostStagingPool;
+class OutputBuffers;
 
 struct MhcCall {
   MhcArgs args;  // host views: inputs over the request, outputs over the response
@@ -40,6 +45,10 @@ struct ExecTarget {
   Lane* lane = nullptr;                // null: the backend's default context (or host views on a CPU)
   HostStagingPool* staging = nullptr;  // set with `lane`
   StageTimes* times = nullptr;         // when set, the run's stage times are added to it
+  // The buffers the call's host output views point into (one request's response outside its
+  // message, exec/output_buffers.h), or null: on a lane they may take over the staging block
+  // instead of having the outputs copied into them.
+  OutputBuffers* outputs = nullptr;
 };
 
 absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcWeights& weights,

@@ -17,6 +17,7 @@
 #include "rpc/proto_convert.h"
 #include "rpc/service.h"
 #include "rpc/unary_call.h"
+#include "rpc/wire_messages.h"
 
 namespace fusedlayer::server {
 
@@ -53,7 +54,7 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   ComputeTask(FusedLayerService& service, UnaryCall* call, typename Rpc::Messages* held,
               const typename Rpc::Request* request, typename Rpc::Response* response,
               std::shared_ptr<const WeightSet> set, typename Rpc::Call decoded,
-              std::unique_ptr<transport::TensorTransfer> transfer, double decode_seconds)
+              std::unique_ptr<transport::TensorTransfer> transfer, bool shadow_sampled, double decode_seconds)
       : service_(service),
         call_(call),
         held_(held),
@@ -62,6 +63,8 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
         set_(std::move(set)),
         decoded_(std::move(decoded)),
         transfer_(std::move(transfer)),
+        outputs_(call->outputs()->empty() ? nullptr : call->outputs()),
+        shadow_sampled_(shadow_sampled),
         decode_seconds_(decode_seconds) {}
 
   int64_t tokens() const override { return decoded_.args.tokens; }
@@ -77,8 +80,8 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   void RunBatch(std::vector<std::unique_ptr<BatchableTask>>& batch, const std::vector<double>& queue_seconds) override;
   // Path choice and run with fallback for `call` (one request's or a batch's); its stage times
   // are added to `times`.
-  absl::StatusOr<DispatchOutcome> Execute(const typename Rpc::Call& call, const std::string& what,
-                                          StageTimes* times) const;
+  absl::StatusOr<DispatchOutcome> Execute(const typename Rpc::Call& call, const std::string& what, StageTimes* times,
+                                          OutputBuffers* outputs) const;
   // Metrics, report, verify or shadow sampling, response: this request's part after the launch.
   void Finish(const absl::StatusOr<DispatchOutcome>& ran, size_t batch_requests, int64_t batch_tokens);
   std::string What() const {
@@ -96,6 +99,12 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   // Shared-memory tensors of this request (null when it has none): the staged inputs the call
   // views, and the outputs written to their regions after the run (server/transport/).
   const std::unique_ptr<transport::TensorTransfer> transfer_;
+  // Where the request's output views point when not into the response message (exec/output_buffers.h):
+  // run alone on a lane, they may take over its staging block instead of a copy. Null otherwise.
+  OutputBuffers* const outputs_;
+  // Drawn before decoding (ShadowVerifier::Sample): a sampled request keeps its outputs in the
+  // response message, where its shadow job reads them after the response is sent.
+  const bool shadow_sampled_;
   double queue_seconds_ = 0;
   const double decode_seconds_;  // on the gRPC thread, receipt to hand-off (StartCompute)
   StageTimes stages_;            // of this request's launch (the batch's when it shared one)
@@ -104,7 +113,8 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
 template <typename Rpc>
 absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(const typename Rpc::Call& call,
                                                                              const std::string& what,
-                                                                             StageTimes* times) const {
+                                                                             StageTimes* times,
+                                                                             OutputBuffers* outputs) const {
   const typename Rpc::Prepared& part = *Rpc::Part(*set_);
   Backend& backend = service_.backend_;
   const v1::PathPreference preference = request_->path_preference();
@@ -114,6 +124,7 @@ absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(con
   // This worker's lane (or the backend itself on a host-accessible backend).
   ExecTarget target = service_.lanes_.For(service_.executor_.worker_index());
   target.times = times;
+  target.outputs = outputs;
   return RunWithFallback(Rpc::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what,
                          [&](Path path) { return Rpc::Run(target, part, call, path); });
 }
@@ -150,7 +161,8 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
       const std::string what = absl::StrCat("a batch of ", live.size(), " requests from ", live.front()->What(),
                                             ", ", Rpc::kTokensSymbol, " = ", batched.args.tokens, " in all");
       StageTimes times;
-      absl::StatusOr<DispatchOutcome> ran = Execute(batched, what, &times);
+      // (The batch's outputs are scattered into each request's buffers: none takes over staging.)
+      absl::StatusOr<DispatchOutcome> ran = Execute(batched, what, &times, /*outputs=*/nullptr);
       if (ran.ok()) {
         // (Scattering the batch's outputs into the responses falls between stages: it is in
         // server_seconds but in no stage.)
@@ -165,7 +177,7 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
     }
   }
   for (ComputeTask* task : live) {
-    absl::StatusOr<DispatchOutcome> ran = task->Execute(task->decoded_, task->What(), &task->stages_);
+    absl::StatusOr<DispatchOutcome> ran = task->Execute(task->decoded_, task->What(), &task->stages_, task->outputs_);
     metrics.RecordBatch(Rpc::kOp, 1, task->decoded_.args.tokens);
     task->Finish(ran, 1, task->decoded_.args.tokens);
   }
@@ -202,8 +214,7 @@ void FusedLayerService::ComputeTask<Rpc>::Finish(const absl::StatusOr<DispatchOu
       // Synchronous: the unfused run and the comparison happen in this job, before the response.
       *response_->mutable_verification() =
           d.path == Path::kFused ? Rpc::Verify(shadow, *set_, *request_, *response_) : NotComparedUnfused(d);
-    } else if (d.path == Path::kFused && decoded_.args.tokens > 0 && transfer_ == nullptr && shadow.Sample()) {
-      // (A shared-memory request is not sampled: the shadow job re-reads the inline messages.)
+    } else if (d.path == Path::kFused && decoded_.args.tokens > 0 && shadow_sampled_) {
       // No copy: the job takes a reference to this call's messages (shadow/shared_messages.h).
       // Only the report is written after this, before the response is sent; the job never reads it.
       shadow_job = Rpc::Capture(shadow, set_, held_);
@@ -226,22 +237,27 @@ void FusedLayerService::ComputeTask<Rpc>::Finish(const absl::StatusOr<DispatchOu
   shadow.Submit(std::move(shadow_job));
 }
 
-grpc::ServerUnaryReactor* FusedLayerService::MhcSeam(grpc::CallbackServerContext* ctx,
-                                                     const v1::MhcSeamRequest* request,
-                                                     v1::MhcSeamResponse* response) {
-  auto* call = new UnaryCall(metrics_, Method::kMhcSeam, config_.max_message_bytes, ctx, request, response);
-  absl::Status s = AdmitDuringDrain();
-  if (s.ok()) s = StartCompute<MhcRpc>(call, shadow::MhcMessages::Of(ctx), request, response);
-  if (!s.ok()) call->Complete(std::move(s));
-  return call;
+grpc::ServerUnaryReactor* FusedLayerService::MhcSeam(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* response) {
+  return ServeCompute<MhcRpc>(ctx, request, response);
 }
 
 grpc::ServerUnaryReactor* FusedLayerService::SwaNormQuant(grpc::CallbackServerContext* ctx,
-                                                          const v1::SwaNormQuantRequest* request,
-                                                          v1::SwaNormQuantResponse* response) {
-  auto* call = new UnaryCall(metrics_, Method::kSwaNormQuant, config_.max_message_bytes, ctx, request, response);
+                                                          const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+  return ServeCompute<SwaRpc>(ctx, request, response);
+}
+
+template <typename Rpc>
+grpc::ServerUnaryReactor* FusedLayerService::ServeCompute(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* wire_request,
+                                                          grpc::ByteBuffer* wire_response) {
+  auto* held = new typename Rpc::Messages();  // the call's reference, dropped in UnaryCall::OnDone
+  auto* call = new UnaryCall(metrics_, Rpc::kMethod, config_.max_message_bytes, ctx, wire_request->Length(),
+                             held->response(), wire_response, held);
   absl::Status s = AdmitDuringDrain();
-  if (s.ok()) s = StartCompute<SwaRpc>(call, shadow::SwaMessages::Of(ctx), request, response);
+  // gRPC hands the request over and never reads it again: parsing frees its slices at once.
+  if (s.ok()) s = ParseWireRequest(const_cast<grpc::ByteBuffer*>(wire_request), held->request());
+  if (s.ok()) s = StartCompute<Rpc>(call, held, held->request(), held->response());
   if (!s.ok()) call->Complete(std::move(s));
   return call;
 }
@@ -272,15 +288,20 @@ absl::Status FusedLayerService::StartCompute(UnaryCall* call, typename Rpc::Mess
     staged_bytes = transport::SharedMemoryInputBytes(*request);
   }
   if (absl::Status s = AdmitComputeBytes(call, *response_bytes, staged_bytes); !s.ok()) return s;
+  // A request the shadow verifier samples (fused runs only; a shared-memory request is not
+  // sampled: the shadow job re-reads the inline messages) keeps its outputs in the response
+  // message for the job to read; every other one has them outside it, sent without copies.
+  const bool shadow_sampled = transfer == nullptr && !request->verify() && shadow_.Sample();
   absl::StatusOr<typename Rpc::Call> decoded =
-      Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response, transfer.get());
+      Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response, transfer.get(),
+                  shadow_sampled ? nullptr : call->outputs());
   if (!decoded.ok()) return decoded.status();
   response->set_request_id(RequestId(request->request_id()));
   // The decode stage ends here: the queue wait starts inside SubmitBatchable.
   const double decode_seconds = call->elapsed();
-  return executor_.SubmitBatchable(std::make_unique<ComputeTask<Rpc>>(*this, call, held, request, response,
-                                                                      std::move(*set), std::move(*decoded),
-                                                                      std::move(transfer), decode_seconds));
+  return executor_.SubmitBatchable(std::make_unique<ComputeTask<Rpc>>(
+      *this, call, held, request, response, std::move(*set), std::move(*decoded), std::move(transfer), shadow_sampled,
+      decode_seconds));
 }
 
 }  // namespace fusedlayer::server

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/metrics.h"
 #include "config.h"
 #include "exec/batch_assembly.h"
 #include "exec/op_calls.h"
@@ -25,6 +26,7 @@ struct MhcRpc {
   using Request = v1::MhcSeamRequest;
   using Response = v1::MhcSeamResponse;
   using Messages = shadow::MhcMessages;
+  static constexpr Method kMethod = Method::kMhcSeam;
   using Prepared = PreparedMhcWeights;
   using Call = MhcCall;
   static constexpr Op kOp = Op::kMhc;
@@ -35,8 +37,9 @@ struct MhcRpc {
     return MhcResponseBytes(request, w, max_tokens);
   }
   static absl::StatusOr<MhcCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
-                                        Response* response, transport::TensorTransfer* transfer) {
-    return DecodeMhcRequest(request, w, max_tokens, response, transfer);
+                                        Response* response, transport::TensorTransfer* transfer,
+                                        OutputBuffers* external) {
+    return DecodeMhcRequest(request, w, max_tokens, response, transfer, external);
   }
   static FusedSupport Support(Backend& backend, const Prepared& w, const MhcCall& c) {
     return backend.MhcFusedSupport(w, c.query);
@@ -73,6 +76,7 @@ struct SwaRpc {
   using Request = v1::SwaNormQuantRequest;
   using Response = v1::SwaNormQuantResponse;
   using Messages = shadow::SwaMessages;
+  static constexpr Method kMethod = Method::kSwaNormQuant;
   using Prepared = PreparedSwaWeights;
   using Call = SwaCall;
   static constexpr Op kOp = Op::kSwa;
@@ -83,8 +87,9 @@ struct SwaRpc {
     return SwaResponseBytes(request, w, max_tokens);
   }
   static absl::StatusOr<SwaCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
-                                        Response* response, transport::TensorTransfer* transfer) {
-    return DecodeSwaRequest(request, w, max_tokens, response, transfer);
+                                        Response* response, transport::TensorTransfer* transfer,
+                                        OutputBuffers* external) {
+    return DecodeSwaRequest(request, w, max_tokens, response, transfer, external);
   }
   static FusedSupport Support(Backend& backend, const Prepared& w, const SwaCall& c) {
     return backend.SwaFusedSupport(w, c.query);

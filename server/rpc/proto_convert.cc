@@ -182,7 +182,8 @@ absl::StatusOr<TensorView> DecodeStrided2D(const v1::Tensor& t, const char* name
   return TensorView::Strided2D(*bytes, dtype, t.shape(0), cols, t.shape(1));
 }
 
-TensorView AllocateOutput(v1::Tensor* out, DType dtype, std::initializer_list<int64_t> dims) {
+TensorView AllocateOutput(v1::Tensor* out, DType dtype, std::initializer_list<int64_t> dims, OutputBuffers* external,
+                          int field) {
   out->set_dtype(ToProto(dtype));
   out->clear_shape();
   uint64_t n = DTypeSize(dtype);
@@ -190,6 +191,7 @@ TensorView AllocateOutput(v1::Tensor* out, DType dtype, std::initializer_list<in
     out->add_shape(d);
     n *= static_cast<uint64_t>(d);
   }
+  if (external != nullptr) return TensorView::Contiguous(external->Add(field, n), dtype, dims);
   out->mutable_data()->resize(n);
   return TensorView::Contiguous(out->mutable_data()->data(), dtype, dims);
 }
@@ -254,6 +256,13 @@ absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPla
   return absl::OkStatus();
 }
 
+// Where a request's outputs go: `external` when given, except for requests whose outputs are read
+// back from the response message (verify's comparison, output placements' writes to shared memory).
+template <typename Request>
+OutputBuffers* OutputsOutsideMessage(const Request& req, OutputBuffers* external) {
+  return req.verify() || req.output_placements_size() > 0 ? nullptr : external;
+}
+
 absl::Status CheckVerify(bool verify, bool uses_shared_memory) {
   if (verify && uses_shared_memory) {
     return absl::InvalidArgumentError(
@@ -264,15 +273,19 @@ absl::Status CheckVerify(bool verify, bool uses_shared_memory) {
 
 // Runs `decode`, turning an allocation failure of the response tensors into RESOURCE_EXHAUSTED.
 template <typename Response, typename Decode>
-auto CatchAllocationFailure(Response* resp, Decode&& decode) -> decltype(decode()) {
+auto CatchAllocationFailure(Response* resp, OutputBuffers* external, Decode&& decode) -> decltype(decode()) {
+  const auto clear = [&] {
+    resp->Clear();
+    if (external != nullptr) external->Clear();
+  };
   try {
     return decode();
   } catch (const std::bad_alloc&) {
-    resp->Clear();
+    clear();
     return absl::ResourceExhaustedError("the server could not allocate the response (out of host memory); retry "
                                         "later or send fewer tokens per call");
   } catch (const std::length_error&) {
-    resp->Clear();
+    clear();
     return absl::ResourceExhaustedError("the response is too large for the server to allocate");
   }
 }
@@ -321,7 +334,7 @@ namespace {
 
 absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
                                              int64_t max_tokens, v1::MhcSeamResponse* resp,
-                                             transport::TensorTransfer* transfer) {
+                                             transport::TensorTransfer* transfer, OutputBuffers* external) {
   if (absl::Status s = CheckStageAndMode(req); !s.ok()) return s;
   if (absl::Status s = CheckVerify(req.verify(), transport::UsesSharedMemory(req)); !s.ok()) return s;
   const MhcHyperParams& p = weights.params();
@@ -363,14 +376,20 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
     }
   }
 
-  a.new_residual = AllocateOutput(resp->mutable_new_residual(), DType::kBF16, {*T, n, C});
+  using R = v1::MhcSeamResponse;
+  external = OutputsOutsideMessage(req, external);
+  a.new_residual = AllocateOutput(resp->mutable_new_residual(), DType::kBF16, {*T, n, C}, external,
+                                  R::kNewResidualFieldNumber);
   if (a.stage != MhcStage::kHead) {
-    a.new_pre_mix = AllocateOutput(resp->mutable_new_pre_mix(), DType::kFP32, {*T, n});
-    a.new_post_mix = AllocateOutput(resp->mutable_new_post_mix(), DType::kFP32, {*T, n});
-    a.new_comb_mix = AllocateOutput(resp->mutable_new_comb_mix(), DType::kFP32, {*T, n, n});
+    a.new_pre_mix =
+        AllocateOutput(resp->mutable_new_pre_mix(), DType::kFP32, {*T, n}, external, R::kNewPreMixFieldNumber);
+    a.new_post_mix =
+        AllocateOutput(resp->mutable_new_post_mix(), DType::kFP32, {*T, n}, external, R::kNewPostMixFieldNumber);
+    a.new_comb_mix =
+        AllocateOutput(resp->mutable_new_comb_mix(), DType::kFP32, {*T, n, n}, external, R::kNewCombMixFieldNumber);
   }
-  a.y = AllocateOutput(resp->mutable_y(), DType::kBF16, {*T, C});
-  if (a.capture_aux) a.aux = AllocateOutput(resp->mutable_aux(), DType::kBF16, {*T, C});
+  a.y = AllocateOutput(resp->mutable_y(), DType::kBF16, {*T, C}, external, R::kYFieldNumber);
+  if (a.capture_aux) a.aux = AllocateOutput(resp->mutable_aux(), DType::kBF16, {*T, C}, external, R::kAuxFieldNumber);
   if (req.output_placements_size() > 0) {
     absl::Status placed =
         a.stage == MhcStage::kHead
@@ -398,7 +417,7 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
 
 absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
                                              int64_t max_tokens, v1::SwaNormQuantResponse* resp,
-                                             transport::TensorTransfer* transfer) {
+                                             transport::TensorTransfer* transfer, OutputBuffers* external) {
   if (absl::Status s = CheckVerify(req.verify(), transport::UsesSharedMemory(req)); !s.ok()) return s;
   const SwaHyperParams& p = weights.params();
   const int64_t Q = p.q_rank, D = p.head_dim, G = p.groups();
@@ -410,14 +429,19 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
   a.tokens = *M;
   FL_ASSIGN_OR_RETURN(a.qr_kv, DecodeStrided2D(req.qr_kv(), "qr_kv", DType::kBF16, Q + D, transfer));
 
-  a.q_fp8 = AllocateOutput(resp->mutable_q_fp8(), Fp8DType(p.fp8_format), {*M, Q});
+  using R = v1::SwaNormQuantResponse;
+  external = OutputsOutsideMessage(req, external);
+  a.q_fp8 = AllocateOutput(resp->mutable_q_fp8(), Fp8DType(p.fp8_format), {*M, Q}, external, R::kQFp8FieldNumber);
   if (p.scale_layout == ScaleLayout::kRowMajor) {
-    a.q_scale = AllocateOutput(resp->mutable_q_scale(), DType::kFP32, {*M, G});
+    a.q_scale = AllocateOutput(resp->mutable_q_scale(), DType::kFP32, {*M, G}, external, R::kQScaleFieldNumber);
   } else {
-    a.q_scale = AllocateOutput(resp->mutable_q_scale(), DType::kFP32, {G, AlignTo4(*M)});
+    a.q_scale =
+        AllocateOutput(resp->mutable_q_scale(), DType::kFP32, {G, AlignTo4(*M)}, external, R::kQScaleFieldNumber);
   }
-  a.kv = AllocateOutput(resp->mutable_kv(), DType::kBF16, {*M, D});
-  if (p.has_wq_b()) a.q_proj = AllocateOutput(resp->mutable_q_proj(), DType::kBF16, {*M, p.wq_b_rows});
+  a.kv = AllocateOutput(resp->mutable_kv(), DType::kBF16, {*M, D}, external, R::kKvFieldNumber);
+  if (p.has_wq_b()) {
+    a.q_proj = AllocateOutput(resp->mutable_q_proj(), DType::kBF16, {*M, p.wq_b_rows}, external, R::kQProjFieldNumber);
+  }
   if (req.output_placements_size() > 0) {
     absl::Status placed =
         p.has_wq_b() ? PlaceOutputs(req.output_placements(),
@@ -440,14 +464,16 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
 
 absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
                                          int64_t max_tokens, v1::MhcSeamResponse* resp,
-                                         transport::TensorTransfer* transfer) {
-  return CatchAllocationFailure(resp, [&] { return DecodeMhcRequestImpl(req, weights, max_tokens, resp, transfer); });
+                                         transport::TensorTransfer* transfer, OutputBuffers* external) {
+  return CatchAllocationFailure(
+      resp, external, [&] { return DecodeMhcRequestImpl(req, weights, max_tokens, resp, transfer, external); });
 }
 
 absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
                                          int64_t max_tokens, v1::SwaNormQuantResponse* resp,
-                                         transport::TensorTransfer* transfer) {
-  return CatchAllocationFailure(resp, [&] { return DecodeSwaRequestImpl(req, weights, max_tokens, resp, transfer); });
+                                         transport::TensorTransfer* transfer, OutputBuffers* external) {
+  return CatchAllocationFailure(
+      resp, external, [&] { return DecodeSwaRequestImpl(req, weights, max_tokens, resp, transfer, external); });
 }
 
 }  // namespace fusedlayer::server

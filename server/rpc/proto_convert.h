@@ -2,8 +2,8 @@
 //   - tensors: proto Tensor <-> TensorView. Decoding validates dtype, rank, every dimension and the
 //     byte length against what the op expects and returns INVALID_ARGUMENT naming the tensor; a
 //     decoded view points into the request's bytes (no copy). Output tensors are sized in the
-//     response message and viewed in place, so a host-accessible backend writes the response bytes
-//     directly;
+//     response message and viewed in place, or kept outside it (exec/output_buffers.h, sent after
+//     it: rpc/wire_messages.h), so a host-accessible backend writes the response bytes directly;
 //   - requests: MhcSeamRequest / SwaNormQuantRequest -> the op's call (exec/op_calls.h), validated
 //     against the weight set and --max_tokens, with the response tensors sized (reactor thread,
 //     cheap);
@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "exec/op_calls.h"
+#include "exec/output_buffers.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/fallback.h"
 #include "fusedlayer/tensor.h"
@@ -56,12 +57,17 @@ absl::StatusOr<uint64_t> SwaResponseBytes(const v1::SwaNormQuantRequest& request
 // into the response's tensors and recorded in `transfer`, whose WriteOutputs() moves them to their
 // regions after the run. Without a transfer (null) any shared-memory tensor is FAILED_PRECONDITION;
 // verify with shared-memory tensors is INVALID_ARGUMENT (the comparison reads the inline messages).
+// With `external`, the output tensors' data is not in the response message but in uninitialised
+// buffers of `external` (exec/output_buffers.h; the message gets their dtype and shape), except for
+// a verify request or one with output placements, whose outputs are read back from the message.
 absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
                                          int64_t max_tokens, v1::MhcSeamResponse* response,
-                                         transport::TensorTransfer* transfer = nullptr);
+                                         transport::TensorTransfer* transfer = nullptr,
+                                         OutputBuffers* external = nullptr);
 absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& request, const PreparedSwaWeights& weights,
                                          int64_t max_tokens, v1::SwaNormQuantResponse* response,
-                                         transport::TensorTransfer* transfer = nullptr);
+                                         transport::TensorTransfer* transfer = nullptr,
+                                         OutputBuffers* external = nullptr);
 
 // ---- tensors -----------------------------------------------------------------------------------------
 // Checks `t` is dtype[dims...] with exactly the right number of bytes and returns a contiguous
@@ -80,8 +86,11 @@ absl::StatusOr<TensorView> DecodeStrided2D(const v1::Tensor& t, const char* name
 // that it is non-negative. The rest is checked by DecodeTensor.
 absl::StatusOr<int64_t> LeadingDim(const v1::Tensor& t, const char* name, int rank);
 
-// Sizes `out` as dtype[dims...] (data zero-filled) and returns a contiguous view over its bytes.
-TensorView AllocateOutput(v1::Tensor* out, DType dtype, std::initializer_list<int64_t> dims);
+// Sizes `out` as dtype[dims...] and returns a contiguous view over its bytes: its data in the
+// message (zero-filled), or with `external` an uninitialised buffer there for response field
+// `field` (the message gets the dtype and shape only).
+TensorView AllocateOutput(v1::Tensor* out, DType dtype, std::initializer_list<int64_t> dims,
+                          OutputBuffers* external = nullptr, int field = 0);
 
 // Bytes of a dense tensor, or InvalidArgument when a dimension is negative or the size overflows.
 absl::StatusOr<uint64_t> DenseBytes(DType dtype, const int64_t* dims, int rank, const char* name);

@@ -29,10 +29,7 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
                                                    config.shared_memory_max_bytes},
                      *metrics.registry()),
       upload_idle_(std::chrono::seconds(config.upload_idle_timeout_seconds)),
-      request_id_salt_(std::random_device{}() & 0xffffff) {
-  SetMessageAllocatorFor_MhcSeam(&mhc_messages_);
-  SetMessageAllocatorFor_SwaNormQuant(&swa_messages_);
-}
+      request_id_salt_(std::random_device{}() & 0xffffff) {}
 
 std::string FusedLayerService::RequestId(const std::string& given) {
   // Echoed in the response and written into log lines and error messages: escaped and bounded.

@@ -33,15 +33,21 @@ struct ServerIdentity {
   std::string arch;
 };
 
-class FusedLayerService final : public v1::FusedLayer::CallbackService {
+// The compute methods are raw (ByteBuffer in and out, rpc/wire_messages.h): the service parses
+// their requests itself and sends their output tensors from its own memory, without copies.
+using FusedLayerCallbackBase =
+    v1::FusedLayer::WithRawCallbackMethod_MhcSeam<v1::FusedLayer::WithRawCallbackMethod_SwaNormQuant<
+        v1::FusedLayer::CallbackService>>;
+
+class FusedLayerService final : public FusedLayerCallbackBase {
  public:
   FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend, Executor& executor,
                     WeightManager& weights, Metrics& metrics, shadow::ShadowVerifier& shadow, const DeviceLanes& lanes);
 
-  grpc::ServerUnaryReactor* MhcSeam(grpc::CallbackServerContext* ctx, const v1::MhcSeamRequest* request,
-                                    v1::MhcSeamResponse* response) override;
-  grpc::ServerUnaryReactor* SwaNormQuant(grpc::CallbackServerContext* ctx, const v1::SwaNormQuantRequest* request,
-                                         v1::SwaNormQuantResponse* response) override;
+  grpc::ServerUnaryReactor* MhcSeam(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* SwaNormQuant(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
   grpc::ServerReadReactor<v1::WeightChunk>* LoadWeights(grpc::CallbackServerContext* ctx,
                                                        v1::WeightSetInfo* response) override;
   grpc::ServerUnaryReactor* ListWeightSets(grpc::CallbackServerContext* ctx, const v1::ListWeightSetsRequest* request,
@@ -85,9 +91,13 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   template <typename Rpc>
   class ComputeTask;
 
+  // A compute call from the wire: its messages (reference counted: shadow capture without
+  // copies), the parse, then StartCompute. `Rpc` is the op's traits (rpc/op_traits.h).
+  template <typename Rpc>
+  grpc::ServerUnaryReactor* ServeCompute(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* wire_request,
+                                         grpc::ByteBuffer* wire_response);
   // Validates and decodes a compute request, then queues its execution on the device executor.
-  // `Rpc` is the op's traits (MhcRpc / SwaRpc in service.cc); `held` is the call's reference-counted
-  // messages (shadow capture without copies), or null.
+  // `held` is the call's reference-counted messages.
   template <typename Rpc>
   absl::Status StartCompute(UnaryCall* call, typename Rpc::Messages* held, const typename Rpc::Request* request,
                             typename Rpc::Response* response);
@@ -113,11 +123,6 @@ class FusedLayerService final : public v1::FusedLayer::CallbackService {
   transport::SharedMemoryRegistry shared_memory_;
   IdleWatch upload_idle_;             // ends LoadWeights streams idle for --upload_idle_timeout_seconds
   const uint64_t request_id_salt_;
-  // The compute methods' messages are reference counted (shadow/shared_messages.h) so a sampled
-  // request's shadow job can read them after the response without copying them. Registered in the
-  // constructor; gRPC requires them to outlive the server, and the service does.
-  shadow::SharedMessageAllocator<v1::MhcSeamRequest, v1::MhcSeamResponse> mhc_messages_;
-  shadow::SharedMessageAllocator<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse> swa_messages_;
 };
 
 }  // namespace fusedlayer::server

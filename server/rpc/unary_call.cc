@@ -4,6 +4,7 @@
 #include "absl/strings/str_format.h"
 #include "common/tsan_annotations.h"
 #include "rpc/proto_convert.h"
+#include "rpc/wire_messages.h"
 #include "shadow/shared_messages.h"
 
 namespace fusedlayer::server {
@@ -20,19 +21,37 @@ UnaryCall::UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, gr
   metrics_.InflightAdd(1);
 }
 
+UnaryCall::UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, grpc::CallbackServerContext* ctx,
+                     uint64_t request_bytes, google::protobuf::Message* response, grpc::ByteBuffer* wire,
+                     shadow::SharedMessagesCount* messages)
+    : metrics_(metrics),
+      method_(method),
+      max_send_bytes_(max_send_bytes),
+      ctx_(ctx),
+      response_(response),
+      start_(Clock::now()),
+      request_bytes_(request_bytes),
+      wire_(wire),
+      messages_(messages) {
+  metrics_.InflightAdd(1);
+}
+
 bool UnaryCall::Complete(absl::Status status) {
   uint64_t response_bytes = 0;
   if (status.ok()) {
-    response_bytes = response_->ByteSizeLong();
+    response_bytes = wire_ != nullptr ? WireResponseBytes(*response_, outputs_) : response_->ByteSizeLong();
     // gRPC would fail the send itself, with a less helpful message; say what happened.
     if (response_bytes > static_cast<uint64_t>(max_send_bytes_)) {
       status = absl::ResourceExhaustedError(
           absl::StrCat("response of ", response_bytes, " bytes exceeds the server's send limit of ", max_send_bytes_,
                        " bytes (--max_message_bytes); send fewer tokens per call"));
       response_->Clear();
+      outputs_.Clear();
       response_bytes = 0;
     }
   }
+  // The response's bytes, for gRPC to send as they are (the outputs by reference, no copy).
+  if (status.ok() && wire_ != nullptr) EncodeWireResponse(*response_, outputs_, wire_);
   metrics_.RecordRequest(method_, static_cast<grpc::StatusCode>(status.code()), SecondsSince(start_), request_bytes_,
                          response_bytes);
   const bool sent = status.ok();
@@ -41,16 +60,11 @@ bool UnaryCall::Complete(absl::Status status) {
   // (OnDone runs on a gRPC thread some time after the client already has the status; the same
   // ordering as LoadWeights' upload slot).
   verify_slot_.Release();
-  // The compute methods' messages (shadow/shared_messages.h) stay alive until Finish() has
-  // returned (gRPC serializes the response inside it): whoever lets go last deletes them.
-  shadow::SharedMessagesCount* messages = dynamic_cast<shadow::SharedMessagesCount*>(ctx_->GetRpcAllocatorState());
-  if (messages != nullptr) messages->Ref();
   // This call stays alive until Finish() has returned too: gRPC's inline Finish() still reads
   // the reactor after handing the status over, and OnDone may run on a gRPC thread before that.
   refs_.fetch_add(1, std::memory_order_relaxed);
   TsanReleaseTo(this);  // hand-off to gRPC: OnDone (another gRPC thread) acquires it
   Finish(ToGrpcStatus(status));
-  if (messages != nullptr) messages->Unref();
   Unref();  // `this` may be gone from here on
   return sent;
 }
@@ -71,6 +85,8 @@ void UnaryCall::OnDone() {
   // Bytes first: a scrape that sees no call in flight also sees their bytes given back.
   bytes_lease_.Release();
   metrics_.InflightAdd(-1);
+  // The call's reference to its messages (a shadow job may hold another).
+  if (messages_ != nullptr) messages_->Unref();
   Unref();
 }
 

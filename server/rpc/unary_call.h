@@ -4,6 +4,11 @@
 // response went out with OK (false also when the response was over the send limit and cleared).
 // LaunchCheck() is what the executor asks before starting work for the call. A compute call holds
 // its admitted bytes (HoldBytes) until OnDone.
+//
+// A compute call (MhcSeam, SwaNormQuant: raw methods, rpc/wire_messages.h) also owns the memory of
+// its output tensors (outputs(), exec/output_buffers.h) and its reference to its messages
+// (shadow/shared_messages.h, dropped in OnDone); Complete() encodes the response message and the
+// outputs into gRPC's response ByteBuffer before Finish().
 #pragma once
 
 #include <atomic>
@@ -14,11 +19,17 @@
 #include "common/byte_budget.h"
 #include "common/metrics.h"
 #include "common/tsan_annotations.h"
+#include "exec/output_buffers.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/server_context.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
 
 namespace fusedlayer::server {
+
+namespace shadow {
+class SharedMessagesCount;
+}
 
 using Clock = std::chrono::steady_clock;
 inline double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -27,6 +38,11 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
  public:
   UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, grpc::CallbackServerContext* ctx,
             const google::protobuf::Message* request, google::protobuf::Message* response);
+  // A compute call: `request_bytes` as received, `response` the message part of what Complete()
+  // encodes into `wire`, `messages` the call's reference to them.
+  UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, grpc::CallbackServerContext* ctx,
+            uint64_t request_bytes, google::protobuf::Message* response, grpc::ByteBuffer* wire,
+            shadow::SharedMessagesCount* messages);
 
   bool Complete(absl::Status status);
   // Work that has not been launched yet is dropped when this says so (deadline passed, cancelled).
@@ -34,6 +50,8 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   double elapsed() const { return SecondsSince(start_); }
   uint64_t request_bytes() const { return request_bytes_; }
   grpc::CallbackServerContext* context() const { return ctx_; }
+  // A compute call's output tensors that are not in its response message (exec/output_buffers.h).
+  OutputBuffers* outputs() { return &outputs_; }
   // The call's admitted bytes (rpc/service.cc AdmitComputeBytes): given back in OnDone, once the
   // response has been sent or the call has failed, when its messages are no longer needed.
   void HoldBytes(ByteBudget::Lease lease) { bytes_lease_ = std::move(lease); }
@@ -55,6 +73,9 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   google::protobuf::Message* const response_;
   const Clock::time_point start_;
   const uint64_t request_bytes_;
+  grpc::ByteBuffer* const wire_ = nullptr;                   // compute calls: the response's bytes
+  shadow::SharedMessagesCount* const messages_ = nullptr;    // compute calls: their messages
+  OutputBuffers outputs_;
   void Unref();
 
   std::atomic<bool> cancelled_{false};

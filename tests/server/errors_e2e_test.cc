@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "fault_backend.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "server_test_env.h"
 #include "test_util.h"
@@ -57,6 +58,38 @@ class ServerErrors : public ::testing::Test {
   std::mt19937_64 rng_;
   std::unique_ptr<TestServer> ts_;
 };
+
+// The compute methods parse their own requests (server/rpc/wire_messages.h): bytes that are not a
+// message of the method's type are INVALID_ARGUMENT naming the type, on both methods, and the server
+// keeps serving.
+TEST_F(ServerErrors, UnparsableRequestBytesAreInvalidArgument) {
+  grpc::GenericStub generic(ts_->channel());
+  const std::string valid = MakeMhcRequest(rng_, "both", {.tokens = 2}).SerializeAsString();
+  for (const auto& [method, type] : {std::pair{"/fusedlayer.v1.FusedLayer/MhcSeam", "MhcSeamRequest"},
+                                     {"/fusedlayer.v1.FusedLayer/SwaNormQuant", "SwaNormQuantRequest"}}) {
+    for (const std::string& garbage :
+         {std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11), valid.substr(0, valid.size() - 7)}) {
+      SCOPED_TRACE(method);
+      grpc::ClientContext ctx;
+      grpc::Slice slice(garbage.data(), garbage.size());
+      grpc::ByteBuffer request(&slice, 1), response;
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+      grpc::Status status;
+      generic.UnaryCall(WithDeadline(ctx), method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
+        std::lock_guard<std::mutex> lock(mu);
+        status = std::move(s);
+        done = true;
+        cv.notify_all();
+      });
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return done; });
+      ExpectStatus(status, grpc::StatusCode::INVALID_ARGUMENT, type);
+    }
+  }
+  ExpectStillServing();
+}
 
 TEST_F(ServerErrors, MhcTensorValidation) {
   {  // wrong byte length

@@ -21,6 +21,7 @@
 #include "exec/host_staging_pool.h"
 #include "exec/parallel_copy.h"
 #include "exec/op_calls.h"
+#include "exec/output_buffers.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
 #include "rpc/proto_convert.h"
@@ -584,6 +585,73 @@ TEST(Pipeline, LaneCountsAndFlagBounds) {
   EXPECT_TRUE(absl::IsInvalidArgument(cfg.Validate()));
 }
 
+// A request whose outputs are outside its response message (exec/output_buffers.h) run alone on
+// a lane: the staging block is lent to its outputs instead of being copied into them, the outputs
+// are bitwise those of the CPU run, and the block goes back to the pool when the last owner of the
+// outputs (a response slice, here the test) lets go. At most half of the bound is ever lent: past
+// that the outputs are copied as before.
+TEST(Pipeline, LaneLendsItsStagingBlockToOutputsOutsideTheMessage) {
+  Fixture f(/*lanes=*/2, /*staging_bytes=*/size_t{8} << 20);
+  ASSERT_NE(f.device_lanes, nullptr);
+  HostStagingPool& pool = *f.device_lanes->staging();
+  // Each request needs a 1 MiB block (~0.7 MiB of tensors): 4 fit in half of the 8 MiB bound.
+  std::vector<server::OutputBuffers> kept(6);
+  for (size_t i = 0; i < kept.size(); ++i) {
+    SCOPED_TRACE(i);
+    MhcRequestSpec spec{.hidden = 512, .tokens = 64};
+    const v1::MhcSeamRequest req = MakeMhcRequest(f.rng, "p", spec);
+    v1::MhcSeamResponse resp;
+    auto call = server::DecodeMhcRequest(req, *f.set->mhc, int64_t{1} << 20, &resp, nullptr, &kept[i]);
+    ASSERT_TRUE(call.ok()) << call.status();
+    ASSERT_EQ(kept[i].buffers().size(), 5u);
+    PoisonOutputs(call->args);
+    ExecTarget target = f.device_lanes->For(static_cast<int>(i % 2));
+    target.outputs = &kept[i];
+    const size_t lent_before = pool.lent_bytes();
+    auto ran = server::RunMhcCall(target, *f.set->mhc, call->args, Path::kFused);
+    ASSERT_TRUE(ran.ok()) << ran.status();
+    const bool lent = i < 4;
+    EXPECT_EQ(pool.lent_bytes(), lent_before + (lent ? size_t{1} << 20 : 0));
+    // Lent: every output now lives inside the block (inputs first, so never at its start), owned
+    // by it; copied: each output is still its own heap buffer.
+    for (const server::OutputBuffers::Buffer& b : kept[i].buffers()) {
+      EXPECT_EQ(b.owner.get() != static_cast<const void*>(b.data), lent);
+    }
+    // The outputs as the response would carry them, against the CPU run.
+    for (const server::OutputBuffers::Buffer& b : kept[i].buffers()) {
+      auto* t = static_cast<v1::Tensor*>(resp.GetReflection()->MutableMessage(
+          &resp, v1::MhcSeamResponse::descriptor()->FindFieldByNumber(b.field)));
+      t->set_data(std::string(b.data, b.bytes));
+    }
+    ExpectMhcEqual(resp, f.reference.RunMhc(req, Path::kFused));
+  }
+  EXPECT_EQ(pool.lent_bytes(), pool.limit_bytes() / 2);
+  kept.clear();  // the last owners let go: every block is back
+  EXPECT_EQ(pool.lent_bytes(), 0u);
+  EXPECT_EQ(pool.in_use_bytes(), 0u);
+}
+
+// A lent block whose owner outlives the pool (gRPC letting go of a response after the server
+// stopped) neither crashes nor returns into freed memory; the pool waits a bounded time for it.
+TEST(Pipeline, LentBlockMayOutliveThePool) {
+  LaneTestBackend backend(2);
+  std::shared_ptr<const void> owner;
+  {
+    HostStagingPool pool(backend, size_t{8} << 20);
+    auto a = pool.Acquire(100 << 10);
+    ASSERT_TRUE(a.ok()) << a.status();
+    owner = pool.Lend(*a);
+    ASSERT_NE(owner, nullptr);
+    EXPECT_EQ(a->data(), nullptr);  // the lease gave its block away
+    EXPECT_EQ(pool.lent_bytes(), pool.ClassBytes(100 << 10));
+    auto big = pool.Acquire(size_t{3} << 20);  // a 4 MiB block: lent beside `owner`, over half the bound
+    ASSERT_TRUE(big.ok());
+    EXPECT_EQ(pool.Lend(*big), nullptr);  // refused: the lease keeps its block
+    EXPECT_NE(big->data(), nullptr);
+  }  // waits up to 5 s for `owner`, then lets the block be
+  owner.reset();
+}
+
 // ---- through the gRPC service -------------------------------------------------------------------
 
 server::ServerConfig LaneConfig(int lanes, int64_t batch_tokens) {
@@ -652,8 +720,15 @@ TEST(PipelineServer, ConcurrentRequestsOverGrpcMatchTheLibraryBatchingOffAndOn) 
       ExpectSwaEqual(calls.sresps[i], ref.RunSwa(sreqs[i], Path::kFused));
     }
     EXPECT_EQ(control->lane_kernels.load() > 0, true);
-    const std::string scrape = ScrapeWhenIdle(*ts);
+    // Blocks lent to responses come back once gRPC has let go of the responses' slices, which may
+    // be just after the calls are done.
+    std::string scrape = ScrapeWhenIdle(*ts);
+    for (int i = 0; i < 2000 && MetricValue(scrape, "fusedlayer_host_staging_bytes", {{"state", "in_use"}}) != 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      scrape = ts->Scrape();
+    }
     EXPECT_EQ(MetricValue(scrape, "fusedlayer_host_staging_bytes", {{"state", "in_use"}}), 0.0);
+    EXPECT_EQ(MetricValue(scrape, "fusedlayer_host_staging_bytes", {{"state", "lent"}}), 0.0);
     EXPECT_GT(MetricValue(scrape, "fusedlayer_host_staging_bytes", {{"state", "limit"}}), 0.0);
   }
 }
@@ -671,7 +746,8 @@ void ExpectStagesWithinServerTime(const v1::ExecutionReport& r, bool lane) {
   EXPECT_GT(st.decode(), 0.0);  // validation and decode always run
   EXPECT_GT(st.device(), 0.0);  // so does the op
   if (lane) {
-    // The lane path really copies: a memcpy in and out of staging between two clock readings.
+    // The lane path really moves the tensors: a memcpy into staging, and out of it either a
+    // memcpy or the lending of the block to the response, each between two clock readings.
     EXPECT_GT(st.copy_in(), 0.0);
     EXPECT_GT(st.copy_out(), 0.0);
   }

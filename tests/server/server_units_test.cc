@@ -16,8 +16,12 @@
 #include "exec/weight_manager.h"
 #include "gtest/gtest.h"
 #include "rpc/idle_watch.h"
+#include "exec/output_buffers.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "rpc/proto_convert.h"
+#include "rpc/wire_messages.h"
 #include "server_test_env.h"
+#include "test_util.h"
 #include "weights/weight_set.h"
 
 namespace fusedlayer::server {
@@ -235,6 +239,97 @@ TEST(TensorCodec, OutputsAreSizedInPlace) {
   EXPECT_EQ(v.data, out.data().data());
   EXPECT_EQ(out.dtype(), v1::DATA_TYPE_FP32);
   EXPECT_EQ(out.shape_size(), 2);
+}
+
+TEST(TensorCodec, OutputsOutsideTheMessageGetDtypeAndShapeOnly) {
+  v1::Tensor out;
+  OutputBuffers external;
+  TensorView v = AllocateOutput(&out, DType::kBF16, {3, 7}, &external, v1::MhcSeamResponse::kYFieldNumber);
+  EXPECT_FALSE(out.has_data() || out.has_shared_memory());
+  EXPECT_EQ(out.dtype(), v1::DATA_TYPE_BF16);
+  ASSERT_EQ(out.shape_size(), 2);
+  ASSERT_EQ(external.buffers().size(), 1u);
+  EXPECT_EQ(external.buffers()[0].field, v1::MhcSeamResponse::kYFieldNumber);
+  EXPECT_EQ(external.buffers()[0].bytes, 42u);
+  EXPECT_EQ(v.data, external.buffers()[0].data);
+}
+
+std::string WireBytes(const grpc::ByteBuffer& wire) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(wire.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return bytes;
+}
+
+// The raw response (rpc/wire_messages.h): what a client parses is the message with each output's
+// data in its tensor, for every size class (copied below a few KiB, referenced above, empty), and
+// the referenced outputs really are sent from their own memory.
+TEST(WireMessages, ResponseParsesAsTheWholeMessageAndLargeOutputsAreNotCopied) {
+  std::mt19937_64 rng = fusedlayer::testing::MakeRng();
+  v1::MhcSeamResponse message;
+  message.set_request_id("wire-1");
+  message.mutable_report()->set_path(v1::EXECUTION_PATH_FUSED);
+  message.mutable_report()->set_server_seconds(1.5e-4);
+  OutputBuffers outputs;
+  v1::MhcSeamResponse whole = message;  // the same response with the data inside, as protobuf would send it
+  using R = v1::MhcSeamResponse;
+  const std::vector<std::pair<int, size_t>> sizes = {
+      {R::kNewResidualFieldNumber, 3 * 4096 + 18}, {R::kNewPreMixFieldNumber, 16}, {R::kNewPostMixFieldNumber, 4094},
+      {R::kNewCombMixFieldNumber, 4096}, {R::kYFieldNumber, 0}, {R::kAuxFieldNumber, 100000}};
+  for (const auto& [field, bytes] : sizes) {
+    auto* tensor = static_cast<v1::Tensor*>(
+        message.GetReflection()->MutableMessage(&message, R::descriptor()->FindFieldByNumber(field)));
+    TensorView view = AllocateOutput(tensor, DType::kBF16, {static_cast<int64_t>(bytes / 2), 1}, &outputs, field);
+    char* data = static_cast<char*>(view.data);
+    for (size_t i = 0; i < bytes; ++i) data[i] = static_cast<char>(rng());
+    auto* whole_tensor = static_cast<v1::Tensor*>(
+        whole.GetReflection()->MutableMessage(&whole, R::descriptor()->FindFieldByNumber(field)));
+    *whole_tensor = *tensor;
+    whole_tensor->set_data(std::string(data, bytes));
+  }
+  grpc::ByteBuffer wire;
+  EncodeWireResponse(message, outputs, &wire);
+  EXPECT_EQ(wire.Length(), WireResponseBytes(message, outputs));
+  R parsed;
+  ASSERT_TRUE(parsed.ParseFromString(WireBytes(wire)));
+  EXPECT_EQ(parsed.SerializeAsString(), whole.SerializeAsString());
+  EXPECT_TRUE(parsed.y().has_data());  // an empty output is still present as data
+
+  // Written after encoding, seen in the wire bytes: the large outputs are referenced, not copied.
+  // Their memory outlives the OutputBuffers (each slice holds its owner).
+  const OutputBuffers::Buffer aux = outputs.buffers().back();
+  outputs.Clear();
+  aux.data[0] = static_cast<char>(~whole.aux().data()[0]);
+  ASSERT_TRUE(parsed.ParseFromString(WireBytes(wire)));
+  EXPECT_EQ(parsed.aux().data()[0], aux.data[0]);
+  EXPECT_EQ(parsed.new_pre_mix().data(), whole.new_pre_mix().data());
+}
+
+TEST(WireMessages, RequestParseRefusesGarbageAndFreesTheBytes) {
+  std::mt19937_64 rng = fusedlayer::testing::MakeRng();
+  const v1::MhcSeamRequest request = testing::MakeMhcRequest(rng, "s", {.tokens = 3});
+  const std::string bytes = request.SerializeAsString();
+  // Over several slices, as gRPC delivers a large message.
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < bytes.size(); at += 1000) {
+    slices.emplace_back(bytes.data() + at, std::min<size_t>(1000, bytes.size() - at));
+  }
+  grpc::ByteBuffer wire(slices.data(), slices.size());
+  v1::MhcSeamRequest parsed;
+  ASSERT_TRUE(ParseWireRequest(&wire, &parsed).ok());
+  EXPECT_EQ(parsed.SerializeAsString(), bytes);
+  EXPECT_EQ(wire.Length(), 0u);
+
+  for (const std::string& garbage : {std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11),
+                                     std::string("\x22\x7f", 2) /* x: a length past the end */,
+                                     bytes.substr(0, bytes.size() / 2)}) {
+    grpc::Slice slice(garbage.data(), garbage.size());
+    grpc::ByteBuffer bad(&slice, 1);
+    absl::Status s = ParseWireRequest(&bad, &parsed);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_NE(s.message().find("fusedlayer.v1.MhcSeamRequest"), std::string::npos) << s;
+  }
 }
 
 TEST(Executor, BoundedQueueRejectsButControlTasksPass) {

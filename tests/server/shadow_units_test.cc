@@ -708,9 +708,9 @@ struct ShadowRig {
     if (v.ok()) verifier = std::move(*v);
   }
 
-  // A call's messages as gRPC allocates them (Deserialize), filled as the served call left them.
+  // A call's messages as ServeCompute makes them, filled as the served call left them.
   MhcMessages* NewCall() {
-    auto* held = static_cast<MhcMessages*>(allocator.AllocateMessages());
+    auto* held = new MhcMessages();  // the call's reference (as ServeCompute makes it)
     *held->request() = request;
     *held->response() = fused;
     return held;
@@ -730,7 +730,6 @@ struct ShadowRig {
   std::shared_ptr<const server::WeightSet> set;
   v1::MhcSeamRequest request;
   v1::MhcSeamResponse fused;
-  server::shadow::SharedMessageAllocator<v1::MhcSeamRequest, v1::MhcSeamResponse> allocator;
   prometheus::Registry registry;
   // Destroyed before the verifier: stopping it destroys unstarted jobs, which release into it.
   std::unique_ptr<server::shadow::ShadowVerifier> verifier;
