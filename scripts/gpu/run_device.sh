@@ -208,6 +208,7 @@ fi
 # Each row runs against the baseline and then the new server, same flags, same client; the new
 # server's rows also get their echo floor. AB_ROWS / AB_SECONDS / AB_FLAGS (both servers) override the
 # defaults; AB_NEW_FLAGS adds a third pass of the new server with those flags (e.g. --device_lanes=1);
+# AB_PASSES (e.g. "base new base new") interleaves the servers, so a drift of the host shows up;
 # AB_SHM_ROWS (same form as AB_ROWS) runs those rows over --transport=shm on the new server too.
 if want ab; then
   if [ ! -x ./fusedlayer_server_base ]; then
@@ -217,6 +218,7 @@ if want ab; then
     ab_rows=${AB_ROWS:-"mhc:64:1 mhc:64:16 mhc:1:1 mhc:1:16 swa:64:1 swa:64:16 swa:1:16"}
     echo "== ab: baseline vs new server (${ab_seconds} s per row): $ab_rows" | tee "$OUT/ab.log"
     passes="base new"; [ -n "${AB_NEW_FLAGS:-}" ] && passes="base new new+"
+    passes=${AB_PASSES:-$passes}
     for which in $passes; do
       server=./fusedlayer_server; [ "$which" = base ] && server=./fusedlayer_server_base
       extra=""; [ "$which" = new+ ] && extra="$AB_NEW_FLAGS"
