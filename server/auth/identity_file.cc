@@ -1,12 +1,9 @@
 #include "auth/identity_file.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
+#include "auth/small_file.h"
 #include "auth/token_file.h"
 
 namespace fusedlayer::server::auth {
@@ -28,45 +25,39 @@ bool Printable(absl::string_view s) {
 
 absl::StatusOr<std::vector<IdentityEntry>> ParseIdentityFile(absl::string_view contents, absl::string_view source) {
   std::vector<IdentityEntry> entries;
-  int line_no = 0;
-  for (absl::string_view raw : absl::StrSplit(contents, '\n')) {
-    ++line_no;
-    const absl::string_view line = absl::StripAsciiWhitespace(raw);  // also drops a CR of CRLF files
-    if (line.empty() || line.front() == '#') continue;
-    auto error = [&](absl::string_view why) {
-      return absl::InvalidArgumentError(absl::StrCat(source, ":", line_no, ": ", why));
-    };
+  EntryLines lines(contents, source);  // stripped; blank and comment lines skipped
+  for (absl::string_view line; lines.Next(&line);) {
     // The rights are the last field; the identity is everything before it (a subject may hold spaces).
     const size_t split = line.find_last_of(" \t");
-    if (split == absl::string_view::npos) return error("expected `<identity> <rights>`, got one field");
+    if (split == absl::string_view::npos) return lines.Error("expected `<identity> <rights>`, got one field");
     const absl::string_view identity = absl::StripTrailingAsciiWhitespace(line.substr(0, split));
     const absl::string_view rights_field = line.substr(split + 1);
     if (identity.size() > kMaxIdentityLength) {
-      return error(absl::StrCat("identity has ", identity.size(), " characters; at most ", kMaxIdentityLength));
+      return lines.Error(absl::StrCat("identity has ", identity.size(), " characters; at most ", kMaxIdentityLength));
     }
-    if (!Printable(identity)) return error("identity has characters outside printable ASCII");
+    if (!Printable(identity)) return lines.Error("identity has characters outside printable ASCII");
     IdentityEntry entry;
     if (absl::StartsWith(identity, kSpiffePrefix)) {
       entry.kind = IdentityEntry::Kind::kSpiffeId;
       entry.value = std::string(identity);
       const absl::string_view rest = identity.substr(kSpiffePrefix.size());
       if (rest.empty() || rest.front() == '/' || absl::StrContains(identity, ' ') || absl::StrContains(identity, '\t')) {
-        return error("a SPIFFE ID is spiffe://<trust domain>/<path>, without spaces");
+        return lines.Error("a SPIFFE ID is spiffe://<trust domain>/<path>, without spaces");
       }
     } else if (absl::StartsWith(identity, kSubjectPrefix)) {
       entry.kind = IdentityEntry::Kind::kSubject;
       entry.value = std::string(identity.substr(kSubjectPrefix.size()));
       if (entry.value.empty() || entry.value.find('=') == std::string::npos) {
-        return error("subject:<distinguished name> needs a name, e.g. subject:CN=loader,O=Acme");
+        return lines.Error("subject:<distinguished name> needs a name, e.g. subject:CN=loader,O=Acme");
       }
     } else {
-      return error("an identity starts with spiffe:// (a SPIFFE ID) or subject: (a certificate subject)");
+      return lines.Error("an identity starts with spiffe:// (a SPIFFE ID) or subject: (a certificate subject)");
     }
     absl::StatusOr<uint8_t> rights = ParseRights(rights_field);
-    if (!rights.ok()) return error(rights.status().message());
+    if (!rights.ok()) return lines.Error(rights.status().message());
     entry.rights = *rights;
     for (const IdentityEntry& e : entries) {
-      if (e.kind == entry.kind && e.value == entry.value) return error("identity already listed on an earlier line");
+      if (e.kind == entry.kind && e.value == entry.value) return lines.Error("identity already listed on an earlier line");
     }
     entries.push_back(std::move(entry));
   }
@@ -77,12 +68,9 @@ absl::StatusOr<std::vector<IdentityEntry>> ParseIdentityFile(absl::string_view c
 }
 
 absl::StatusOr<std::vector<IdentityEntry>> LoadIdentityFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot open the identity file"));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read the identity file"));
-  return ParseIdentityFile(ss.str(), path);
+  absl::StatusOr<std::string> contents = ReadSmallFile(path, "identity file");
+  if (!contents.ok()) return contents.status();
+  return ParseIdentityFile(*contents, path);
 }
 
 }  // namespace fusedlayer::server::auth

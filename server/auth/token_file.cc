@@ -2,13 +2,11 @@
 
 #include <openssl/evp.h>
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "auth/small_file.h"
 
 namespace fusedlayer::server::auth {
 namespace {
@@ -62,32 +60,26 @@ std::string RightsName(uint8_t rights) {
 
 absl::StatusOr<std::vector<TokenEntry>> ParseTokenFile(absl::string_view contents, absl::string_view source) {
   std::vector<TokenEntry> entries;
-  int line_no = 0;
-  for (absl::string_view raw : absl::StrSplit(contents, '\n')) {
-    ++line_no;
-    const absl::string_view line = absl::StripAsciiWhitespace(raw);  // also drops a CR of CRLF files
-    if (line.empty() || line.front() == '#') continue;
-    auto error = [&](absl::string_view why) {
-      return absl::InvalidArgumentError(absl::StrCat(source, ":", line_no, ": ", why));
-    };
+  EntryLines lines(contents, source);  // stripped; blank and comment lines skipped
+  for (absl::string_view line; lines.Next(&line);) {
     const std::vector<absl::string_view> fields = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
     if (fields.size() != 2) {
-      return error(absl::StrCat("expected `<token> <rights>`, got ", fields.size(), " field(s)"));
+      return lines.Error(absl::StrCat("expected `<token> <rights>`, got ", fields.size(), " field(s)"));
     }
     const absl::string_view token = fields[0];
     // The messages below describe the token, never quote it: the log may be less private than the file.
     if (token.size() < kMinTokenLength || token.size() > kMaxTokenLength) {
-      return error(absl::StrCat("token has ", token.size(), " characters; want ", kMinTokenLength, " to ",
-                                kMaxTokenLength, " (e.g. `openssl rand -hex 32`)"));
+      return lines.Error(absl::StrCat("token has ", token.size(), " characters; want ", kMinTokenLength, " to ",
+                                      kMaxTokenLength, " (e.g. `openssl rand -hex 32`)"));
     }
     if (!IsToken68(token)) {
-      return error("token has characters outside A-Z a-z 0-9 - . _ ~ + / (and trailing =)");
+      return lines.Error("token has characters outside A-Z a-z 0-9 - . _ ~ + / (and trailing =)");
     }
     absl::StatusOr<uint8_t> rights = ParseRights(fields[1]);
-    if (!rights.ok()) return error(rights.status().message());
+    if (!rights.ok()) return lines.Error(rights.status().message());
     TokenEntry entry{DigestToken(token), *rights};
     for (const TokenEntry& e : entries) {
-      if (e.digest == entry.digest) return error("token already listed on an earlier line");
+      if (e.digest == entry.digest) return lines.Error("token already listed on an earlier line");
     }
     entries.push_back(entry);
   }
@@ -96,12 +88,9 @@ absl::StatusOr<std::vector<TokenEntry>> ParseTokenFile(absl::string_view content
 }
 
 absl::StatusOr<std::vector<TokenEntry>> LoadTokenFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot open the token file"));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read the token file"));
-  return ParseTokenFile(ss.str(), path);
+  absl::StatusOr<std::string> contents = ReadSmallFile(path, "token file");
+  if (!contents.ok()) return contents.status();
+  return ParseTokenFile(*contents, path);
 }
 
 }  // namespace fusedlayer::server::auth

@@ -17,18 +17,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-
-#if defined(__SANITIZE_THREAD__)
-#define FUSEDLAYER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define FUSEDLAYER_TSAN 1
-#endif
-#endif
-
-#ifdef FUSEDLAYER_TSAN
-#include <sanitizer/tsan_interface.h>
-#endif
+// FUSEDLAYER_TSAN (TSan detection) and, when set, <sanitizer/tsan_interface.h>: defined once
+// there, shared with the gRPC hand-off annotations.
+#include "common/tsan_annotations.h"
 
 namespace fusedlayer::server {
 

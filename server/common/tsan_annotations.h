@@ -18,8 +18,11 @@
 // no ordering TSan could not otherwise prove wrong in our code: an access made on another thread
 // WITHOUT going through such a hand-off (or one of our own locks) is still reported.
 //
-// In builds without TSan these are empty inline functions (no code). Detection as in
-// common/annotated_mutex.h (GCC: __SANITIZE_THREAD__, clang: __has_feature(thread_sanitizer)).
+// In builds without TSan these are empty inline functions (no code).
+//
+// TSan detection (GCC: __SANITIZE_THREAD__, clang: __has_feature(thread_sanitizer)) is defined
+// here once, as FUSEDLAYER_TSAN, with <sanitizer/tsan_interface.h> included when it is set;
+// common/annotated_mutex.h includes this header and uses the same macro.
 #pragma once
 
 #ifndef FUSEDLAYER_TSAN
