@@ -209,6 +209,7 @@ fi
 # server's rows also get their echo floor. AB_ROWS / AB_SECONDS / AB_FLAGS (both servers) override the
 # defaults; AB_NEW_FLAGS adds a third pass of the new server with those flags (e.g. --device_lanes=1);
 # AB_PASSES (e.g. "base new base new") interleaves the servers, so a drift of the host shows up;
+# AB_FLOOR_ALL=1 gives every row of the new server its echo floor (by default only concurrency 1);
 # AB_SHM_ROWS (same form as AB_ROWS) runs those rows over --transport=shm on the new server too.
 if want ab; then
   if [ ! -x ./fusedlayer_server_base ]; then
@@ -232,7 +233,7 @@ if want ab; then
       for row in $ab_rows; do
         IFS=: read -r op tokens conc <<< "$row"
         echo "---- $which $op T=$tokens c=$conc" >> "$OUT/ab.log"
-        floor=""; [ "$which" = new ] && [ "$conc" = 1 ] && floor=--echo_floor
+        floor=""; [ "$which" = new ] && { [ "$conc" = 1 ] || [ -n "${AB_FLOOR_ALL:-}" ]; } && floor=--echo_floor
         ./fusedctl bench --target=127.0.0.1:50191 --op=$op --weight_set=v4-pro/demo --tokens=$tokens \
           --concurrency=$conc --duration=${ab_seconds}s $floor >> "$OUT/ab.log" 2>&1 || echo "bench failed" >> "$OUT/ab.log"
       done

@@ -112,6 +112,11 @@ Metrics::Metrics(std::string_view version, std::string_view backend, std::string
                                 .Name("fusedlayer_response_bytes_total")
                                 .Help("Serialized response bytes sent, by method")
                                 .Register(reg);
+  auto& cancelled_family = prometheus::BuildCounter()
+                              .Name("fusedlayer_cancelled_calls_total")
+                              .Help("Unary calls gRPC reported cancelled while the server held them (the client "
+                                    "cancelled or went away, or the deadline passed), by method")
+                              .Register(reg);
   inflight_ = &prometheus::BuildGauge()
                    .Name("fusedlayer_inflight_requests")
                    .Help("RPCs received and not yet finished")
@@ -198,6 +203,7 @@ Metrics::Metrics(std::string_view version, std::string_view backend, std::string
     request_duration_[m] = &request_duration_family_->Add({{"method", name}}, RequestBuckets());
     request_bytes_[m] = &request_bytes_family_->Add({{"method", name}});
     response_bytes_[m] = &response_bytes_family_->Add({{"method", name}});
+    cancelled_[m] = &cancelled_family.Add({{"method", name}});
   }
 }
 

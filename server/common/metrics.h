@@ -60,6 +60,9 @@ class Metrics {
   void RecordRequest(Method method, grpc::StatusCode code, double seconds, uint64_t request_bytes,
                      uint64_t response_bytes);
   void InflightAdd(double delta) { inflight_->Increment(delta); }
+  // fusedlayer_cancelled_calls_total{method}: a unary call gRPC reported cancelled while the server
+  // held it (the client cancelled or went away, or its deadline passed).
+  void RecordCancellation(Method method) { cancelled_[static_cast<int>(method)]->Increment(); }
   // fusedlayer_inflight_bytes: the compute bytes admitted and not yet released (common/byte_budget.h).
   prometheus::Gauge* inflight_bytes() const { return inflight_bytes_; }
   // fusedlayer_upload_buffered_bytes: LoadWeights payload bytes buffered by open streams.
@@ -93,6 +96,7 @@ class Metrics {
   std::array<prometheus::Histogram*, kNumMethods> request_duration_{};
   std::array<prometheus::Counter*, kNumMethods> request_bytes_{};
   std::array<prometheus::Counter*, kNumMethods> response_bytes_{};
+  std::array<prometheus::Counter*, kNumMethods> cancelled_{};
   prometheus::Gauge* inflight_;
   prometheus::Gauge* inflight_bytes_;
   prometheus::Gauge* upload_buffered_bytes_;

@@ -62,6 +62,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   void OnCancel() override {
     TsanAcquireFrom(this);
     cancelled_.store(true, std::memory_order_release);
+    metrics_.RecordCancellation(method_);
   }
   void OnDone() override;
 

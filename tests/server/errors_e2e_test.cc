@@ -318,14 +318,6 @@ struct AsyncMhc {
   }
 };
 
-// A unary call on the same channel: HTTP/2 frames are processed in order, so once it completes the
-// server has read everything the client sent before it (e.g. a cancellation of an earlier call).
-void Barrier(TestServer& ts) {
-  grpc::ClientContext ctx;
-  v1::GetServerInfoResponse info;
-  ASSERT_TRUE(ts.stub().GetServerInfo(WithDeadline(ctx), {}, &info).ok());
-}
-
 // Waits until `n` tasks wait in the executor queue.
 void WaitQueued(TestServer& ts, size_t n) {
   while (ts.server().queued_tasks() < n) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -425,12 +417,14 @@ TEST_F(ServerBackPressure, CancelledCallIsNotLaunched) {
   cancelled->Wait();
   EXPECT_EQ(cancelled->status.error_code(), grpc::StatusCode::CANCELLED);
   // The client's TryCancel completes locally; the server learns of it when its transport has read
-  // the stream reset and run OnCancel, asynchronously. A later RPC on the same connection has been
-  // read after the reset, but OnCancel may still be on its way (seen once on a loaded 2-core CI
-  // machine: the call was launched). Give it time before the launch check; the assertion stays
-  // the behaviour: a cancellation the server knows of is never launched.
-  Barrier(*ts_);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // the stream reset and run OnCancel, asynchronously (a later RPC on the same connection may be
+  // served first: seen once on a loaded 2-core CI machine). Wait until the server has seen it
+  // (fusedlayer_cancelled_calls_total), then check the behaviour: a cancellation the server knows
+  // of is never launched.
+  for (int i = 0; i < 2000 && Metric("fusedlayer_cancelled_calls_total", {{"method", "MhcSeam"}}) < 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(Metric("fusedlayer_cancelled_calls_total", {{"method", "MhcSeam"}}), 1);
   control_->OpenGate();
   running->Wait();
   EXPECT_TRUE(running->status.ok());
