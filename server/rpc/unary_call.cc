@@ -11,15 +11,8 @@ namespace fusedlayer::server {
 
 UnaryCall::UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, grpc::CallbackServerContext* ctx,
                      const google::protobuf::Message* request, google::protobuf::Message* response)
-    : metrics_(metrics),
-      method_(method),
-      max_send_bytes_(max_send_bytes),
-      ctx_(ctx),
-      response_(response),
-      start_(Clock::now()),
-      request_bytes_(request->ByteSizeLong()) {
-  metrics_.InflightAdd(1);
-}
+    : UnaryCall(metrics, method, max_send_bytes, ctx, request->ByteSizeLong(), response, /*wire=*/nullptr,
+                /*messages=*/nullptr) {}
 
 UnaryCall::UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, grpc::CallbackServerContext* ctx,
                      uint64_t request_bytes, google::protobuf::Message* response, grpc::ByteBuffer* wire,
