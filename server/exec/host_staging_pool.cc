@@ -65,7 +65,7 @@ HostStagingPool::~HostStagingPool() {
     std::unique_lock<std::mutex> lock(mu_);
     if (!freed_.wait_for(lock, std::chrono::seconds(5), [&] { return lent_bytes_ == 0; })) {
       LogWarning("host staging: ", lent_bytes_, " bytes still lent to responses 5 s after the server stopped; "
-                 "left allocated");
+                 "they are freed when gRPC lets go of them");
     }
   }
   {
@@ -94,12 +94,10 @@ std::shared_ptr<const void> HostStagingPool::Lend(Lease& lease) {
   return std::shared_ptr<const void>(lent->lease.data(), [lent](const void*) {
     {
       std::lock_guard<std::mutex> lock(lent->state->mu);
-      if (lent->state->pool == nullptr) {
-        // The pool (and maybe the backend that would free the block) is gone: leave it allocated
-        // (only at exit, when gRPC let go of a response more than 5 s after its server stopped).
-        static_cast<void>(new DeviceBuffer(std::move(lent->lease.block_)));
-        lent->lease.pool_ = nullptr;
-      }
+      // The pool is gone (gRPC let go of a response more than 5 s after its server stopped): the
+      // block is freed below by its own free function (the backend's page-locked free, which
+      // needs no pool) instead of being returned.
+      if (lent->state->pool == nullptr) lent->lease.pool_ = nullptr;
       lent->lease.Release();
     }
     delete lent;

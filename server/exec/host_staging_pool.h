@@ -68,8 +68,8 @@ class HostStagingPool {
   absl::StatusOr<Lease> Acquire(size_t bytes);
 
   // Lends the lease's block to a response (see above): the returned owner gives the block back to
-  // the pool when its last copy is destroyed, on whatever thread, also after the pool is gone
-  // (then the block is left allocated: its backend may be gone too). Null, with the lease
+  // the pool when its last copy is destroyed, on whatever thread; after the pool is gone, it
+  // frees the block with the block's own free function instead. Null, with the lease
   // untouched, when the lent blocks would then hold more than half of the bound.
   std::shared_ptr<const void> Lend(Lease& lease);
 
