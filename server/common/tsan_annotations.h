@@ -18,6 +18,10 @@
 // no ordering TSan could not otherwise prove wrong in our code: an access made on another thread
 // WITHOUT going through such a hand-off (or one of our own locks) is still reported.
 //
+// OnCancel ends with TsanReleaseTo(reactor) too: gRPC runs it in a closure inside libgrpc++ that
+// drops the call's reference after it returns (not instrumented), and the thread that drops the
+// last reference runs OnDone, which may delete the reactor on another thread.
+//
 // In builds without TSan these are empty inline functions (no code).
 //
 // TSan detection (GCC: __SANITIZE_THREAD__, clang: __has_feature(thread_sanitizer)) is defined
@@ -39,6 +43,15 @@
 #include <sanitizer/tsan_interface.h>
 #endif
 
+namespace grpc {
+class ServerUnaryReactor;
+template <class Request>
+class ServerReadReactor;
+}  // namespace grpc
+namespace fusedlayer::v1 {
+class WeightChunk;
+}  // namespace fusedlayer::v1
+
 namespace fusedlayer::server {
 
 // Before handing the call keyed by `key` to gRPC (StartRead, StartWrite, Finish, ...).
@@ -58,5 +71,28 @@ inline void TsanAcquireFrom(const void* key) {
   (void)key;
 #endif
 }
+
+// First thing in OnDone, before TsanAcquireFrom: everything every gRPC thread did with the call
+// before it let go of its last operation happens before, also the threads that never ran a callback
+// of ours. Why it is needed besides TsanAcquireFrom: gRPC calls OnDone once its call's reference
+// count (grpc::internal::ServerCallbackCall::callbacks_outstanding_, one reference per pending
+// operation) reaches 0. The header-compiled part of gRPC drops a reference after the completion of
+// Finish or a read (instrumented: it reads the reactor's vtable for InternalInlineable, then
+// fetch_sub's with acq_rel), but the reference that OnCancel's closure drops is dropped inside
+// libgrpc++ (not instrumented), and that thread may then run OnDone and delete the reactor. TSan
+// saw the Finish thread's vtable read unordered with the destructor's vtable write (the clean-clone
+// CI's ServerBatching.DeadlinesAndCancellationWhileWaitingForABatch, stop 21). Acquiring the
+// reference count's own address is the edge its acq_rel atomics really give: every instrumented
+// fetch_sub released there. Defined in common/tsan_grpc_handoff.cc (TSan builds only: it names
+// gRPC's private members the way that file names StaticRun).
+#ifdef FUSEDLAYER_TSAN
+void TsanAcquireCallReferences(grpc::ServerUnaryReactor* reactor);
+void TsanAcquireCallReferences(grpc::ServerReadReactor<v1::WeightChunk>* reactor);
+#else
+template <typename Reactor>
+inline void TsanAcquireCallReferences(Reactor* reactor) {
+  (void)reactor;
+}
+#endif
 
 }  // namespace fusedlayer::server

@@ -20,12 +20,15 @@
 #include <dlfcn.h>
 #include <sanitizer/tsan_interface.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 
 #include "absl/synchronization/mutex.h"
+#include "common/tsan_annotations.h"
 #include "grpc/grpc.h"
 #include "grpcpp/support/callback_common.h"
+#include "grpcpp/support/server_callback.h"
 
 namespace {
 
@@ -76,6 +79,54 @@ extern "C" grpc_call_error grpc_call_start_batch(grpc_call* call, const grpc_op*
   }
   return RealStartBatch()(call, ops, nops, tag, reserved);
 }
+
+// ---- the reference count of a server call, for the reactors' OnDone ------------------------------
+// common/tsan_annotations.h, TsanAcquireCallReferences, says why. The count and the reactor's
+// pointer to its call are private members of gRPC's header classes: named through explicit
+// instantiations, as StaticRun is above.
+namespace {
+
+template <typename Tag, typename Tag::type kMember>
+struct PrivateMember {
+  friend typename Tag::type Get(Tag) { return kMember; }
+};
+
+struct CallReferences {
+  using type = std::atomic_int grpc::internal::ServerCallbackCall::*;
+  friend type Get(CallReferences);
+};
+template struct PrivateMember<CallReferences, &grpc::internal::ServerCallbackCall::callbacks_outstanding_>;
+
+struct UnaryReactorCall {
+  using type = std::atomic<grpc::ServerCallbackUnary*> grpc::ServerUnaryReactor::*;
+  friend type Get(UnaryReactorCall);
+};
+template struct PrivateMember<UnaryReactorCall, &grpc::ServerUnaryReactor::call_>;
+
+using WeightChunkReactor = grpc::ServerReadReactor<fusedlayer::v1::WeightChunk>;
+struct WeightChunkReactorReader {
+  using type = std::atomic<grpc::ServerCallbackReader<fusedlayer::v1::WeightChunk>*> WeightChunkReactor::*;
+  friend type Get(WeightChunkReactorReader);
+};
+template struct PrivateMember<WeightChunkReactorReader, &WeightChunkReactor::reader_>;
+
+void AcquireReferences(grpc::internal::ServerCallbackCall* call) {
+  if (call != nullptr) __tsan_acquire(&(call->*Get(CallReferences{})));
+}
+
+}  // namespace
+
+namespace fusedlayer::server {
+
+void TsanAcquireCallReferences(grpc::ServerUnaryReactor* reactor) {
+  AcquireReferences((reactor->*Get(UnaryReactorCall{})).load(std::memory_order_acquire));
+}
+
+void TsanAcquireCallReferences(grpc::ServerReadReactor<v1::WeightChunk>* reactor) {
+  AcquireReferences((reactor->*Get(WeightChunkReactorReader{})).load(std::memory_order_acquire));
+}
+
+}  // namespace fusedlayer::server
 
 // ---- absl::Mutex / absl::CondVar, as libgrpc and libgpr use them ----------------------------------
 // gpr_mu (libgpr) and grpc_core::Mutex / grpc::internal::Mutex are absl::Mutex in Debian's gRPC

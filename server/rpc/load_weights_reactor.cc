@@ -52,6 +52,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   void OnCancel() override {
     TsanAcquireFrom(this);
     cancelled_.store(true, std::memory_order_release);
+    TsanReleaseTo(this);  // for OnDone, maybe on another thread (tsan_annotations.h: OnCancel)
   }
 
   void OnReadDone(bool ok) override {
@@ -107,6 +108,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   }
 
   void OnDone() override {
+    TsanAcquireCallReferences(this);  // gRPC's own threads' last uses of the reactor (tsan_annotations.h)
     TsanAcquireFrom(this);
     // After Remove the idle watch no longer runs (and will never run) IdleTimeout on this reactor.
     if (watched_) service_.upload_idle_.Remove(&idle_);

@@ -74,6 +74,7 @@ absl::Status UnaryCall::LaunchCheck() const {
 }
 
 void UnaryCall::OnDone() {
+  TsanAcquireCallReferences(this);  // gRPC's own threads' last uses of the reactor (tsan_annotations.h)
   TsanAcquireFrom(this);  // what the thread that called Finish did happens before (tsan_annotations.h)
   // Bytes first: a scrape that sees no call in flight also sees their bytes given back.
   bytes_lease_.Release();

@@ -63,6 +63,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
     TsanAcquireFrom(this);
     cancelled_.store(true, std::memory_order_release);
     metrics_.RecordCancellation(method_);
+    TsanReleaseTo(this);  // for OnDone, maybe on another thread (tsan_annotations.h: OnCancel)
   }
   void OnDone() override;
 
