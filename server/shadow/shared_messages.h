@@ -31,7 +31,6 @@
 #include <utility>
 
 #include "fusedlayer/v1/fusedlayer.pb.h"
-#include "grpcpp/support/message_allocator.h"
 
 namespace fusedlayer::server::shadow {
 
@@ -65,19 +64,21 @@ class SharedMessagesCount {
   std::atomic<int> refs_{1};  // the call's
 };
 
+// A plain holder (the raw compute methods parse the request themselves, so gRPC's MessageHolder
+// and its allocator hooks are not involved).
 template <typename Req, typename Resp>
-class SharedMessages final : public grpc::MessageHolder<Req, Resp>, public SharedMessagesCount {
+class SharedMessages final : public SharedMessagesCount {
  public:
-  SharedMessages() {
-    this->set_request(&request_);
-    this->set_response(&response_);
-    SharedMessagesCounters::allocated.fetch_add(1, std::memory_order_relaxed);
-  }
+  SharedMessages() { SharedMessagesCounters::allocated.fetch_add(1, std::memory_order_relaxed); }
   SharedMessages(const SharedMessages&) = delete;
   SharedMessages& operator=(const SharedMessages&) = delete;
 
+  // Written only by the handler's parse and by the call's run, while the call's reference is held.
+  Req* request() { return &request_; }
+  Resp* response() { return &response_; }
+
   // The call's reference ends (once, when the call is done).
-  void Release() override { Unref(); }
+  void Release() { Unref(); }
   using SharedMessagesCount::Unref;
 
   // Another reference, for a reader that outlives the call. Only while a reference is held.
@@ -85,7 +86,6 @@ class SharedMessages final : public grpc::MessageHolder<Req, Resp>, public Share
     Ref();
     return SharedMessagesRef<Req, Resp>(this);
   }
-
 
  private:
   friend class SharedMessagesRef<Req, Resp>;
