@@ -85,87 +85,52 @@ void FusedLayerClient::Prepare(grpc::ClientContext& ctx, const CallOptions& call
 
 absl::StatusOr<v1::MhcSeamResponse> FusedLayerClient::MhcSeam(const v1::MhcSeamRequest& request,
                                                               const CallOptions& call) const {
-  grpc::ClientContext ctx;
-  Prepare(ctx, call, options_.deadline);
-  v1::MhcSeamResponse response;
-  if (grpc::Status s = stub_->MhcSeam(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
-  return response;
+  return Unary(*stub_, &v1::FusedLayer::Stub::MhcSeam, request, call);
 }
 
 absl::StatusOr<v1::SwaNormQuantResponse> FusedLayerClient::SwaNormQuant(const v1::SwaNormQuantRequest& request,
                                                                         const CallOptions& call) const {
-  grpc::ClientContext ctx;
-  Prepare(ctx, call, options_.deadline);
-  v1::SwaNormQuantResponse response;
-  if (grpc::Status s = stub_->SwaNormQuant(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
-  return response;
+  return Unary(*stub_, &v1::FusedLayer::Stub::SwaNormQuant, request, call);
 }
 
 absl::StatusOr<v1::ListWeightSetsResponse> FusedLayerClient::ListWeightSets(const CallOptions& call) const {
-  grpc::ClientContext ctx;
-  Prepare(ctx, call, options_.deadline);
-  v1::ListWeightSetsResponse response;
-  if (grpc::Status s = stub_->ListWeightSets(&ctx, v1::ListWeightSetsRequest(), &response); !s.ok()) {
-    return ToAbslStatus(s);
-  }
-  return response;
+  return Unary(*stub_, &v1::FusedLayer::Stub::ListWeightSets, v1::ListWeightSetsRequest(), call);
 }
 
 absl::StatusOr<v1::UnloadWeightSetResponse> FusedLayerClient::UnloadWeightSet(const std::string& name,
                                                                               const CallOptions& call) const {
-  grpc::ClientContext ctx;
-  Prepare(ctx, call, options_.deadline);
   v1::UnloadWeightSetRequest request;
   request.set_name(name);
-  v1::UnloadWeightSetResponse response;
-  if (grpc::Status s = stub_->UnloadWeightSet(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
-  return response;
+  return Unary(*stub_, &v1::FusedLayer::Stub::UnloadWeightSet, request, call);
 }
 
 absl::Status FusedLayerClient::RegisterSystemSharedMemory(const std::string& name, const std::string& key,
                                                           uint64_t offset, uint64_t byte_size,
                                                           const CallOptions& call) const {
-  grpc::ClientContext ctx;
-  Prepare(ctx, call, options_.deadline);
   v1::RegisterSystemSharedMemoryRequest request;
   request.set_name(name);
   request.set_key(key);
   request.set_offset(offset);
   request.set_byte_size(byte_size);
-  v1::RegisterSystemSharedMemoryResponse response;
-  return ToAbslStatus(stub_->RegisterSystemSharedMemory(&ctx, request, &response));
+  return Unary(*stub_, &v1::FusedLayer::Stub::RegisterSystemSharedMemory, request, call).status();
 }
 
 absl::StatusOr<v1::SystemSharedMemoryStatusResponse> FusedLayerClient::SystemSharedMemoryStatus(
     const std::string& name, const CallOptions& call) const {
-  grpc::ClientContext ctx;
-  Prepare(ctx, call, options_.deadline);
   v1::SystemSharedMemoryStatusRequest request;
   request.set_name(name);
-  v1::SystemSharedMemoryStatusResponse response;
-  if (grpc::Status s = stub_->SystemSharedMemoryStatus(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
-  return response;
+  return Unary(*stub_, &v1::FusedLayer::Stub::SystemSharedMemoryStatus, request, call);
 }
 
 absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> FusedLayerClient::UnregisterSystemSharedMemory(
     const std::string& name, const CallOptions& call) const {
-  grpc::ClientContext ctx;
-  Prepare(ctx, call, options_.deadline);
   v1::UnregisterSystemSharedMemoryRequest request;
   request.set_name(name);
-  v1::UnregisterSystemSharedMemoryResponse response;
-  if (grpc::Status s = stub_->UnregisterSystemSharedMemory(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
-  return response;
+  return Unary(*stub_, &v1::FusedLayer::Stub::UnregisterSystemSharedMemory, request, call);
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> FusedLayerClient::GetServerInfo(const CallOptions& call) const {
-  grpc::ClientContext ctx;
-  Prepare(ctx, call, options_.deadline);
-  v1::GetServerInfoResponse response;
-  if (grpc::Status s = stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &response); !s.ok()) {
-    return ToAbslStatus(s);
-  }
-  return response;
+  return Unary(*stub_, &v1::FusedLayer::Stub::GetServerInfo, v1::GetServerInfoRequest(), call);
 }
 
 absl::StatusOr<v1::WeightSetInfo> FusedLayerClient::FindWeightSet(const std::string& name,
@@ -244,13 +209,12 @@ absl::StatusOr<v1::WeightSetInfo> FusedLayerClient::LoadWeights(v1::WeightSetHea
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> FusedLayerClient::CheckHealth(
     const std::string& service, const CallOptions& call) const {
-  grpc::ClientContext ctx;
-  Prepare(ctx, call, options_.deadline);
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
-  grpc::health::v1::HealthCheckResponse response;
-  if (grpc::Status s = health_stub_->Check(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
-  return response.status();
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse> response =
+      Unary(*health_stub_, &grpc::health::v1::Health::Stub::Check, request, call);
+  if (!response.ok()) return response.status();
+  return response->status();
 }
 
 }  // namespace fusedlayer::client

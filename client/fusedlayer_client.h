@@ -124,6 +124,18 @@ class FusedLayerClient {
 
  private:
   void Prepare(grpc::ClientContext& ctx, const CallOptions& call, absl::Duration fallback) const;
+  // One unary call of `stub` (stub_ or health_stub_) with the per-call options: every unary RPC
+  // goes through here, so deadlines, wait-for-ready and the token are set in one place.
+  template <typename Stub, typename Request, typename Response>
+  absl::StatusOr<Response> Unary(Stub& stub,
+                                 grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+                                 const Request& request, const CallOptions& call) const {
+    grpc::ClientContext ctx;
+    Prepare(ctx, call, options_.deadline);
+    Response response;
+    if (grpc::Status s = (stub.*method)(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
+    return response;
+  }
 
   std::shared_ptr<grpc::Channel> channel_;
   ClientOptions options_;
