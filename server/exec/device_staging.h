@@ -36,9 +36,10 @@ class DeviceStaging {
 };
 
 // A call's tensors on a lane (see exec/op_calls.h for the stages): Input/Output record where each
-// host view's device copy goes, Stage() takes one staging block for all of them, memcpy's the
-// inputs in and enqueues their copies to the device; after the op is enqueued, EnqueueCopiesBack()
-// queues the outputs' copies into the block, and Finish() waits once on the lane and memcpy's the
+// host view's device copy goes, Stage() takes one staging block for all of them (inputs first,
+// then outputs), memcpy's the inputs in and enqueues their copy to the device (one copy per ~1 MiB
+// chunk of the inputs' range, not per tensor); after the op is enqueued, EnqueueCopiesBack()
+// queues one copy of the outputs' range into the block, and Finish() waits once on the lane and memcpy's the
 // outputs into their host views, or, when the host views are a response's OutputBuffers and the
 // pool lends the block, hands the block to those buffers instead (no memcpy). Finish() must be called once Stage() was (whatever failed in
 // between): the staging block goes back to the pool only after the lane's Wait(), when the device
@@ -73,6 +74,10 @@ class LaneStaging {
   Lane& lane_;
   HostStagingPool& pool_;
   std::vector<Tensor> tensors_;
+  // Stage()'s layout: inputs in [0, inputs_end_), outputs in [outputs_begin_, outputs_end_).
+  size_t inputs_end_ = 0;
+  size_t outputs_begin_ = 0;
+  size_t outputs_end_ = 0;
   HostStagingPool::Lease block_;
   DeviceBuffer device_;
   bool enqueued_ = false;  // work on the lane not yet waited for

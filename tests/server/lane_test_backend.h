@@ -76,6 +76,8 @@ class LaneTestBackend final : public Backend {
     std::atomic<int64_t> lane_kernels{0};         // kernels executed on lanes
     std::atomic<int64_t> default_kernels{0};      // kernels run on the default context
     std::atomic<int64_t> host_staging_allocations{0};
+    std::atomic<int64_t> copies_to_device{0};  // EnqueueCopyToDevice calls on lanes
+    std::atomic<int64_t> copies_to_host{0};    // EnqueueCopyToHost calls on lanes
     std::atomic<int> max_concurrent_lane_kernels{0};
     std::atomic<int> running_lane_kernels{0};
     // Upper bound of the random delay before each lane operation executes (exposes missing waits).
@@ -259,6 +261,7 @@ class LaneTestBackend final : public Backend {
       return DeviceBuffer(p, bytes, [this](void* q) { Push([this, q] { backend_.FreeBlock(q, true); return absl::OkStatus(); }); });
     }
     absl::Status EnqueueCopyToDevice(void* dst, const void* src, size_t bytes) override {
+      control_->copies_to_device.fetch_add(1, std::memory_order_relaxed);
       Push([this, dst, src, bytes] {
         if (!backend_.InBlock(dst, bytes, true)) return absl::InternalError("copy to device: not device memory");
         if (!backend_.InBlock(src, bytes, false)) return absl::InternalError("copy to device: source not staging memory");
@@ -268,6 +271,7 @@ class LaneTestBackend final : public Backend {
       return absl::OkStatus();
     }
     absl::Status EnqueueCopyToHost(void* dst, const void* src, size_t bytes) override {
+      control_->copies_to_host.fetch_add(1, std::memory_order_relaxed);
       Push([this, dst, src, bytes] {
         if (!backend_.InBlock(src, bytes, true)) return absl::InternalError("copy to host: not device memory");
         if (!backend_.InBlock(dst, bytes, false)) return absl::InternalError("copy to host: destination not staging memory");

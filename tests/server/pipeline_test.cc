@@ -159,6 +159,55 @@ TEST(Pipeline, SplitStagingCopiesAreBitwiseTheCpuPath) {
   EXPECT_EQ(f.device_lanes->staging()->in_use_bytes(), 0u);
 }
 
+// A call's inputs reach the device in one copy (one per ~1 MiB chunk when they are larger) and its
+// outputs come back in one copy: LaneStaging lays the inputs out first and the outputs after
+// them, so each direction is one contiguous range. The outputs still land bitwise where they belong.
+TEST(Pipeline, EachDirectionIsOneCopyPerCallOrPerChunk) {
+  Fixture f(/*lanes=*/1);
+  ASSERT_NE(f.device_lanes, nullptr);
+  auto counts = [&] {
+    return std::pair<int64_t, int64_t>(f.control->copies_to_device.exchange(0), f.control->copies_to_host.exchange(0));
+  };
+  for (int64_t tokens : {1, 7, 64}) {
+    SCOPED_TRACE(::testing::Message() << "T = " << tokens);
+    v1::MhcSeamRequest mreq;
+    v1::MhcSeamResponse mresp;
+    server::MhcCall m = f.Mhc(mreq, mresp, tokens);
+    counts();
+    auto ran = server::RunMhcCall(f.device_lanes->For(0), *f.set->mhc, m.args, Path::kFused);
+    ASSERT_TRUE(ran.ok()) << ran.status();
+    EXPECT_EQ(counts(), std::make_pair(int64_t{1}, int64_t{1}));  // 5 inputs, 5 or 6 outputs
+    ExpectMhcEqual(mresp, f.reference.RunMhc(mreq, Path::kFused));
+
+    v1::SwaNormQuantRequest sreq;
+    v1::SwaNormQuantResponse sresp;
+    server::SwaCall sw = f.Swa(sreq, sresp, tokens);
+    counts();
+    auto sran = server::RunSwaCall(f.device_lanes->For(0), *f.set->swa, sw.args, Path::kFused);
+    ASSERT_TRUE(sran.ok()) << sran.status();
+    EXPECT_EQ(counts(), std::make_pair(int64_t{1}, int64_t{1}));
+    ExpectSwaEqual(sresp, f.reference.RunSwa(sreq, Path::kFused));
+  }
+  // T = 1000: x is 1 MB and R 4 MB, so the inputs go in ~1 MiB chunks (the device copies one while
+  // the host fills the next), never more chunks than whole MiB plus the remainder.
+  v1::MhcSeamRequest mreq;
+  v1::MhcSeamResponse mresp;
+  server::MhcCall m = f.Mhc(mreq, mresp, 1000);
+  uint64_t input_bytes = 0;
+  for (const TensorView* v : {&m.args.x, &m.args.residual, &m.args.post_mix, &m.args.comb_mix, &m.args.pre_mix}) {
+    input_bytes += server::ViewExtentBytes(*v);
+  }
+  counts();
+  auto ran = server::RunMhcCall(f.device_lanes->For(0), *f.set->mhc, m.args, Path::kFused);
+  ASSERT_TRUE(ran.ok()) << ran.status();
+  const auto [to_device, to_host] = counts();
+  EXPECT_GE(to_device, 4);
+  EXPECT_LE(to_device, static_cast<int64_t>(input_bytes >> 20) + 1);
+  EXPECT_EQ(to_host, 1);
+  ExpectMhcEqual(mresp, f.reference.RunMhc(mreq, Path::kFused));
+  EXPECT_EQ(f.device_lanes->staging()->in_use_bytes(), 0u);
+}
+
 TEST(ParallelCopy, CopiesEveryByteOfEverySizeFromConcurrentCallers) {
   server::ParallelCopy copier(3);
   // Below the split size, exactly at it, odd sizes above it (shares end mid-page), and large.
