@@ -51,7 +51,7 @@ bool SameAnswer(const FusedSupport& a, const FusedSupport& b) {
 template <typename Rpc>
 class FusedLayerService::ComputeTask final : public BatchableTask {
  public:
-  ComputeTask(FusedLayerService& service, UnaryCall* call, typename Rpc::Messages* held,
+  ComputeTask(FusedLayerService& service, ComputeCall* call, typename Rpc::Messages* held,
               const typename Rpc::Request* request, typename Rpc::Response* response,
               std::shared_ptr<const WeightSet> set, typename Rpc::Call decoded,
               std::unique_ptr<transport::TensorTransfer> transfer, bool shadow_sampled, double decode_seconds)
@@ -90,7 +90,7 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   }
 
   FusedLayerService& service_;
-  UnaryCall* const call_;
+  ComputeCall* const call_;
   typename Rpc::Messages* const held_;
   const typename Rpc::Request* const request_;
   typename Rpc::Response* const response_;
@@ -251,9 +251,9 @@ template <typename Rpc>
 grpc::ServerUnaryReactor* FusedLayerService::ServeCompute(grpc::CallbackServerContext* ctx,
                                                           const grpc::ByteBuffer* wire_request,
                                                           grpc::ByteBuffer* wire_response) {
-  auto* held = new typename Rpc::Messages();  // the call's reference, dropped in UnaryCall::OnDone
-  auto* call = new UnaryCall(metrics_, Rpc::kMethod, config_.max_message_bytes, ctx, wire_request->Length(),
-                             held->response(), wire_response, held);
+  auto* held = new typename Rpc::Messages();  // the call's reference, dropped in ComputeCall::ReleaseWhenDone
+  auto* call = new ComputeCall(metrics_, Rpc::kMethod, config_.max_message_bytes, ctx, wire_request->Length(),
+                               held->response(), wire_response, held);
   absl::Status s = AdmitDuringDrain();
   // gRPC hands the request over and never reads it again: parsing frees its slices at once.
   if (s.ok()) s = ParseWireRequest(const_cast<grpc::ByteBuffer*>(wire_request), held->request());
@@ -264,7 +264,7 @@ grpc::ServerUnaryReactor* FusedLayerService::ServeCompute(grpc::CallbackServerCo
 
 // Inline (on the gRPC thread): validate and decode, then queue the request on the device executor.
 template <typename Rpc>
-absl::Status FusedLayerService::StartCompute(UnaryCall* call, typename Rpc::Messages* held,
+absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Messages* held,
                                              const typename Rpc::Request* request, typename Rpc::Response* response) {
   if (absl::Status s = CheckPreference(request->path_preference()); !s.ok()) return s;
   if (request->verify()) {

@@ -48,7 +48,7 @@ absl::Status FusedLayerService::AdmitDuringDrain() const {
   return absl::UnavailableError("the server is draining (shutting down); retry on another replica");
 }
 
-absl::Status FusedLayerService::AdmitComputeBytes(UnaryCall* call, uint64_t response_bytes, uint64_t staged_bytes) {
+absl::Status FusedLayerService::AdmitComputeBytes(ComputeCall* call, uint64_t response_bytes, uint64_t staged_bytes) {
   const uint64_t send_limit = static_cast<uint64_t>(config_.max_message_bytes);
   if (response_bytes > send_limit) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -74,7 +74,7 @@ absl::Status FusedLayerService::AdmitComputeBytes(UnaryCall* call, uint64_t resp
   return absl::OkStatus();
 }
 
-absl::Status FusedLayerService::AdmitVerify(UnaryCall* call) {
+absl::Status FusedLayerService::AdmitVerify(ComputeCall* call) {
   if (verify_slots_.limit() == 0) {
     return absl::FailedPreconditionError(
         "verify is switched off on this server (--max_inflight_verify=0); send the call without verify");

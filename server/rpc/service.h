@@ -23,7 +23,7 @@
 
 namespace fusedlayer::server {
 
-class UnaryCall;  // rpc/unary_call.h
+class ComputeCall;  // rpc/unary_call.h
 
 // What the service reports about itself (fixed at startup).
 struct ServerIdentity {
@@ -81,11 +81,11 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   // limit (--max_message_bytes) or when the call's request + response (+ shared-memory input
   // staging) bytes do not fit in what --max_inflight_bytes leaves; otherwise the call holds the
   // bytes until it is done.
-  absl::Status AdmitComputeBytes(UnaryCall* call, uint64_t response_bytes, uint64_t staged_bytes = 0);
+  absl::Status AdmitComputeBytes(ComputeCall* call, uint64_t response_bytes, uint64_t staged_bytes = 0);
   // A verify = true call runs the op twice: FAILED_PRECONDITION when --max_inflight_verify is 0,
   // RESOURCE_EXHAUSTED when that many verify calls are already admitted; otherwise the call holds
   // a slot until it is done.
-  absl::Status AdmitVerify(UnaryCall* call);
+  absl::Status AdmitVerify(ComputeCall* call);
   class LoadWeightsReactor;
   // One compute request on the executor, alone or in a dynamic batch (rpc/compute_rpcs.cc).
   template <typename Rpc>
@@ -99,7 +99,7 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   // Validates and decodes a compute request, then queues its execution on the device executor.
   // `held` is the call's reference-counted messages.
   template <typename Rpc>
-  absl::Status StartCompute(UnaryCall* call, typename Rpc::Messages* held, const typename Rpc::Request* request,
+  absl::Status StartCompute(ComputeCall* call, typename Rpc::Messages* held, const typename Rpc::Request* request,
                             typename Rpc::Response* response);
   std::string RequestId(const std::string& given);
   void FillReport(v1::ExecutionReport* report, const std::string& weight_set) const;

@@ -11,48 +11,38 @@ namespace fusedlayer::server {
 
 UnaryCall::UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, grpc::CallbackServerContext* ctx,
                      const google::protobuf::Message* request, google::protobuf::Message* response)
-    : UnaryCall(metrics, method, max_send_bytes, ctx, request->ByteSizeLong(), response, /*wire=*/nullptr,
-                /*messages=*/nullptr) {}
+    : UnaryCall(metrics, method, max_send_bytes, ctx, request->ByteSizeLong(), response) {}
 
 UnaryCall::UnaryCall(Metrics& metrics, Method method, int64_t max_send_bytes, grpc::CallbackServerContext* ctx,
-                     uint64_t request_bytes, google::protobuf::Message* response, grpc::ByteBuffer* wire,
-                     shadow::SharedMessagesCount* messages)
-    : metrics_(metrics),
+                     uint64_t request_bytes, google::protobuf::Message* response)
+    : response_(response),
+      metrics_(metrics),
       method_(method),
       max_send_bytes_(max_send_bytes),
       ctx_(ctx),
-      response_(response),
       start_(Clock::now()),
-      request_bytes_(request_bytes),
-      wire_(wire),
-      messages_(messages) {
+      request_bytes_(request_bytes) {
   metrics_.InflightAdd(1);
 }
 
 bool UnaryCall::Complete(absl::Status status) {
   uint64_t response_bytes = 0;
   if (status.ok()) {
-    response_bytes = wire_ != nullptr ? WireResponseBytes(*response_, outputs_) : response_->ByteSizeLong();
+    response_bytes = ResponseBytes();
     // gRPC would fail the send itself, with a less helpful message; say what happened.
     if (response_bytes > static_cast<uint64_t>(max_send_bytes_)) {
       status = absl::ResourceExhaustedError(
           absl::StrCat("response of ", response_bytes, " bytes exceeds the server's send limit of ", max_send_bytes_,
                        " bytes (--max_message_bytes); send fewer tokens per call"));
-      response_->Clear();
-      outputs_.Clear();
+      ClearResponse();
       response_bytes = 0;
     }
   }
-  // The response's bytes, for gRPC to send as they are (the outputs by reference, no copy).
-  if (status.ok() && wire_ != nullptr) EncodeWireResponse(*response_, outputs_, wire_);
+  if (status.ok()) EncodeResponse();
   metrics_.RecordRequest(method_, static_cast<grpc::StatusCode>(status.code()), SecondsSince(start_), request_bytes_,
                          response_bytes);
   const bool sent = status.ok();
-  // The verify work is over: give its slot back before the status goes out, so a client that
-  // sends its next verify call as soon as it has this answer never finds the slot still counted
-  // (OnDone runs on a gRPC thread some time after the client already has the status; the same
-  // ordering as LoadWeights' upload slot).
-  verify_slot_.Release();
+  ReleaseBeforeStatus();
   // This call stays alive until Finish() has returned too: gRPC's inline Finish() still reads
   // the reactor after handing the status over, and OnDone may run on a gRPC thread before that.
   refs_.fetch_add(1, std::memory_order_relaxed);
@@ -76,17 +66,39 @@ absl::Status UnaryCall::LaunchCheck() const {
 void UnaryCall::OnDone() {
   TsanAcquireCallReferences(this);  // gRPC's own threads' last uses of the reactor (tsan_annotations.h)
   TsanAcquireFrom(this);  // what the thread that called Finish did happens before (tsan_annotations.h)
-  // Bytes first: a scrape that sees no call in flight also sees their bytes given back.
-  bytes_lease_.Release();
+  // What the call held first: a scrape that sees no call in flight also sees its bytes given back.
+  ReleaseWhenDone();
   metrics_.InflightAdd(-1);
-  // The call's reference to its messages (a shadow job may hold another).
-  if (messages_ != nullptr) messages_->Unref();
   Unref();
 }
 
 void UnaryCall::Unref() {
   // acq_rel: whichever of OnDone and Complete lets go last sees everything the other did.
   if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+}
+
+uint64_t ComputeCall::ResponseBytes() const { return WireResponseBytes(*response_, outputs_); }
+
+void ComputeCall::ClearResponse() {
+  response_->Clear();
+  outputs_.Clear();
+}
+
+// The response's bytes, for gRPC to send as they are (the outputs by reference, no copy).
+void ComputeCall::EncodeResponse() { EncodeWireResponse(*response_, outputs_, wire_); }
+
+void ComputeCall::ReleaseBeforeStatus() {
+  // The verify work is over: give its slot back before the status goes out, so a client that
+  // sends its next verify call as soon as it has this answer never finds the slot still counted
+  // (OnDone runs on a gRPC thread some time after the client already has the status; the same
+  // ordering as LoadWeights' upload slot).
+  verify_slot_.Release();
+}
+
+void ComputeCall::ReleaseWhenDone() {
+  bytes_lease_.Release();
+  // The call's reference to its messages (a shadow job may hold another).
+  messages_->Unref();
 }
 
 }  // namespace fusedlayer::server

@@ -5,7 +5,7 @@
 //
 //   the call's reference   taken at construction, in the raw method's handler
 //                          (rpc/compute_rpcs.cc), which parses the request into it; dropped in
-//                          UnaryCall::OnDone (rpc/unary_call.cc), once the response was encoded
+//                          ComputeCall::ReleaseWhenDone, from OnDone (rpc/unary_call.cc), once the response was encoded
 //                          into gRPC's ByteBuffer (inside Complete, before Finish) and the call is
 //                          over;
 //   a job's reference      SharedMessagesRef, taken on the executor worker before the response is
