@@ -75,7 +75,7 @@ absl::Status LaneStaging::Stage() {
   // staging and device blocks and the outputs another, so each direction is one copy (or one per
   // chunk), not one per tensor. Why: every enqueued copy costs the lane's thread a few us of CUDA
   // runtime (cudaMemcpyAsync: 7 us a call under CUPTI on the H200, docs/device-runs/
-  // 2026-12-02-h200-session9-cupti-*.log), and an mHC call has 5 inputs and 5 outputs.
+  // 2026-12-02-h200-session9-run1-cupti-trace-*.log), and an mHC call has 5 inputs and 5 outputs.
   size_t total = 0;
   for (bool inputs : {true, false}) {
     for (Tensor& t : tensors_) {
@@ -104,12 +104,12 @@ absl::Status LaneStaging::Stage() {
   // its bytes are in staging: the device copies chunk k while the host memcpy's chunk k + 1, so a
   // large input costs about the slower of the two instead of their sum. Small inputs share one copy
   // (with the alignment gaps between them, which nothing reads).
-  size_t enqueued = 0;  // staging offset up to which the copies to the device are enqueued
+  size_t sent_up_to = 0;  // staging offset up to which the copies to the device are enqueued
   auto enqueue_to = [&](size_t end) -> absl::Status {
-    if (end <= enqueued) return absl::OkStatus();
+    if (end <= sent_up_to) return absl::OkStatus();
     enqueued_ = true;
-    absl::Status s = lane_.EnqueueCopyToDevice(dev + enqueued, staging + enqueued, end - enqueued);
-    enqueued = end;
+    absl::Status s = lane_.EnqueueCopyToDevice(dev + sent_up_to, staging + sent_up_to, end - sent_up_to);
+    sent_up_to = end;
     return s;
   };
   for (const Tensor& t : tensors_) {
@@ -119,7 +119,7 @@ absl::Status LaneStaging::Stage() {
       const size_t n = std::min(kStageChunkBytes, t.bytes - done);
       pool_.copier().Copy(staging + t.offset + done, src + done, n);
       done += n;
-      if (t.offset + done - enqueued >= kStageChunkBytes) {
+      if (t.offset + done - sent_up_to >= kStageChunkBytes) {
         if (absl::Status s = enqueue_to(t.offset + done); !s.ok()) return s;
       }
     }

@@ -39,9 +39,10 @@ class DeviceStaging {
 // host view's device copy goes, Stage() takes one staging block for all of them (inputs first,
 // then outputs), memcpy's the inputs in and enqueues their copy to the device (one copy per ~1 MiB
 // chunk of the inputs' range, not per tensor); after the op is enqueued, EnqueueCopiesBack()
-// queues one copy of the outputs' range into the block, and Finish() waits once on the lane and memcpy's the
-// outputs into their host views, or, when the host views are a response's OutputBuffers and the
-// pool lends the block, hands the block to those buffers instead (no memcpy). Finish() must be called once Stage() was (whatever failed in
+// queues one copy of the outputs' range into the block, and Finish() waits once on the lane and
+// memcpy's the outputs into their host views, or, when the host views are a response's
+// OutputBuffers and the pool lends the block, hands the block to those buffers instead (no
+// memcpy). Finish() must be called once Stage() was (whatever failed in
 // between): the staging block goes back to the pool only after the lane's Wait(), when the device
 // no longer reads or writes it. Runs on the lane's worker.
 class LaneStaging {

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Where a compute call's server time goes on the GPU (device machine; no Nsight Systems there):
 # the server of a bundle runs with cupti_trace.cc injected (CUDA_INJECTION64_PATH) while
-# `fusedctl bench` calls it at concurrency 1, batching off; timeline.py then prints the median
-# call's GPU timeline and the CUDA runtime calls per call, beside the bench's `stages p50` line.
+# `fusedctl bench` calls it at concurrency 1, batching off; timeline.py then prints the medians of
+# the calls' GPU timelines and the CUDA runtime calls per call, beside the bench's `stages p50` line.
 #
 #   OUT=/tmp/o bash bench/experiments/cupti_trace/run.sh BUNDLE_DIR
 set -uo pipefail

@@ -6,8 +6,9 @@ one call = the host->device copies, kernels and device->host copies that follow 
 lane's stream with no idle gap longer than GAP_US. For each call it measures the H2D, kernel and
 D2H busy time, the idle gaps between them (launch and enqueue latency seen by the GPU), and the
 span from the first H2D start to the last D2H end; it prints their medians, plus the median gap
-between one call's end and the next call's start (the host and gRPC part of a round trip).
-Also the median of each CUDA API the host called, per call (how long the lane's thread spent in it).
+between one call's end and the next call's start (the host and gRPC part of a round trip), the
+call in the middle of the run op by op, and the CUDA runtime calls of the whole window divided by
+the number of calls (how often and how long, on average, the host spent in each per call).
 """
 import statistics
 import sys
@@ -61,7 +62,7 @@ def main(path):
     between = [(calls[i + 1][0][0] - max(o[1] for o in calls[i])) / 1e3 for i in range(len(calls) - 1)]
     print(f"  GPU idle between calls p50 {med(between):.1f} us")
     mid = calls[len(calls) // 2]
-    print("  the median call, op by op (start offset us, duration us, kind, name or bytes):")
+    print("  the call in the middle of the run, op by op (start offset us, duration us, kind, name or bytes):")
     for o in mid:
         print(f"    {(o[0] - mid[0][0]) / 1e3:8.2f} {(o[1] - o[0]) / 1e3:8.2f}  {o[2]:6s} {o[3][:70]}")
     # Host side: the CUDA runtime calls made during the kept calls' window, per call.
