@@ -94,6 +94,10 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--host_staging_bytes must be at least 1 MiB (1048576), got ", host_staging_bytes));
   }
+  if (request_staging_bytes != 0 && request_staging_bytes < (uint64_t{1} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--request_staging_bytes must be 0 (off) or at least 1 MiB (1048576), got ", request_staging_bytes));
+  }
   if (queue_capacity < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--queue_capacity must be >= 1, got ", queue_capacity));
   }

@@ -54,6 +54,11 @@ struct ServerConfig {
   // by 14% but cost 22% of the requests per second at concurrency 16, docs/operations.md). GPU
   // backends only. At most 64.
   int host_copy_threads = 0;
+  // The bound on page-locked host memory that compute requests' tensor data is read into straight
+  // from gRPC's buffers (rpc/wire_messages.h, ReadWireRequest), so the lanes copy it to the device
+  // from there. When it is taken, a request is parsed as usual instead (never waits). 0 = off.
+  // GPU backends only.
+  uint64_t request_staging_bytes = uint64_t{256} << 20;
   // Compute admission by memory (docs/operations.md): the request and response bytes of every
   // compute call admitted and not yet finished (queued, running or sending) stay under this; a call
   // that would go over is refused with RESOURCE_EXHAUSTED before its response is allocated.

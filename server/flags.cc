@@ -39,6 +39,10 @@ ABSL_FLAG(int32_t, host_copy_threads, 0,
           "GPU: helper threads that split the host memcpys into and out of pinned staging (0 = none; -1 = auto: a "
           "quarter of the cores, at most 3, none below 4 cores; at most 64). Lower latency at low concurrency, "
           "fewer requests per second at high concurrency (docs/operations.md)");
+ABSL_FLAG(uint64_t, request_staging_bytes, uint64_t{256} << 20,
+          "GPU: bound on the page-locked host memory that compute requests' tensor data is read into from the "
+          "socket's buffers, for the lanes to copy to the device without a staging copy; when it is taken a "
+          "request is parsed as usual. 0 = off; else at least 1 MiB");
 ABSL_FLAG(uint64_t, max_inflight_bytes, 0,
           "compute admission: request + response bytes of all admitted compute calls (queued, running, "
           "sending) stay under this; beyond it RESOURCE_EXHAUSTED before anything is allocated. "
@@ -138,6 +142,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.device_lanes = absl::GetFlag(FLAGS_device_lanes);
   c.host_staging_bytes = absl::GetFlag(FLAGS_host_staging_bytes);
   c.host_copy_threads = absl::GetFlag(FLAGS_host_copy_threads);
+  c.request_staging_bytes = absl::GetFlag(FLAGS_request_staging_bytes);
   c.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   c.grpc_memory_quota_bytes = absl::GetFlag(FLAGS_grpc_memory_quota_bytes);
   c.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);

@@ -111,13 +111,14 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   batching.max_queue_delay = std::chrono::microseconds(cfg.max_queue_delay_us);
   absl::StatusOr<std::unique_ptr<DeviceLanes>> lanes =
       DeviceLanes::Create(be, cfg.device_lanes, static_cast<size_t>(cfg.host_staging_bytes), srv->metrics_->registry().get(),
-                          cfg.host_copy_threads);
+                          cfg.host_copy_threads, static_cast<size_t>(cfg.request_staging_bytes));
   if (!lanes.ok()) return lanes.status();
   srv->lanes_ = std::move(*lanes);
   if (srv->lanes_->lanes() > 0) {
     LogInfo("device lanes: ", srv->lanes_->lanes(), " (--device_lanes), pinned staging up to ", cfg.host_staging_bytes,
             " bytes (--host_staging_bytes), ", srv->lanes_->staging()->copier().helper_threads(),
-            " host copy helper threads (--host_copy_threads)");
+            " host copy helper threads (--host_copy_threads), requests read into pinned memory up to ",
+            cfg.request_staging_bytes, " bytes (--request_staging_bytes)");
   }
   srv->executor_ =
       std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching, srv->lanes_->workers());

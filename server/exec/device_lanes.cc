@@ -9,7 +9,8 @@ namespace fusedlayer::server {
 
 absl::StatusOr<std::unique_ptr<DeviceLanes>> DeviceLanes::Create(Backend& backend, int requested,
                                                                  size_t staging_bytes,
-                                                                 prometheus::Registry* registry, int copy_threads) {
+                                                                 prometheus::Registry* registry, int copy_threads,
+                                                                 size_t request_staging_bytes) {
   std::unique_ptr<DeviceLanes> lanes(new DeviceLanes(backend));
   const int max = backend.max_lanes();
   if (max <= 0) return lanes;  // host-accessible: no lanes, no staging
@@ -17,6 +18,13 @@ absl::StatusOr<std::unique_ptr<DeviceLanes>> DeviceLanes::Create(Backend& backen
   const int helpers =
       copy_threads < 0 ? ParallelCopy::AutoHelperThreads(std::thread::hardware_concurrency()) : copy_threads;
   lanes->staging_ = std::make_unique<HostStagingPool>(backend, staging_bytes, registry, helpers);
+  if (request_staging_bytes > 0) {
+    lanes->request_staging_ = std::make_unique<HostStagingPool>(
+        backend, request_staging_bytes, registry, /*copy_threads=*/0,
+        StagingPoolNames{"fusedlayer_request_staging",
+                               "Page-locked host memory that compute requests' tensor data is read into",
+                               "--request_staging_bytes"});
+  }
   for (int i = 0; i < count; ++i) {
     absl::StatusOr<std::unique_ptr<Lane>> lane = backend.CreateLane();
     if (!lane.ok()) {

@@ -25,10 +25,11 @@ class DeviceLanes {
   // gets none whatever is asked. `staging_bytes`: the pinned pool's bound (--host_staging_bytes).
   // Unavailable when a lane cannot be created.
   // `copy_threads`: helper threads for the staging copies (--host_copy_threads; -1 = auto,
-  // ParallelCopy::AutoHelperThreads).
+  // ParallelCopy::AutoHelperThreads). `request_staging_bytes`: the bound of the pinned pool that
+  // compute requests are read into (--request_staging_bytes; 0 = none, rpc/wire_messages.h).
   static absl::StatusOr<std::unique_ptr<DeviceLanes>> Create(Backend& backend, int requested, size_t staging_bytes,
                                                              prometheus::Registry* registry = nullptr,
-                                                             int copy_threads = 0);
+                                                             int copy_threads = 0, size_t request_staging_bytes = 0);
 
   // Executor workers to run: the lanes, or 1 without lanes.
   int workers() const { return lanes_.empty() ? 1 : static_cast<int>(lanes_.size()); }
@@ -37,11 +38,16 @@ class DeviceLanes {
   // or the backend itself without lanes (or off the workers, index -1).
   ExecTarget For(int worker_index) const;
   HostStagingPool* staging() const { return staging_.get(); }
+  // Where compute requests' tensor data is read to (ReadWireRequest), or null (no lanes, or off).
+  // A pool apart from staging(): a request holds its block from receipt to response, and lanes
+  // that wait for staging must never wait for blocks that queued requests hold.
+  HostStagingPool* request_staging() const { return request_staging_.get(); }
 
  private:
   DeviceLanes(Backend& backend) : backend_(backend) {}
   Backend& backend_;
   std::unique_ptr<HostStagingPool> staging_;
+  std::unique_ptr<HostStagingPool> request_staging_;
   std::vector<std::unique_ptr<Lane>> lanes_;
 };
 

@@ -70,19 +70,48 @@ void LaneStaging::Output(const TensorView& host, TensorView* dev) {
   if (!host.empty_view()) tensors_.push_back(Tensor{host, dev, ViewExtentBytes(host), 0, false});
 }
 
+const char* LaneStaging::LayOutPinnedInputs() {
+  if (pinned_.begin == nullptr) return nullptr;
+  const char* first = nullptr;
+  const char* last = nullptr;
+  for (const Tensor& t : tensors_) {
+    if (!t.input || t.bytes == 0) continue;
+    const char* p = static_cast<const char*>(t.host.data);
+    if (!pinned_.Contains(p, t.bytes)) return nullptr;
+    if (first == nullptr || p < first) first = p;
+    if (last == nullptr || p + t.bytes > last) last = p + t.bytes;
+  }
+  if (first == nullptr) return nullptr;  // no input bytes: nothing to save
+  // Offsets in the device block as in pinned_: each must keep its alignment there.
+  for (const Tensor& t : tensors_) {
+    if (t.input && t.bytes > 0 && (static_cast<const char*>(t.host.data) - first) % kTensorAlign != 0) return nullptr;
+  }
+  for (Tensor& t : tensors_) {
+    if (t.input && t.bytes > 0) t.offset = static_cast<size_t>(static_cast<const char*>(t.host.data) - first);
+  }
+  inputs_end_ = static_cast<size_t>(last - first);
+  return first;
+}
+
 absl::Status LaneStaging::Stage() {
   // Inputs first, then outputs, each on its own aligned offset: the inputs are one range of the
   // staging and device blocks and the outputs another, so each direction is one copy (or one per
   // chunk), not one per tensor. Why: every enqueued copy costs the lane's thread a few us of CUDA
   // runtime (cudaMemcpyAsync: 7 us a call under CUPTI on the H200, docs/device-runs/
   // 2026-12-02-h200-session9-run1-cupti-trace-*.log), and an mHC call has 5 inputs and 5 outputs.
+  // Inputs already in pinned memory keep their layout there and skip the staging block.
+  const char* const pinned_inputs = LayOutPinnedInputs();
   size_t total = 0;
   for (bool inputs : {true, false}) {
-    for (Tensor& t : tensors_) {
-      if (t.input != inputs || t.bytes == 0) continue;
-      t.offset = total;
-      total += AlignUp(t.bytes);
-      (inputs ? inputs_end_ : outputs_end_) = t.offset + t.bytes;
+    if (inputs && pinned_inputs != nullptr) {
+      total = AlignUp(inputs_end_);
+    } else {
+      for (Tensor& t : tensors_) {
+        if (t.input != inputs || t.bytes == 0) continue;
+        t.offset = total;
+        total += AlignUp(t.bytes);
+        (inputs ? inputs_end_ : outputs_end_) = t.offset + t.bytes;
+      }
     }
     if (inputs) outputs_begin_ = total;
   }
@@ -91,15 +120,23 @@ absl::Status LaneStaging::Stage() {
     for (Tensor& t : tensors_) t.dev->data = nullptr;
     return absl::OkStatus();
   }
-  absl::StatusOr<HostStagingPool::Lease> block = pool_.Acquire(total);
-  if (!block.ok()) return block.status();
-  block_ = std::move(*block);
+  staging_base_ = pinned_inputs != nullptr ? outputs_begin_ : 0;
+  if (total > staging_base_) {
+    absl::StatusOr<HostStagingPool::Lease> block = pool_.Acquire(total - staging_base_);
+    if (!block.ok()) return block.status();
+    block_ = std::move(*block);
+  }
   absl::StatusOr<DeviceBuffer> device = lane_.Allocate(total);
   if (!device.ok()) return device.status();
   device_ = std::move(*device);
-  char* const staging = block_.data();
   char* const dev = static_cast<char*>(device_.data());
   for (Tensor& t : tensors_) t.dev->data = dev + t.offset;  // a zero-byte tensor: the block's start
+  if (pinned_inputs != nullptr) {
+    // Already in page-locked memory that outlives the call: one copy of their span, no memcpy.
+    enqueued_ = true;
+    return lane_.EnqueueCopyToDevice(dev, pinned_inputs, inputs_end_);
+  }
+  char* const staging = block_.data();
   // The input range goes to the device in copies of about kStageChunkBytes, each enqueued as soon as
   // its bytes are in staging: the device copies chunk k while the host memcpy's chunk k + 1, so a
   // large input costs about the slower of the two instead of their sum. Small inputs share one copy
@@ -131,8 +168,8 @@ absl::Status LaneStaging::EnqueueCopiesBack() {
   // The outputs' range in one copy (Stage() put them after the inputs).
   if (outputs_end_ <= outputs_begin_) return absl::OkStatus();
   enqueued_ = true;
-  return lane_.EnqueueCopyToHost(block_.data() + outputs_begin_, static_cast<const char*>(device_.data()) + outputs_begin_,
-                                 outputs_end_ - outputs_begin_);
+  return lane_.EnqueueCopyToHost(block_.data() + (outputs_begin_ - staging_base_),
+                                 static_cast<const char*>(device_.data()) + outputs_begin_, outputs_end_ - outputs_begin_);
 }
 
 absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out, StageTimes* times,
@@ -151,12 +188,13 @@ absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out, StageTimes* times,
   if (copy_out) {
     char* const staging = block_.data();
     // The response's buffers take the block as it is (the copies back are done: Wait above; the
-    // inputs staged in it go along, never read again).
+    // inputs staged in it, if any, go along, never read again).
     std::shared_ptr<const void> lent = lend_to != nullptr && staging != nullptr ? pool_.Lend(block_) : nullptr;
     for (const Tensor& t : tensors_) {
       if (t.input || t.bytes == 0) continue;
-      if (lent != nullptr && lend_to->Move(t.host.data, t.bytes, staging + t.offset, lent)) continue;
-      pool_.copier().Copy(t.host.data, staging + t.offset, t.bytes);
+      char* const staged = staging + (t.offset - staging_base_);
+      if (lent != nullptr && lend_to->Move(t.host.data, t.bytes, staged, lent)) continue;
+      pool_.copier().Copy(t.host.data, staged, t.bytes);
     }
     if (times != nullptr) times->copy_out += SecondsBetween(waited_at, std::chrono::steady_clock::now());
   }

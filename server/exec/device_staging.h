@@ -45,9 +45,13 @@ class DeviceStaging {
 // memcpy). Finish() must be called once Stage() was (whatever failed in
 // between): the staging block goes back to the pool only after the lane's Wait(), when the device
 // no longer reads or writes it. Runs on the lane's worker.
+//
+// Inputs that all lie in `pinned` (page-locked memory that outlives the call, each on its own
+// 256-byte boundary in it) are not memcpy'd: their span is copied to the device from there in one
+// copy, and the staging block holds only the outputs.
 class LaneStaging {
  public:
-  LaneStaging(Lane& lane, HostStagingPool& pool) : lane_(lane), pool_(pool) {}
+  LaneStaging(Lane& lane, HostStagingPool& pool, HostRange pinned = {}) : lane_(lane), pool_(pool), pinned_(pinned) {}
   ~LaneStaging();
 
   // `*dev` is set by Stage() (empty views pass through unchanged).
@@ -72,13 +76,21 @@ class LaneStaging {
     size_t offset = 0;  // in the staging block and in the device block alike
     bool input = false;
   };
+  // Lays the inputs out as they lie in pinned_ (offset = address - the first input's) when they
+  // all do, and returns the span's start; null otherwise (nothing laid out).
+  const char* LayOutPinnedInputs();
+
   Lane& lane_;
   HostStagingPool& pool_;
+  const HostRange pinned_;
   std::vector<Tensor> tensors_;
   // Stage()'s layout: inputs in [0, inputs_end_), outputs in [outputs_begin_, outputs_end_).
   size_t inputs_end_ = 0;
   size_t outputs_begin_ = 0;
   size_t outputs_end_ = 0;
+  // The device block's offset of the staging block's first byte: 0, or outputs_begin_ when the
+  // inputs are copied from pinned_ and the staging block holds only the outputs.
+  size_t staging_base_ = 0;
   HostStagingPool::Lease block_;
   DeviceBuffer device_;
   bool enqueued_ = false;  // work on the lane not yet waited for

@@ -33,17 +33,19 @@ void HostStagingPool::Lease::Release() {
 }
 
 HostStagingPool::HostStagingPool(Backend& backend, size_t limit_bytes, prometheus::Registry* registry,
-                                 int copy_threads)
+                                 int copy_threads, StagingPoolNames names)
     : backend_(backend),
       limit_(limit_bytes),
       copier_(copy_threads),
+      names_(std::move(names)),
       lend_state_(std::make_shared<LendState>(this)) {
   if (registry == nullptr) return;
   auto& bytes = prometheus::BuildGauge()
-                    .Name("fusedlayer_host_staging_bytes")
-                    .Help("Page-locked host staging memory of the device lanes: in_use (held by running requests "
-                          "and responses being sent), lent (of in_use, held by responses being sent), held (in "
-                          "use + kept for reuse), limit (--host_staging_bytes)")
+                    .Name(names_.metric + "_bytes")
+                    .Help(absl::StrCat(names_.what,
+                                       ": in_use (held by running requests and responses being sent), lent (of "
+                                       "in_use, held by responses being sent), held (in use + kept for reuse), limit (",
+                                       names_.flag, ")"))
                     .Register(*registry);
   in_use_gauge_ = &bytes.Add({{"state", "in_use"}});
   held_gauge_ = &bytes.Add({{"state", "held"}});
@@ -51,11 +53,18 @@ HostStagingPool::HostStagingPool(Backend& backend, size_t limit_bytes, prometheu
   lent_gauge_ = &bytes.Add({{"state", "lent"}});
   limit_gauge_->Set(static_cast<double>(limit_));
   waits_counter_ = &prometheus::BuildCounter()
-                        .Name("fusedlayer_host_staging_waits_total")
-                        .Help("Requests that waited for host staging memory held by other lanes (raise "
-                              "--host_staging_bytes if this grows with load)")
+                        .Name(names_.metric + "_waits_total")
+                        .Help(absl::StrCat("Requests that waited for this memory held by other requests (raise ",
+                                           names_.flag, " if this grows with load)"))
                         .Register(*registry)
                         .Add({});
+  misses_counter_ = &prometheus::BuildCounter()
+                         .Name(names_.metric + "_misses_total")
+                         .Help(absl::StrCat("Requests that did without this memory because the bound was taken or "
+                                            "the system refused page-locked memory (raise ",
+                                            names_.flag, " if this grows with load)"))
+                         .Register(*registry)
+                         .Add({});
 }
 
 HostStagingPool::~HostStagingPool() {
@@ -111,11 +120,23 @@ size_t HostStagingPool::ClassBytes(size_t bytes) const {
   return c > limit_ && bytes <= limit_ ? limit_ : c;
 }
 
-absl::StatusOr<HostStagingPool::Lease> HostStagingPool::Acquire(size_t bytes) {
+absl::StatusOr<HostStagingPool::Lease> HostStagingPool::Acquire(size_t bytes) { return Take(bytes, /*wait=*/true); }
+
+absl::StatusOr<HostStagingPool::Lease> HostStagingPool::TryAcquire(size_t bytes) {
+  absl::StatusOr<Lease> lease = Take(bytes, /*wait=*/false);
+  if (!lease.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++misses_;
+    if (misses_counter_ != nullptr) misses_counter_->Increment();
+  }
+  return lease;
+}
+
+absl::StatusOr<HostStagingPool::Lease> HostStagingPool::Take(size_t bytes, bool wait) {
   if (bytes > limit_) {
     return absl::ResourceExhaustedError(absl::StrCat("the request's tensors need ", bytes,
                                                      " bytes of host staging memory, more than the server's bound of ",
-                                                     limit_, " (--host_staging_bytes)"));
+                                                     limit_, " (", names_.flag, ")"));
   }
   const size_t want = ClassBytes(bytes);
   Lease lease;
@@ -144,6 +165,7 @@ absl::StatusOr<HostStagingPool::Lease> HostStagingPool::Acquire(size_t bytes) {
         in_use_bytes_ += want;  // reserved before the allocation, outside the lock
         break;
       }
+      if (!wait) return absl::UnavailableError(absl::StrCat(names_.what, " is taken by other requests"));
       if (!waited) {
         waited = true;
         ++waits_;
@@ -206,6 +228,11 @@ size_t HostStagingPool::held_bytes() const {
 size_t HostStagingPool::lent_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return lent_bytes_;
+}
+
+uint64_t HostStagingPool::misses() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return misses_;
 }
 
 uint64_t HostStagingPool::waits() const {

@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "exec/parallel_copy.h"
@@ -30,6 +31,25 @@
 #include "prometheus/registry.h"
 
 namespace fusedlayer::server {
+
+// Host memory [begin, end), e.g. a block of this pool or part of one. Empty by default.
+struct HostRange {
+  const char* begin = nullptr;
+  const char* end = nullptr;
+  // True when [p, p + n) lies inside.
+  bool Contains(const void* p, size_t n) const {
+    const char* c = static_cast<const char*>(p);
+    return begin != nullptr && c >= begin && c <= end && n <= static_cast<size_t>(end - c);
+  }
+};
+
+// What a pool's metrics and messages call it: the lanes' pool (the default) or the pool that
+// compute requests are read into (rpc/wire_messages.h, ReadWireRequest).
+struct StagingPoolNames {
+  std::string metric = "fusedlayer_host_staging";  // {metric}_bytes, {metric}_waits_total, {metric}_misses_total
+  std::string what = "Page-locked host staging memory of the device lanes";
+  std::string flag = "--host_staging_bytes";
+};
 
 class HostStagingPool {
  public:
@@ -58,7 +78,7 @@ class HostStagingPool {
   // `limit_bytes`: the bound on what the pool holds. `registry` (optional): the pool's gauges.
   // `copy_threads`: helper threads of copier() (--host_copy_threads, resolved: >= 0).
   HostStagingPool(Backend& backend, size_t limit_bytes, prometheus::Registry* registry = nullptr,
-                  int copy_threads = 0);
+                  int copy_threads = 0, StagingPoolNames names = {});
   ~HostStagingPool();
   HostStagingPool(const HostStagingPool&) = delete;
   HostStagingPool& operator=(const HostStagingPool&) = delete;
@@ -66,6 +86,9 @@ class HostStagingPool {
   // A block of at least `bytes` (> 0). ResourceExhausted at once when `bytes` is over the bound,
   // or when the system refuses page-locked memory; otherwise may wait for other requests' blocks.
   absl::StatusOr<Lease> Acquire(size_t bytes);
+  // Acquire without waiting: Unavailable when the block would have to wait for other requests'
+  // blocks (the caller then does without one; counted in misses()).
+  absl::StatusOr<Lease> TryAcquire(size_t bytes);
 
   // Lends the lease's block to a response (see above): the returned owner gives the block back to
   // the pool when its last copy is destroyed, on whatever thread; after the pool is gone, it
@@ -80,12 +103,14 @@ class HostStagingPool {
   size_t held_bytes() const;  // in use + kept for reuse
   size_t lent_bytes() const;  // in use by responses (Lend)
   uint64_t waits() const;     // Acquire calls that had to wait for the bound (tests, metrics)
+  uint64_t misses() const;    // TryAcquire calls refused (bound taken, or no page-locked memory)
 
   // The size class a request of `bytes` gets: the next power of two from 64 KiB, but never more
   // than the bound (a request that fits the bound always fits its class).
   size_t ClassBytes(size_t bytes) const;
 
  private:
+  absl::StatusOr<Lease> Take(size_t bytes, bool wait);
   void Return(DeviceBuffer block, bool discard, bool lent);
   // What a lent block's owner reaches the pool through: null once the pool is destroyed.
   struct LendState {
@@ -105,12 +130,15 @@ class HostStagingPool {
   size_t in_use_bytes_ = 0;
   size_t lent_bytes_ = 0;
   uint64_t waits_ = 0;
+  uint64_t misses_ = 0;
+  const StagingPoolNames names_;
   const std::shared_ptr<LendState> lend_state_;
   prometheus::Gauge* in_use_gauge_ = nullptr;
   prometheus::Gauge* held_gauge_ = nullptr;
   prometheus::Gauge* limit_gauge_ = nullptr;
   prometheus::Gauge* lent_gauge_ = nullptr;
   prometheus::Counter* waits_counter_ = nullptr;
+  prometheus::Counter* misses_counter_ = nullptr;
 };
 
 }  // namespace fusedlayer::server

@@ -22,12 +22,12 @@
 #pragma once
 
 #include "absl/status/statusor.h"
+#include "exec/host_staging_pool.h"
 #include "exec/stage_times.h"
 #include "fusedlayer/backend.h"
 
 namespace fusedlayer::server {
 
-class HostStagingPool;
 class OutputBuffers;
 
 struct MhcCall {
@@ -49,6 +49,10 @@ struct ExecTarget {
   // message, exec/output_buffers.h), or null: on a lane they may take over the staging block
   // instead of having the outputs copied into them.
   OutputBuffers* outputs = nullptr;
+  // Page-locked host memory that outlives the run, or empty: inputs viewed inside it are copied to
+  // the device from there, not memcpy'd into staging first (one request's tensor data as
+  // ReadWireRequest read it, rpc/wire_messages.h).
+  HostRange pinned_inputs;
 };
 
 absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcWeights& weights,

@@ -29,7 +29,9 @@ size_t ParallelCopy::helper_shares() const {
   return helper_shares_;
 }
 
-void ParallelCopy::Run(const Share& s) { std::memcpy(s.dst, s.src, s.n); }
+void ParallelCopy::Run(const Share& s) {
+  for (const Piece* p = s.begin; p != s.end; ++p) std::memcpy(p->dst, p->src, p->n);
+}
 
 void ParallelCopy::Work() {
   std::unique_lock<std::mutex> lock(mu_);
@@ -48,26 +50,49 @@ void ParallelCopy::Work() {
 }
 
 void ParallelCopy::Copy(void* dst, const void* src, size_t n) {
-  const size_t parts = threads_.size() + 1;
-  if (threads_.empty() || n < kMinSplitBytes) {
-    std::memcpy(dst, src, n);
+  CopyPieces({Piece{static_cast<char*>(dst), static_cast<const char*>(src), n}});
+}
+
+void ParallelCopy::CopyPieces(const std::vector<Piece>& pieces) {
+  size_t total = 0;
+  for (const Piece& p : pieces) total += p.n;
+  if (threads_.empty() || total < kMinSplitBytes) {
+    for (const Piece& p : pieces) std::memcpy(p.dst, p.src, p.n);
     return;
   }
-  // Shares on 4 KiB boundaries (whole pages and cache lines); the caller's is the first.
+  const size_t parts = threads_.size() + 1;
+  // Shares of about total / parts bytes; a piece that is larger is cut on 4 KiB boundaries (whole
+  // pages and cache lines) so that it spreads over several shares.
   constexpr size_t kAlign = 4096;
-  const size_t share = (n / parts + kAlign - 1) / kAlign * kAlign;
-  char* const d = static_cast<char*>(dst);
-  const char* const s = static_cast<const char*>(src);
+  const size_t share = (total / parts + kAlign - 1) / kAlign * kAlign;
+  std::vector<Piece> cut;
+  cut.reserve(pieces.size() + parts);
+  for (const Piece& p : pieces) {
+    for (size_t off = 0; off < p.n; off += share) cut.push_back(Piece{p.dst + off, p.src + off, std::min(share, p.n - off)});
+  }
+  // Consecutive pieces grouped into shares; the caller's is the first.
+  std::vector<Share> shares;
   Call call;
+  size_t in_share = 0;
+  const Piece* first = cut.data();
+  for (const Piece* p = cut.data(); p != cut.data() + cut.size(); ++p) {
+    in_share += p->n;
+    if (in_share >= share) {
+      shares.push_back(Share{first, p + 1, &call});
+      first = p + 1;
+      in_share = 0;
+    }
+  }
+  if (first != cut.data() + cut.size()) shares.push_back(Share{first, cut.data() + cut.size(), &call});
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t off = share; off < n; off += share) {
-      queue_.push_back(Share{d + off, s + off, std::min(share, n - off), &call});
+    for (size_t i = 1; i < shares.size(); ++i) {
+      queue_.push_back(shares[i]);
       ++call.pending;
     }
   }
   work_.notify_all();
-  Run(Share{d, s, std::min(share, n), &call});
+  Run(shares.front());
   std::unique_lock<std::mutex> lock(mu_);
   // Shares of this call that no helper has taken yet: copy them here rather than wait.
   for (auto it = queue_.begin(); it != queue_.end();) {

@@ -32,6 +32,15 @@ class ParallelCopy {
 
   // memcpy(dst, src, n) for non-overlapping ranges, split into helper_threads() + 1 shares.
   void Copy(void* dst, const void* src, size_t n);
+  // One memcpy of many: e.g. a request's tensor data gathered from gRPC's slices (rpc/wire_messages.h).
+  struct Piece {
+    char* dst;
+    const char* src;
+    size_t n;
+  };
+  // Every piece copied (none may overlap another's destination), in helper_threads() + 1 shares
+  // of about equal bytes; a piece larger than a share is split.
+  void CopyPieces(const std::vector<Piece>& pieces);
 
   int helper_threads() const { return static_cast<int>(threads_.size()); }
   // Shares copied by the helpers so far (tests).
@@ -43,10 +52,9 @@ class ParallelCopy {
 
  private:
   struct Call;  // one Copy(): its shares still to run
-  struct Share {
-    char* dst;
-    const char* src;
-    size_t n;
+  struct Share {  // pieces [begin, end) of one call
+    const Piece* begin;
+    const Piece* end;
     Call* call;
   };
   void Work();

@@ -54,7 +54,8 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   ComputeTask(FusedLayerService& service, ComputeCall* call, typename Rpc::Messages* held,
               const typename Rpc::Request* request, typename Rpc::Response* response,
               std::shared_ptr<const WeightSet> set, typename Rpc::Call decoded,
-              std::unique_ptr<transport::TensorTransfer> transfer, bool shadow_sampled, double decode_seconds)
+              std::unique_ptr<transport::TensorTransfer> transfer, std::unique_ptr<WireTensorData> wire,
+              bool shadow_sampled, double decode_seconds)
       : service_(service),
         call_(call),
         held_(held),
@@ -63,6 +64,7 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
         set_(std::move(set)),
         decoded_(std::move(decoded)),
         transfer_(std::move(transfer)),
+        wire_(std::move(wire)),
         outputs_(call->outputs()->empty() ? nullptr : call->outputs()),
         shadow_sampled_(shadow_sampled),
         decode_seconds_(decode_seconds) {}
@@ -81,7 +83,7 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   // Path choice and run with fallback for `call` (one request's or a batch's); its stage times
   // are added to `times`.
   absl::StatusOr<DispatchOutcome> Execute(const typename Rpc::Call& call, const std::string& what, StageTimes* times,
-                                          OutputBuffers* outputs) const;
+                                          OutputBuffers* outputs, HostRange pinned_inputs = {}) const;
   // Metrics, report, verify or shadow sampling, response: this request's part after the launch.
   void Finish(const absl::StatusOr<DispatchOutcome>& ran, size_t batch_requests, int64_t batch_tokens);
   std::string What() const {
@@ -99,6 +101,9 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   // Shared-memory tensors of this request (null when it has none): the staged inputs the call
   // views, and the outputs written to their regions after the run (server/transport/).
   const std::unique_ptr<transport::TensorTransfer> transfer_;
+  // The request's tensor data when it was read into a pinned block instead of the message
+  // (rpc/wire_messages.h): the decoded views point into it. Never null.
+  const std::unique_ptr<WireTensorData> wire_;
   // Where the request's output views point when not into the response message (exec/output_buffers.h):
   // run alone on a lane, they may take over its staging block instead of a copy. Null otherwise.
   OutputBuffers* const outputs_;
@@ -114,7 +119,8 @@ template <typename Rpc>
 absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(const typename Rpc::Call& call,
                                                                              const std::string& what,
                                                                              StageTimes* times,
-                                                                             OutputBuffers* outputs) const {
+                                                                             OutputBuffers* outputs,
+                                                                             HostRange pinned_inputs) const {
   const typename Rpc::Prepared& part = *Rpc::Part(*set_);
   Backend& backend = service_.backend_;
   const v1::PathPreference preference = request_->path_preference();
@@ -125,6 +131,7 @@ absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(con
   ExecTarget target = service_.lanes_.For(service_.executor_.worker_index());
   target.times = times;
   target.outputs = outputs;
+  target.pinned_inputs = pinned_inputs;
   return RunWithFallback(Rpc::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what,
                          [&](Path path) { return Rpc::Run(target, part, call, path); });
 }
@@ -177,7 +184,9 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
     }
   }
   for (ComputeTask* task : live) {
-    absl::StatusOr<DispatchOutcome> ran = task->Execute(task->decoded_, task->What(), &task->stages_, task->outputs_);
+    // Alone, its inputs are copied to the device from where they were read (when pinned).
+    absl::StatusOr<DispatchOutcome> ran = task->Execute(task->decoded_, task->What(), &task->stages_, task->outputs_,
+                                                        HostRange{task->wire_->begin(), task->wire_->end()});
     metrics.RecordBatch(Rpc::kOp, 1, task->decoded_.args.tokens);
     task->Finish(ran, 1, task->decoded_.args.tokens);
   }
@@ -254,10 +263,15 @@ grpc::ServerUnaryReactor* FusedLayerService::ServeCompute(grpc::CallbackServerCo
   auto* held = new typename Rpc::Messages();  // the call's reference, dropped in ComputeCall::ReleaseWhenDone
   auto* call = new ComputeCall(metrics_, Rpc::kMethod, config_.max_message_bytes, ctx, wire_request->Length(),
                                held->response(), wire_response, held);
+  auto wire = std::make_unique<WireTensorData>();
   absl::Status s = AdmitDuringDrain();
-  // gRPC hands the request over and never reads it again: parsing frees its slices at once.
-  if (s.ok()) s = ParseWireRequest(const_cast<grpc::ByteBuffer*>(wire_request), held->request());
-  if (s.ok()) s = StartCompute<Rpc>(call, held, held->request(), held->response());
+  // gRPC hands the request over and never reads it again: reading frees its slices at once.
+  if (s.ok()) {
+    HostStagingPool* pinned = lanes_.request_staging();
+    s = ReadWireRequest(const_cast<grpc::ByteBuffer*>(wire_request), held->request(), pinned,
+                        pinned == nullptr ? nullptr : &lanes_.staging()->copier(), wire.get());
+  }
+  if (s.ok()) s = StartCompute<Rpc>(call, held, held->request(), held->response(), std::move(wire));
   if (!s.ok()) call->Complete(std::move(s));
   return call;
 }
@@ -265,7 +279,8 @@ grpc::ServerUnaryReactor* FusedLayerService::ServeCompute(grpc::CallbackServerCo
 // Inline (on the gRPC thread): validate and decode, then queue the request on the device executor.
 template <typename Rpc>
 absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Messages* held,
-                                             const typename Rpc::Request* request, typename Rpc::Response* response) {
+                                             const typename Rpc::Request* request, typename Rpc::Response* response,
+                                             std::unique_ptr<WireTensorData> wire) {
   if (absl::Status s = CheckPreference(request->path_preference()); !s.ok()) return s;
   if (request->verify()) {
     if (absl::Status s = AdmitVerify(call); !s.ok()) return s;
@@ -292,16 +307,18 @@ absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Me
   // sampled: the shadow job re-reads the inline messages) keeps its outputs in the response
   // message for the job to read; every other one has them outside it, sent without copies.
   const bool shadow_sampled = transfer == nullptr && !request->verify() && shadow_.Sample();
+  // Both read the request's tensors from its message.
+  if (request->verify() || shadow_sampled) wire->MoveIntoMessages();
   absl::StatusOr<typename Rpc::Call> decoded =
       Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response, transfer.get(),
-                  shadow_sampled ? nullptr : call->outputs());
+                  shadow_sampled ? nullptr : call->outputs(), wire.get());
   if (!decoded.ok()) return decoded.status();
   response->set_request_id(RequestId(request->request_id()));
   // The decode stage ends here: the queue wait starts inside SubmitBatchable.
   const double decode_seconds = call->elapsed();
   return executor_.SubmitBatchable(std::make_unique<ComputeTask<Rpc>>(
-      *this, call, held, request, response, std::move(*set), std::move(*decoded), std::move(transfer), shadow_sampled,
-      decode_seconds));
+      *this, call, held, request, response, std::move(*set), std::move(*decoded), std::move(transfer), std::move(wire),
+      shadow_sampled, decode_seconds));
 }
 
 }  // namespace fusedlayer::server

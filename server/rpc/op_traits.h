@@ -38,8 +38,8 @@ struct MhcRpc {
   }
   static absl::StatusOr<MhcCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
                                         Response* response, transport::TensorTransfer* transfer,
-                                        OutputBuffers* external) {
-    return DecodeMhcRequest(request, w, max_tokens, response, transfer, external);
+                                        OutputBuffers* external, const WireTensorData* wire) {
+    return DecodeMhcRequest(request, w, max_tokens, response, transfer, external, wire);
   }
   static FusedSupport Support(Backend& backend, const Prepared& w, const MhcCall& c) {
     return backend.MhcFusedSupport(w, c.query);
@@ -88,8 +88,8 @@ struct SwaRpc {
   }
   static absl::StatusOr<SwaCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
                                         Response* response, transport::TensorTransfer* transfer,
-                                        OutputBuffers* external) {
-    return DecodeSwaRequest(request, w, max_tokens, response, transfer, external);
+                                        OutputBuffers* external, const WireTensorData* wire) {
+    return DecodeSwaRequest(request, w, max_tokens, response, transfer, external, wire);
   }
   static FusedSupport Support(Backend& backend, const Prepared& w, const SwaCall& c) {
     return backend.SwaFusedSupport(w, c.query);

@@ -7,6 +7,7 @@
 
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "rpc/wire_messages.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "weights/weight_set.h"  // ProtoFallbackReason
@@ -55,22 +56,29 @@ absl::Status CheckDType(const v1::Tensor& t, const char* name, DType dtype) {
                                                  ", want ", DTypeName(dtype)));
 }
 
-absl::Status CheckBytes(const v1::Tensor& t, const char* name, DType dtype) {
+// The tensor's inline bytes: in its message, or where ReadWireRequest put them.
+std::string_view InlineBytes(const v1::Tensor& t, const WireTensorData* wire) {
+  const std::string_view* moved = wire == nullptr ? nullptr : wire->Find(t);
+  return moved != nullptr ? *moved : std::string_view(t.data());
+}
+
+absl::Status CheckBytes(const v1::Tensor& t, const char* name, DType dtype, const WireTensorData* wire) {
   auto want = DenseBytes(dtype, t.shape().data(), t.shape_size(), name);
   if (!want.ok()) return want.status();
   if (t.has_shared_memory()) return absl::OkStatus();  // its byte_size is checked by the transfer
-  if (t.data().size() != *want) {
+  const size_t got = InlineBytes(t, wire).size();
+  if (got != *want) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': ", DTypeName(dtype), ShapeString(t),
-                                                   " needs ", *want, " bytes, got ", t.data().size()));
+                                                   " needs ", *want, " bytes, got ", got));
   }
   return absl::OkStatus();
 }
 
 // The tensor's bytes: inline, or read from shared memory into the transfer's staging.
 absl::StatusOr<char*> TensorBytes(const v1::Tensor& t, const char* name, DType dtype,
-                                  transport::TensorTransfer* transfer) {
+                                  transport::TensorTransfer* transfer, const WireTensorData* wire) {
   // The view is non-const because TensorView is; inputs are only ever read by the kernels.
-  if (!t.has_shared_memory()) return const_cast<char*>(t.data().data());
+  if (!t.has_shared_memory()) return const_cast<char*>(InlineBytes(t, wire).data());
   absl::StatusOr<uint64_t> want = DenseBytes(dtype, t.shape().data(), t.shape_size(), name);
   if (!want.ok()) return want.status();
   if (transfer == nullptr) {
@@ -152,7 +160,8 @@ absl::StatusOr<int64_t> LeadingDim(const v1::Tensor& t, const char* name, int ra
 }
 
 absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& t, const char* name, DType dtype,
-                                        std::initializer_list<int64_t> dims, transport::TensorTransfer* transfer) {
+                                        std::initializer_list<int64_t> dims, transport::TensorTransfer* transfer,
+                                        const WireTensorData* wire) {
   if (absl::Status s = CheckDType(t, name, dtype); !s.ok()) return s;
   bool same = t.shape_size() == static_cast<int>(dims.size());
   if (same) {
@@ -163,21 +172,21 @@ absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& t, const char* name, D
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", name, "': shape ", ShapeString(t), ", want ", ShapeString(dims)));
   }
-  if (absl::Status s = CheckBytes(t, name, dtype); !s.ok()) return s;
-  absl::StatusOr<char*> bytes = TensorBytes(t, name, dtype, transfer);
+  if (absl::Status s = CheckBytes(t, name, dtype, wire); !s.ok()) return s;
+  absl::StatusOr<char*> bytes = TensorBytes(t, name, dtype, transfer, wire);
   if (!bytes.ok()) return bytes.status();
   return TensorView::Contiguous(*bytes, dtype, dims);
 }
 
 absl::StatusOr<TensorView> DecodeStrided2D(const v1::Tensor& t, const char* name, DType dtype, int64_t cols,
-                                           transport::TensorTransfer* transfer) {
+                                           transport::TensorTransfer* transfer, const WireTensorData* wire) {
   if (absl::Status s = CheckDType(t, name, dtype); !s.ok()) return s;
   if (t.shape_size() != 2 || t.shape(0) < 0 || t.shape(1) < cols) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': shape ", ShapeString(t), ", want [M, S] with S >= ",
                                                    cols));
   }
-  if (absl::Status s = CheckBytes(t, name, dtype); !s.ok()) return s;
-  absl::StatusOr<char*> bytes = TensorBytes(t, name, dtype, transfer);
+  if (absl::Status s = CheckBytes(t, name, dtype, wire); !s.ok()) return s;
+  absl::StatusOr<char*> bytes = TensorBytes(t, name, dtype, transfer, wire);
   if (!bytes.ok()) return bytes.status();
   return TensorView::Strided2D(*bytes, dtype, t.shape(0), cols, t.shape(1));
 }
@@ -334,7 +343,8 @@ namespace {
 
 absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
                                              int64_t max_tokens, v1::MhcSeamResponse* resp,
-                                             transport::TensorTransfer* transfer, OutputBuffers* external) {
+                                             transport::TensorTransfer* transfer, OutputBuffers* external,
+                                             const WireTensorData* wire) {
   if (absl::Status s = CheckStageAndMode(req); !s.ok()) return s;
   if (absl::Status s = CheckVerify(req.verify(), transport::UsesSharedMemory(req)); !s.ok()) return s;
   const MhcHyperParams& p = weights.params();
@@ -355,7 +365,7 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
   if (!T.ok()) return T.status();
   if (absl::Status s = CheckTokens(*T, max_tokens, "x"); !s.ok()) return s;
   a.tokens = *T;
-  FL_ASSIGN_OR_RETURN(a.x, DecodeTensor(req.x(), "x", DType::kBF16, {*T, C}, transfer));
+  FL_ASSIGN_OR_RETURN(a.x, DecodeTensor(req.x(), "x", DType::kBF16, {*T, C}, transfer, wire));
 
   if (a.stage == MhcStage::kFirst) {
     const char* why = "for stage FIRST (x is the embedding)";
@@ -364,15 +374,15 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
       if (absl::Status s = ExpectAbsent(present, name, why); !s.ok()) return s;
     }
   } else {
-    FL_ASSIGN_OR_RETURN(a.residual, DecodeTensor(req.residual(), "residual", DType::kBF16, {*T, n, C}, transfer));
-    FL_ASSIGN_OR_RETURN(a.post_mix, DecodeTensor(req.post_mix(), "post_mix", DType::kFP32, {*T, n}, transfer));
-    FL_ASSIGN_OR_RETURN(a.comb_mix, DecodeTensor(req.comb_mix(), "comb_mix", DType::kFP32, {*T, n, n}, transfer));
+    FL_ASSIGN_OR_RETURN(a.residual, DecodeTensor(req.residual(), "residual", DType::kBF16, {*T, n, C}, transfer, wire));
+    FL_ASSIGN_OR_RETURN(a.post_mix, DecodeTensor(req.post_mix(), "post_mix", DType::kFP32, {*T, n}, transfer, wire));
+    FL_ASSIGN_OR_RETURN(a.comb_mix, DecodeTensor(req.comb_mix(), "comb_mix", DType::kFP32, {*T, n, n}, transfer, wire));
     if (req.has_pre_mix()) {
       if (absl::Status s = ExpectAbsent(a.mode == MhcMode::kNormal, "pre_mix", "in NORMAL mode (y uses the new pre mix)");
           !s.ok()) {
         return s;
       }
-      FL_ASSIGN_OR_RETURN(a.pre_mix, DecodeTensor(req.pre_mix(), "pre_mix", DType::kFP32, {*T, n}, transfer));
+      FL_ASSIGN_OR_RETURN(a.pre_mix, DecodeTensor(req.pre_mix(), "pre_mix", DType::kFP32, {*T, n}, transfer, wire));
     }
   }
 
@@ -417,7 +427,8 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
 
 absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
                                              int64_t max_tokens, v1::SwaNormQuantResponse* resp,
-                                             transport::TensorTransfer* transfer, OutputBuffers* external) {
+                                             transport::TensorTransfer* transfer, OutputBuffers* external,
+                                             const WireTensorData* wire) {
   if (absl::Status s = CheckVerify(req.verify(), transport::UsesSharedMemory(req)); !s.ok()) return s;
   const SwaHyperParams& p = weights.params();
   const int64_t Q = p.q_rank, D = p.head_dim, G = p.groups();
@@ -427,7 +438,7 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
   if (!M.ok()) return M.status();
   if (absl::Status s = CheckTokens(*M, max_tokens, "qr_kv"); !s.ok()) return s;
   a.tokens = *M;
-  FL_ASSIGN_OR_RETURN(a.qr_kv, DecodeStrided2D(req.qr_kv(), "qr_kv", DType::kBF16, Q + D, transfer));
+  FL_ASSIGN_OR_RETURN(a.qr_kv, DecodeStrided2D(req.qr_kv(), "qr_kv", DType::kBF16, Q + D, transfer, wire));
 
   using R = v1::SwaNormQuantResponse;
   external = OutputsOutsideMessage(req, external);
@@ -464,16 +475,18 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
 
 absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
                                          int64_t max_tokens, v1::MhcSeamResponse* resp,
-                                         transport::TensorTransfer* transfer, OutputBuffers* external) {
+                                         transport::TensorTransfer* transfer, OutputBuffers* external,
+                                         const WireTensorData* wire) {
   return CatchAllocationFailure(
-      resp, external, [&] { return DecodeMhcRequestImpl(req, weights, max_tokens, resp, transfer, external); });
+      resp, external, [&] { return DecodeMhcRequestImpl(req, weights, max_tokens, resp, transfer, external, wire); });
 }
 
 absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
                                          int64_t max_tokens, v1::SwaNormQuantResponse* resp,
-                                         transport::TensorTransfer* transfer, OutputBuffers* external) {
+                                         transport::TensorTransfer* transfer, OutputBuffers* external,
+                                         const WireTensorData* wire) {
   return CatchAllocationFailure(
-      resp, external, [&] { return DecodeSwaRequestImpl(req, weights, max_tokens, resp, transfer, external); });
+      resp, external, [&] { return DecodeSwaRequestImpl(req, weights, max_tokens, resp, transfer, external, wire); });
 }
 
 }  // namespace fusedlayer::server

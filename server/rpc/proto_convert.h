@@ -27,6 +27,8 @@
 
 namespace fusedlayer::server {
 
+class WireTensorData;  // rpc/wire_messages.h
+
 // ---- status and enums ------------------------------------------------------------------------------
 // absl::Status -> grpc::Status (the code spaces are identical).
 grpc::Status ToGrpcStatus(const absl::Status& status);
@@ -57,30 +59,34 @@ absl::StatusOr<uint64_t> SwaResponseBytes(const v1::SwaNormQuantRequest& request
 // into the response's tensors and recorded in `transfer`, whose WriteOutputs() moves them to their
 // regions after the run. Without a transfer (null) any shared-memory tensor is FAILED_PRECONDITION;
 // verify with shared-memory tensors is INVALID_ARGUMENT (the comparison reads the inline messages).
+// With `wire`, tensors whose data ReadWireRequest put outside the message are read from there.
 // With `external`, the output tensors' data is not in the response message but in uninitialised
 // buffers of `external` (exec/output_buffers.h; the message gets their dtype and shape), except for
 // a verify request or one with output placements, whose outputs are read back from the message.
 absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
                                          int64_t max_tokens, v1::MhcSeamResponse* response,
                                          transport::TensorTransfer* transfer = nullptr,
-                                         OutputBuffers* external = nullptr);
+                                         OutputBuffers* external = nullptr, const WireTensorData* wire = nullptr);
 absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& request, const PreparedSwaWeights& weights,
                                          int64_t max_tokens, v1::SwaNormQuantResponse* response,
                                          transport::TensorTransfer* transfer = nullptr,
-                                         OutputBuffers* external = nullptr);
+                                         OutputBuffers* external = nullptr, const WireTensorData* wire = nullptr);
 
 // ---- tensors -----------------------------------------------------------------------------------------
 // Checks `t` is dtype[dims...] with exactly the right number of bytes and returns a contiguous
 // view over its data. `name` is the proto field name, used in error messages. A tensor in shared
-// memory is read through `transfer` (its byte_size checked against dtype x shape).
+// memory is read through `transfer` (its byte_size checked against dtype x shape); one whose data
+// ReadWireRequest put outside the message, from `wire` (rpc/wire_messages.h).
 absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& t, const char* name, DType dtype,
                                         std::initializer_list<int64_t> dims,
-                                        transport::TensorTransfer* transfer = nullptr);
+                                        transport::TensorTransfer* transfer = nullptr,
+                                        const WireTensorData* wire = nullptr);
 
 // A 2-D dtype tensor [rows, row_stride] with row_stride >= min_cols, viewed as [rows, cols] with
 // row stride `row_stride` (the SWA qr_kv input: only the first cols columns are read).
 absl::StatusOr<TensorView> DecodeStrided2D(const v1::Tensor& t, const char* name, DType dtype,
-                                           int64_t cols, transport::TensorTransfer* transfer = nullptr);
+                                           int64_t cols, transport::TensorTransfer* transfer = nullptr,
+                                           const WireTensorData* wire = nullptr);
 
 // The leading dimension of a tensor of rank `rank` (the token count), after checking the rank and
 // that it is non-negative. The rest is checked by DecodeTensor.

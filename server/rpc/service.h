@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "common/byte_budget.h"
@@ -20,6 +21,7 @@
 #include "transport/shared_memory.h"
 #include "exec/weight_manager.h"
 #include "rpc/idle_watch.h"
+#include "rpc/wire_messages.h"
 
 namespace fusedlayer::server {
 
@@ -92,7 +94,7 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   class ComputeTask;
 
   // A compute call from the wire: its messages (reference counted: shadow capture without
-  // copies), the parse, then StartCompute. `Rpc` is the op's traits (rpc/op_traits.h).
+  // copies), the read (ReadWireRequest: tensor data into pinned memory where it can), then StartCompute. `Rpc` is the op's traits (rpc/op_traits.h).
   template <typename Rpc>
   grpc::ServerUnaryReactor* ServeCompute(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* wire_request,
                                          grpc::ByteBuffer* wire_response);
@@ -100,7 +102,7 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   // `held` is the call's reference-counted messages.
   template <typename Rpc>
   absl::Status StartCompute(ComputeCall* call, typename Rpc::Messages* held, const typename Rpc::Request* request,
-                            typename Rpc::Response* response);
+                            typename Rpc::Response* response, std::unique_ptr<WireTensorData> wire);
   std::string RequestId(const std::string& given);
   void FillReport(v1::ExecutionReport* report, const std::string& weight_set) const;
 

@@ -1,5 +1,7 @@
 #include "rpc/wire_messages.h"
 
+#include <algorithm>
+#include <bit>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,7 +53,232 @@ grpc::Slice SliceOver(const OutputBuffers::Buffer& b) {
   return grpc::Slice(b.data, b.bytes, [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); }, owner);
 }
 
+// Reads gRPC's slices of a request front to back (ReadWireRequest). Every read checks that the
+// bytes are there: a truncated or hostile request makes it return false, never read past the end.
+class SliceReader {
+ public:
+  explicit SliceReader(std::vector<grpc::Slice> slices) : slices_(std::move(slices)) {
+    for (const grpc::Slice& s : slices_) remaining_ += s.size();
+    Enter();
+  }
+  uint64_t remaining() const { return remaining_; }
+
+  // A varint of at most 10 bytes; its bytes are appended to `echo` when set.
+  bool ReadVarint(uint64_t* value, std::string* echo) {
+    uint64_t v = 0;
+    for (int i = 0; i < 10; ++i) {
+      if (remaining_ == 0) return false;
+      const uint8_t b = *p_;
+      Advance(1);
+      if (echo != nullptr) echo->push_back(static_cast<char>(b));
+      v |= static_cast<uint64_t>(b & 0x7f) << (7 * i);
+      if ((b & 0x80) == 0) {
+        if (i == 9 && b > 1) return false;  // more than 64 bits
+        *value = v;
+        return true;
+      }
+    }
+    return false;
+  }
+  // The next n bytes appended to `out`.
+  bool Append(std::string* out, uint64_t n) {
+    if (n > remaining_) return false;
+    while (n > 0) {
+      const size_t k = std::min<uint64_t>(n, static_cast<size_t>(end_ - p_));
+      out->append(reinterpret_cast<const char*>(p_), k);
+      Advance(k);
+      n -= k;
+    }
+    return true;
+  }
+  // The next n bytes to `dst`, as pieces for ParallelCopy::CopyPieces (copied later: the slices
+  // stay alive as long as this reader).
+  bool Gather(char* dst, uint64_t n, std::vector<ParallelCopy::Piece>* pieces) {
+    if (n > remaining_) return false;
+    while (n > 0) {
+      const size_t k = std::min<uint64_t>(n, static_cast<size_t>(end_ - p_));
+      pieces->push_back(ParallelCopy::Piece{dst, reinterpret_cast<const char*>(p_), k});
+      Advance(k);
+      dst += k;
+      n -= k;
+    }
+    return true;
+  }
+
+ private:
+  void Advance(size_t k) {
+    p_ += k;
+    remaining_ -= k;
+    if (p_ == end_) {
+      ++next_;
+      Enter();
+    }
+  }
+  // Moves to the next slice with bytes (or past the last).
+  void Enter() {
+    while (next_ < slices_.size() && slices_[next_].size() == 0) ++next_;
+    if (next_ < slices_.size()) {
+      p_ = slices_[next_].begin();
+      end_ = slices_[next_].end();
+    } else {
+      p_ = end_ = nullptr;
+    }
+  }
+  std::vector<grpc::Slice> slices_;
+  size_t next_ = 0;
+  const uint8_t* p_ = nullptr;
+  const uint8_t* end_ = nullptr;
+  uint64_t remaining_ = 0;
+};
+
+// The value of a field the reader does not move (its key already read), appended to `out` as it is.
+bool CopyValue(SliceReader& in, int wire_type, std::string* out) {
+  uint64_t v = 0;
+  switch (wire_type) {
+    case WireFormatLite::WIRETYPE_VARINT: return in.ReadVarint(&v, out);
+    case WireFormatLite::WIRETYPE_FIXED64: return in.Append(out, 8);
+    case WireFormatLite::WIRETYPE_FIXED32: return in.Append(out, 4);
+    case WireFormatLite::WIRETYPE_LENGTH_DELIMITED: return in.ReadVarint(&v, out) && in.Append(out, v);
+    default: return false;  // groups (deprecated; protobuf decides) and invalid wire types
+  }
+}
+
+// Tensor's field numbers (proto/fusedlayer/v1/fusedlayer.proto).
+constexpr int kTensorDTypeField = 1;
+constexpr int kTensorShapeField = 2;
+constexpr int kTensorSharedMemoryField = 4;
+
+// The Tensor fields of `type` the reader moves the data of: singular, of type v1.Tensor. A bit per
+// field number below 64 (the compute requests' are all below 16).
+uint64_t TensorFields(const google::protobuf::Descriptor& type) {
+  uint64_t fields = 0;
+  for (int i = 0; i < type.field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = type.field(i);
+    if (!f->is_repeated() && f->message_type() == v1::Tensor::descriptor() && f->number() < 64) {
+      fields |= uint64_t{1} << f->number();
+    }
+  }
+  return fields;
+}
+
 }  // namespace
+
+const std::string_view* WireTensorData::Find(const v1::Tensor& t) const {
+  for (const auto& [tensor, bytes] : tensors_) {
+    if (tensor == &t) return &bytes;
+  }
+  return nullptr;
+}
+
+void WireTensorData::MoveIntoMessages() {
+  for (const auto& [tensor, bytes] : tensors_) tensor->set_data(bytes.data(), bytes.size());
+  tensors_.clear();
+  block_.Release();
+  used_ = 0;
+}
+
+absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* request, HostStagingPool* pool,
+                             ParallelCopy* copier, WireTensorData* data) {
+  const uint64_t tensor_fields = pool == nullptr ? 0 : TensorFields(*request->GetDescriptor());
+  std::vector<grpc::Slice> slices;
+  if (tensor_fields == 0 || !wire->Dump(&slices).ok()) return ParseWireRequest(wire, request);
+  // Room for every byte of the request at its tensors' alignment: enough, whatever the layout.
+  const size_t block_bytes = wire->Length() + WireTensorData::kAlign * (std::popcount(tensor_fields) + 1);
+  absl::StatusOr<HostStagingPool::Lease> block = pool->TryAcquire(block_bytes);
+  if (!block.ok()) return ParseWireRequest(wire, request);
+
+  SliceReader in(std::move(slices));
+  std::string skeleton;  // the request without the moved data, for protobuf
+  skeleton.reserve(1024);
+  std::vector<ParallelCopy::Piece> pieces;
+  struct Moved {
+    int field;
+    size_t offset;
+    uint64_t bytes;
+  };
+  std::vector<Moved> moved;
+  size_t used = 0;
+  uint64_t seen = 0;  // Tensor fields met so far
+  // One top-level Tensor field's body of `length` bytes: false to leave the request to protobuf.
+  auto read_tensor = [&](int field, uint64_t length) -> bool {
+    if (length > in.remaining()) return false;
+    const uint64_t end = in.remaining() - length;
+    std::string body;
+    bool has_data = false, has_shared_memory = false;
+    int32_t dtype = 0;
+    uint64_t data_offset = 0, data_bytes = 0;
+    while (in.remaining() > end) {
+      uint64_t key = 0;
+      if (!in.ReadVarint(&key, nullptr) || key > UINT32_MAX) return false;
+      const int number = static_cast<int>(key >> 3), type = static_cast<int>(key & 7);
+      const bool length_delimited = type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
+      if (number == kTensorDataField) {
+        if (!length_delimited || has_data || has_shared_memory) return false;
+        if (!in.ReadVarint(&data_bytes, nullptr) || data_bytes > in.remaining() - end) return false;
+        has_data = true;
+        data_offset = (used + WireTensorData::kAlign - 1) / WireTensorData::kAlign * WireTensorData::kAlign;
+        if (data_offset + data_bytes > block->bytes()) return false;  // cannot happen (block_bytes); never write past it
+        if (!in.Gather(block->data() + data_offset, data_bytes, &pieces)) return false;
+        used = data_offset + data_bytes;
+        continue;
+      }
+      const bool known = (number == kTensorDTypeField && type == WireFormatLite::WIRETYPE_VARINT) ||
+                         (number == kTensorShapeField && (type == WireFormatLite::WIRETYPE_VARINT || length_delimited)) ||
+                         (number == kTensorSharedMemoryField && length_delimited);
+      if (!known || (number == kTensorSharedMemoryField && has_data)) return false;
+      has_shared_memory = has_shared_memory || number == kTensorSharedMemoryField;
+      AppendVarint(&body, key);
+      if (number == kTensorDTypeField) {
+        uint64_t v = 0;
+        if (!in.ReadVarint(&v, &body)) return false;
+        dtype = static_cast<int32_t>(v);  // protobuf's enum conversion
+      } else if (!CopyValue(in, type, &body)) {
+        return false;
+      }
+      if (in.remaining() < end) return false;  // a field ran past the tensor's end
+    }
+    // Data without a dtype: the tensor is reported as missing or mistyped from the message as
+    // protobuf parses it (proto_convert.cc), with its data there.
+    if (has_data && dtype == 0) return false;
+    if (has_data) moved.push_back(Moved{field, static_cast<size_t>(data_offset), data_bytes});
+    AppendVarint(&skeleton, LengthDelimitedKey(field));
+    AppendVarint(&skeleton, body.size());
+    skeleton += body;
+    return true;
+  };
+  bool readable = true;
+  while (readable && in.remaining() > 0) {
+    uint64_t key = 0;
+    readable = in.ReadVarint(&key, nullptr) && key <= UINT32_MAX && (key >> 3) != 0;
+    if (!readable) break;
+    const int number = static_cast<int>(key >> 3), type = static_cast<int>(key & 7);
+    if (number < 64 && (tensor_fields >> number & 1) != 0) {
+      uint64_t length = 0;
+      readable = type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && (seen >> number & 1) == 0 &&
+                 in.ReadVarint(&length, nullptr) && read_tensor(number, length);
+      seen |= uint64_t{1} << number;
+      continue;
+    }
+    AppendVarint(&skeleton, key);
+    readable = CopyValue(in, type, &skeleton);
+  }
+  // Anything the reader left to protobuf: the whole request, from gRPC's slices (still intact).
+  if (!readable || !request->ParseFromString(skeleton)) {
+    request->Clear();
+    return ParseWireRequest(wire, request);
+  }
+  wire->Clear();
+  copier->CopyPieces(pieces);
+  data->block_ = std::move(*block);
+  data->used_ = used;
+  const google::protobuf::Reflection* reflection = request->GetReflection();
+  for (const Moved& m : moved) {
+    auto* tensor = static_cast<v1::Tensor*>(
+        reflection->MutableMessage(request, request->GetDescriptor()->FindFieldByNumber(m.field)));
+    data->tensors_.emplace_back(tensor, std::string_view(data->block_.data() + m.offset, m.bytes));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ParseWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* request) {
   bool parsed = false;

@@ -9,12 +9,23 @@
 //     (the wire format's rule for embedded messages: "merge"), so every parser reads one message
 //     with dtype, shape and data, byte for byte what serializing the whole message would give to
 //     a reader. The data goes to gRPC as slices over the outputs' own memory: no copy.
+//   - on a device backend the request is read instead (ReadWireRequest): the data of its tensors
+//     goes from gRPC's slices straight into one block of page-locked memory, which the lane copies
+//     to the device from as it is (exec/device_staging.h), and only the rest is parsed by protobuf.
+//     One host pass over the tensor bytes instead of two (the parse into the message, then the
+//     copy into staging): on the H200 each pass over an mHC seam C = 7168 T = 64 (4.4 MiB) cost
+//     ~0.5 ms of its ~1.3 ms server time (BENCHMARKS.md, session 9).
 #pragma once
 
 #include <cstdint>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "exec/host_staging_pool.h"
 #include "exec/output_buffers.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/support/byte_buffer.h"
 
@@ -23,6 +34,43 @@ namespace fusedlayer::server {
 // Parses `wire` into `request` and empties `wire` (its memory is freed as soon as it is parsed).
 // INVALID_ARGUMENT naming the message type when the bytes are not a valid message of it.
 absl::Status ParseWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* request);
+
+// The data of a request's tensors that ReadWireRequest put in a block of its own instead of the
+// message (whose Tensor then has dtype and shape but no `data`). Must outlive every view of it.
+class WireTensorData {
+ public:
+  // Each tensor starts on this boundary in the block (as LaneStaging lays out its staging).
+  static constexpr size_t kAlign = 256;
+
+  // Tensor `t`'s bytes when they are in the block; null when `t` holds its own (or has none).
+  const std::string_view* Find(const v1::Tensor& t) const;
+  // Puts every tensor's bytes back into its message and gives the block back: for requests whose
+  // tensors are read from the messages (verify's comparison, shadow sampling).
+  void MoveIntoMessages();
+  // The block's bytes in use (empty when no tensor is in a block): a view inside it needs no
+  // staging copy to reach the device.
+  const char* begin() const { return block_.data(); }
+  const char* end() const { return block_.data() == nullptr ? nullptr : block_.data() + used_; }
+  size_t tensors() const { return tensors_.size(); }
+
+ private:
+  friend absl::Status ReadWireRequest(grpc::ByteBuffer*, google::protobuf::Message*, HostStagingPool*, ParallelCopy*,
+                                      WireTensorData*);
+  HostStagingPool::Lease block_;
+  size_t used_ = 0;
+  std::vector<std::pair<v1::Tensor*, std::string_view>> tensors_;
+};
+
+// Reads `wire` into `request` like ParseWireRequest (same result, same errors, `wire` emptied),
+// except that the `data` of each non-repeated Tensor field of the request (a top-level tensor with
+// a dtype) goes into a block from `pool` (`data`, each tensor aligned to kAlign), copied there
+// from gRPC's slices by `copier`, instead of into the message. Everything else is parsed by protobuf.
+// Where the reader cannot do that it leaves the whole request to ParseWireRequest (`data` empty):
+// no block free in the pool right now (it never waits), or a request whose tensors protobuf would
+// merge or resolve (a tensor field twice, `data` twice or with `shared_memory`, an unknown field
+// in a tensor, groups, malformed bytes: protobuf then gives the error).
+absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* request, HostStagingPool* pool,
+                             ParallelCopy* copier, WireTensorData* data);
 
 // The bytes EncodeWireResponse produces for `message` and `outputs`.
 uint64_t WireResponseBytes(const google::protobuf::Message& message, const OutputBuffers& outputs);

@@ -24,7 +24,10 @@
 #include "exec/output_buffers.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
 #include "rpc/proto_convert.h"
+#include "rpc/wire_messages.h"
 #include "server_test_env.h"
 #include "test_util.h"
 #include "weights/weight_set.h"
@@ -127,6 +130,209 @@ TEST(Pipeline, LaneCallsAreBitwiseTheCpuPathOnBothPaths) {
   // (none here: BuildWeightSet does not warm up).
   EXPECT_EQ(f.control->default_kernels.load(), 0);
   EXPECT_EQ(f.device_lanes->staging()->in_use_bytes(), 0u);
+}
+
+// ---- the request reader (rpc/wire_messages.h, ReadWireRequest) ----------------------------------
+
+// `bytes` as gRPC could hand them over: cut into slices at random points (some empty, some 1 byte).
+grpc::ByteBuffer SlicedBuffer(std::mt19937_64& rng, const std::string& bytes) {
+  std::vector<grpc::Slice> slices;
+  size_t at = 0;
+  while (at < bytes.size()) {
+    const int kind = static_cast<int>(rng() % 8);
+    const size_t n = std::min(bytes.size() - at, kind == 0   ? size_t{0}
+                                                 : kind == 1 ? size_t{1}
+                                                 : kind < 5  ? static_cast<size_t>(rng() % 64)
+                                                             : static_cast<size_t>(rng() % 40000));
+    slices.emplace_back(bytes.data() + at, n);
+    at += n;
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+// What ReadWireRequest must agree with: protobuf's own parse of the same bytes. Returns the
+// number of tensors whose data the reader moved to the block.
+template <typename Request>
+size_t ExpectReadAsProtobufParses(std::mt19937_64& rng, const std::string& bytes, HostStagingPool& pool,
+                                server::ParallelCopy& copier, bool expect_moved) {
+  Request want;
+  const bool parses = want.ParseFromString(bytes);
+  Request got;
+  server::WireTensorData data;
+  grpc::ByteBuffer wire = SlicedBuffer(rng, bytes);
+  const absl::Status read = server::ReadWireRequest(&wire, &got, &pool, &copier, &data);
+  EXPECT_EQ(wire.Length(), 0u);  // emptied either way
+  EXPECT_EQ(read.ok(), parses) << read;
+  if (!parses || !read.ok()) {
+    EXPECT_EQ(read.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(data.tensors(), 0u);
+    return 0;
+  }
+  if (expect_moved) EXPECT_GT(data.tensors(), 0u);
+  // Every moved tensor: a dtype, no data left in the message, its bytes aligned in the block.
+  const google::protobuf::Descriptor* type = Request::descriptor();
+  size_t found = 0;
+  for (int i = 0; i < type->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* field = type->field(i);
+    if (field->is_repeated() || field->message_type() != v1::Tensor::descriptor()) continue;
+    const auto& t = static_cast<const v1::Tensor&>(got.GetReflection()->GetMessage(got, field));
+    const std::string_view* moved = data.Find(t);
+    if (moved == nullptr) continue;
+    ++found;
+    EXPECT_NE(t.dtype(), 0);
+    EXPECT_TRUE(t.data().empty());
+    EXPECT_EQ((moved->data() - data.begin()) % server::WireTensorData::kAlign, 0);
+    EXPECT_GE(moved->data(), data.begin());
+    EXPECT_LE(moved->data() + moved->size(), data.end());
+  }
+  EXPECT_EQ(found, data.tensors());
+  data.MoveIntoMessages();
+  EXPECT_EQ(data.tensors(), 0u);
+  EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
+  return found;
+}
+
+// On whole requests of every shape the tests make, sliced at random: the same message as protobuf
+// parses, with the tensors' data in the block (aligned) instead of the message.
+TEST(WireReader, ReadsWhatProtobufParsesWithTheDataInTheBlock) {
+  LaneTestBackend backend(1);
+  HostStagingPool pool(backend, size_t{64} << 20);
+  server::ParallelCopy copier(/*helper_threads=*/2);
+  std::mt19937_64 rng = MakeRng();
+  for (int i = 0; i < 40; ++i) {
+    SCOPED_TRACE(i);
+    MhcRequestSpec spec{.hidden = 256, .tokens = static_cast<int64_t>(rng() % 3 == 0 ? 600 : rng() % 9)};
+    spec.pre_mix = i % 2 == 0;
+    spec.capture_aux = i % 3 == 0;
+    v1::MhcSeamRequest m = MakeMhcRequest(rng, "w", spec);
+    m.set_request_id("r" + std::to_string(i));
+    if (i % 4 == 0) m.add_output_placements()->set_output("y");
+    ExpectReadAsProtobufParses<v1::MhcSeamRequest>(rng, m.SerializeAsString(), pool, copier, true);
+    v1::SwaNormQuantRequest sw = MakeSwaRequest(rng, "w", static_cast<int64_t>(rng() % 70), 256 + 128 + 8);
+    ExpectReadAsProtobufParses<v1::SwaNormQuantRequest>(rng, sw.SerializeAsString(), pool, copier, true);
+  }
+  EXPECT_EQ(pool.in_use_bytes(), 0u);
+  EXPECT_EQ(pool.misses(), 0u);
+}
+
+// Requests whose tensors protobuf merges or resolves, malformed and hostile bytes: the reader
+// leaves them to protobuf (same message, same error), never reads or writes out of bounds
+// (ASan runs this), and gives every block back.
+TEST(WireReader, MergedMalformedAndHostileRequestsReadAsProtobufParsesThem) {
+  LaneTestBackend backend(1);
+  HostStagingPool pool(backend, size_t{64} << 20);
+  server::ParallelCopy copier(/*helper_threads=*/0);
+  std::mt19937_64 rng = MakeRng();
+  v1::MhcSeamRequest base = MakeMhcRequest(rng, "w", MhcRequestSpec{.hidden = 256, .tokens = 2});
+  const std::string whole = base.SerializeAsString();
+  auto key = [](int field, int type) { return std::string(1, static_cast<char>(field << 3 | type)); };
+  auto varint = [](uint64_t v) {
+    std::string out;
+    for (; v >= 0x80; v >>= 7) out.push_back(static_cast<char>(v | 0x80));
+    out.push_back(static_cast<char>(v));
+    return out;
+  };
+  // A length-delimited field.
+  auto ld = [&](int field, const std::string& body) { return key(field, 2) + varint(body.size()) + body; };
+  const std::string dtype = key(1, 0) + varint(v1::DATA_TYPE_BF16);
+  const std::string shm = ld(4, ld(1, "region"));
+  const std::vector<std::pair<const char*, std::string>> cases = {
+      {"x twice (merged)", whole + ld(4, base.x().SerializeAsString())},
+      {"x's data twice", ld(4, dtype + ld(3, "ab") + ld(3, "cdef"))},
+      {"data then shared memory", ld(4, dtype + ld(3, "ab") + shm)},
+      {"shared memory then data", ld(4, dtype + shm + ld(3, "ab"))},
+      {"data without dtype", ld(4, ld(3, "ab"))},
+      {"dtype set back to 0", ld(4, dtype + ld(3, "ab") + key(1, 0) + varint(0))},
+      {"unknown field in a tensor", ld(4, dtype + key(9, 0) + varint(1) + ld(3, "ab"))},
+      {"unknown top-level fields", whole + key(15, 0) + varint(127) + ld(14, "z")},
+      {"tensor as a varint", key(4, 0) + varint(5)},
+      {"group", key(4, 3) + key(4, 4)},
+      {"empty", ""},
+      {"truncated", whole.substr(0, whole.size() / 2)},
+      {"length past the end", key(4, 2) + varint(50000)},
+      {"data length past the tensor", key(4, 2) + varint(4) + dtype + key(3, 2) + varint(100) + "ab"},
+      {"varint of 11 bytes", key(2, 0) + std::string(10, static_cast<char>(0xff)) + varint(1)},
+      {"field number 0", key(0, 0) + varint(0)},
+      {"dtype as a length", ld(4, key(1, 2) + varint(1) + "a" + ld(3, "ab"))},
+      {"packed and unpacked shape", ld(4, dtype + ld(2, varint(2) + varint(3)) + key(2, 0) + varint(4) + ld(3, "abcd"))},
+  };
+  for (const auto& [what, bytes] : cases) {
+    SCOPED_TRACE(what);
+    ExpectReadAsProtobufParses<v1::MhcSeamRequest>(rng, bytes, pool, copier, false);
+  }
+  // Random damage to whole requests: flipped bytes, cut ends, inserted noise. Many still parse,
+  // and the reader must have moved tensors in many of those (not left everything to protobuf).
+  size_t read_with_moved_tensors = 0;
+  for (int i = 0; i < 3000; ++i) {
+    SCOPED_TRACE(i);
+    std::string bytes = whole;
+    for (int k = 0; k < 1 + static_cast<int>(rng() % 3); ++k) {
+      switch (rng() % 3) {
+        case 0: bytes[rng() % bytes.size()] = static_cast<char>(rng()); break;
+        case 1: bytes.resize(rng() % bytes.size()); break;
+        default: bytes.insert(rng() % bytes.size(), std::string(1 + rng() % 4, static_cast<char>(rng()))); break;
+      }
+      if (bytes.empty()) bytes = whole;
+    }
+    read_with_moved_tensors += ExpectReadAsProtobufParses<v1::MhcSeamRequest>(rng, bytes, pool, copier, false) > 0;
+  }
+  EXPECT_GT(read_with_moved_tensors, 300u);
+  EXPECT_EQ(pool.in_use_bytes(), 0u);
+}
+
+// No block free in the pool: the request is parsed as usual (data in the message), never waits.
+TEST(WireReader, WithoutAFreeBlockTheRequestIsParsedAsUsual) {
+  LaneTestBackend backend(1);
+  HostStagingPool pool(backend, size_t{1} << 20);
+  server::ParallelCopy copier(0);
+  std::mt19937_64 rng = MakeRng();
+  absl::StatusOr<HostStagingPool::Lease> taken = pool.Acquire(size_t{1} << 20);
+  ASSERT_TRUE(taken.ok());
+  const v1::MhcSeamRequest m = MakeMhcRequest(rng, "w", MhcRequestSpec{.hidden = 256, .tokens = 4});
+  grpc::ByteBuffer wire = SlicedBuffer(rng, m.SerializeAsString());
+  v1::MhcSeamRequest got;
+  server::WireTensorData data;
+  ASSERT_TRUE(server::ReadWireRequest(&wire, &got, &pool, &copier, &data).ok());
+  EXPECT_EQ(data.tensors(), 0u);
+  EXPECT_EQ(got.SerializeAsString(), m.SerializeAsString());
+  EXPECT_EQ(pool.misses(), 1u);
+  EXPECT_EQ(pool.waits(), 0u);
+}
+
+// Inputs read into pinned memory (ReadWireRequest) reach the device in one copy from there,
+// whatever their size (no staging memcpy, no chunks), and the outputs are bitwise the CPU's.
+TEST(Pipeline, InputsReadIntoPinnedMemoryAreCopiedFromThereInOneCopy) {
+  Fixture f(/*lanes=*/1);
+  ASSERT_NE(f.device_lanes, nullptr);
+  HostStagingPool request_pool(*f.backend, size_t{64} << 20);
+  auto counts = [&] {
+    return std::pair<int64_t, int64_t>(f.control->copies_to_device.exchange(0), f.control->copies_to_host.exchange(0));
+  };
+  for (int64_t tokens : {1, 64, 1000}) {  // 1000: 5 MB of inputs
+    SCOPED_TRACE(::testing::Message() << "T = " << tokens);
+    MhcRequestSpec spec{.hidden = 512, .tokens = tokens};
+    const v1::MhcSeamRequest sent = MakeMhcRequest(f.rng, "p", spec);
+    grpc::ByteBuffer wire = SlicedBuffer(f.rng, sent.SerializeAsString());
+    v1::MhcSeamRequest mreq;
+    server::WireTensorData data;
+    ASSERT_TRUE(server::ReadWireRequest(&wire, &mreq, &request_pool, &f.device_lanes->staging()->copier(), &data).ok());
+    ASSERT_EQ(data.tensors(), 5u);
+    v1::MhcSeamResponse mresp;
+    auto m = server::DecodeMhcRequest(mreq, *f.set->mhc, int64_t{1} << 20, &mresp, nullptr, nullptr, &data);
+    ASSERT_TRUE(m.ok()) << m.status();
+    const server::HostRange pinned{data.begin(), data.end()};
+    EXPECT_TRUE(pinned.Contains(m->args.x.data, server::ViewExtentBytes(m->args.x)));
+    PoisonOutputs(m->args);
+    ExecTarget target = f.device_lanes->For(0);
+    target.pinned_inputs = pinned;
+    counts();
+    auto ran = server::RunMhcCall(target, *f.set->mhc, m->args, Path::kFused);
+    ASSERT_TRUE(ran.ok()) << ran.status();
+    EXPECT_EQ(counts(), std::make_pair(int64_t{1}, int64_t{1}));
+    ExpectMhcEqual(mresp, f.reference.RunMhc(sent, Path::kFused));
+  }
+  EXPECT_EQ(f.device_lanes->staging()->in_use_bytes(), 0u);
+  EXPECT_EQ(request_pool.in_use_bytes(), 0u);
 }
 
 // The staging copies split over helper threads (--host_copy_threads): the same bits, from two
@@ -780,6 +986,10 @@ TEST(PipelineServer, ConcurrentRequestsOverGrpcMatchTheLibraryBatchingOffAndOn) 
     EXPECT_EQ(MetricValue(scrape, "fusedlayer_host_staging_bytes", {{"state", "in_use"}}), 0.0);
     EXPECT_EQ(MetricValue(scrape, "fusedlayer_host_staging_bytes", {{"state", "lent"}}), 0.0);
     EXPECT_GT(MetricValue(scrape, "fusedlayer_host_staging_bytes", {{"state", "limit"}}), 0.0);
+    // The requests were read into pinned memory (rpc/wire_messages.h), and gave it all back.
+    EXPECT_GT(MetricValue(scrape, "fusedlayer_request_staging_bytes", {{"state", "held"}}), 0.0);
+    EXPECT_EQ(MetricValue(scrape, "fusedlayer_request_staging_bytes", {{"state", "in_use"}}), 0.0);
+    EXPECT_EQ(MetricValue(scrape, "fusedlayer_request_staging_misses_total", {}), 0.0);
   }
 }
 
