@@ -1,6 +1,7 @@
 // The GPU backend (CUDA or HIP, one source): device memory, synchronous copies on the backend's
 // stream, and the mHC / SWA launchers timed with events; lanes (backend.h) with their own streams,
 // scratch and events for the server's pipelined serving path; page-locked staging memory.
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -112,9 +113,25 @@ class GpuLane final : public Lane {
     return done_.InitNoTiming();
   }
 
+  // A lane runs one request at a time (LaneStaging allocates once per call and frees after its
+  // Wait), so the lane keeps that buffer for its next request instead of a gpuMallocAsync and a
+  // gpuFreeAsync per call: ~14 us of runtime calls per call on the lane's thread under CUPTI on the
+  // H200 (docs/device-runs/2026-12-02-h200-session9-run1-cupti-trace-*.log). Up to
+  // kKeptBufferBytes; a larger request, or one while the kept buffer is out, allocates as before.
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (absl::Status s = Bind(); !s.ok()) return s;
-    return StreamOrderedBuffer(bytes, pool_, ctx_->stream);
+    if (bytes == 0 || bytes > kKeptBufferBytes || kept_out_) return StreamOrderedBuffer(bytes, pool_, ctx_->stream);
+    if (kept_.bytes() < bytes) {
+      kept_.Reset();  // stream-ordered: after the work queued before it
+      size_t grow = size_t{1} << 20;
+      while (grow < bytes) grow *= 2;
+      absl::StatusOr<DeviceBuffer> bigger = StreamOrderedBuffer(std::min(grow, kKeptBufferBytes), pool_, ctx_->stream);
+      if (!bigger.ok()) return bigger.status();
+      kept_ = std::move(*bigger);
+    }
+    kept_out_ = true;
+    // Given back, not freed: the next request's work is queued on this stream after this one's.
+    return DeviceBuffer(kept_.data(), bytes, [this](void*) { kept_out_ = false; });
   }
   absl::Status EnqueueCopyToDevice(void* dst, const void* src, size_t bytes) override {
     return Enqueue(dst, src, bytes, gpuMemcpyHostToDevice, "copy to device");
@@ -183,11 +200,17 @@ class GpuLane final : public Lane {
     return launched;
   }
 
+  static constexpr size_t kKeptBufferBytes = size_t{64} << 20;
+
   std::unique_ptr<GpuContext> ctx_;
   const gpuMemPool_t pool_;
   const int64_t fused_max_tokens_;
   GpuEvent start_, stop_, done_;
   bool timed_ = false;  // an op was enqueued since the last Wait
+  // The request buffer kept between requests (Allocate); declared after ctx_, so it is freed
+  // (stream-ordered) while the stream still exists.
+  DeviceBuffer kept_;
+  bool kept_out_ = false;  // handed to a request and not given back yet
 };
 
 class GpuBackend final : public Backend {
