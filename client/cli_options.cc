@@ -106,10 +106,11 @@ const std::vector<CommandInfo>& Commands() {
       {"bench",
        "bench --op=mhc|swa --weight_set=NAME --tokens=T --concurrency=N --duration=SECONDS [--path=...] "
        "[--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S] [--echo_floor] "
+       "[--copy_requests] "
        "[--transport=tcp|shm]",
        0,
        {"op", "weight_set", "tokens", "concurrency", "duration", "path", "mode", "stage", "no_pre_mix", "capture_aux",
-        "row_stride", "seed", "echo_floor", "transport"}},
+        "row_stride", "seed", "echo_floor", "copy_requests", "transport"}},
       {"soak",
        "soak --concurrency=N --duration=SECONDS [--warmup=SECONDS] [--server_pid=PID] [--max_rss_growth_mb=MB] "
        "[--seed=S] [--churn] [--compute_token_file=FILE]",

@@ -26,6 +26,7 @@
 #include "client/bench_stats.h"
 #include "client/cli_options.h"
 #include "client/echo_floor.h"
+#include "client/wire_request.h"
 #include "client/latency_stats.h"
 #include "client/fusedctl_commands.h"
 #include "client/random_inputs.h"
@@ -47,17 +48,36 @@ struct Caller {
   virtual uint64_t RequestBytes() const = 0;
 };
 
+// FusedLayerClient's compute calls, picked by the request: serialized by protobuf (const&), or
+// a shared request whose tensor data is sent by reference.
+absl::StatusOr<v1::MhcSeamResponse> Send(const FusedLayerClient& c, const v1::MhcSeamRequest& r) { return c.MhcSeam(r); }
+absl::StatusOr<v1::SwaNormQuantResponse> Send(const FusedLayerClient& c, const v1::SwaNormQuantRequest& r) {
+  return c.SwaNormQuant(r);
+}
+absl::StatusOr<v1::MhcSeamResponse> Send(const FusedLayerClient& c, std::shared_ptr<const v1::MhcSeamRequest> r) {
+  return c.MhcSeam(std::move(r));
+}
+absl::StatusOr<v1::SwaNormQuantResponse> Send(const FusedLayerClient& c,
+                                              std::shared_ptr<const v1::SwaNormQuantRequest> r) {
+  return c.SwaNormQuant(std::move(r));
+}
+
 template <typename Request, typename Response>
 class TypedCaller : public Caller {
  public:
-  using Method = absl::StatusOr<Response> (FusedLayerClient::*)(const Request&, const CallOptions&) const;
-  TypedCaller(const FusedLayerClient& client, Request request, Method method)
-      : client_(client), request_(std::move(request)), method_(method) {}
+  // Every call sends the one shared request, its tensor data by reference, as an embedder that
+  // keeps its inputs does; with `copy` (--copy_requests) the generated stub's call, which
+  // serializes (copies) them every time.
+  TypedCaller(const FusedLayerClient& client, Request request, bool copy)
+      : client_(client),
+        request_(std::make_shared<const Request>(std::move(request))),
+        copy_(copy),
+        request_bytes_(copy ? request_->ByteSizeLong() : EncodeRequestByReference(request_).Length()) {}
 
   CallOutcome Call() const override {
     CallOutcome o;
     const Clock::time_point t0 = Clock::now();
-    absl::StatusOr<Response> r = (client_.*method_)(request_, CallOptions{});
+    absl::StatusOr<Response> r = copy_ ? Send(client_, *request_) : Send(client_, request_);
     o.round_trip_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     if (r.ok()) {
       o.report = r->report();
@@ -67,13 +87,15 @@ class TypedCaller : public Caller {
     }
     return o;
   }
-  uint64_t RequestBytes() const override { return request_.ByteSizeLong(); }
+  // On the wire: a shared request's tensors go as patches after the message (a few bytes more).
+  uint64_t RequestBytes() const override { return request_bytes_; }
   uint64_t ResponseBytes() const { return last_response_bytes_.load(std::memory_order_relaxed); }
 
  private:
   const FusedLayerClient& client_;
-  const Request request_;
-  const Method method_;
+  const std::shared_ptr<const Request> request_;
+  const bool copy_;
+  const uint64_t request_bytes_;
   mutable std::atomic<uint64_t> last_response_bytes_{0};
 };
 
@@ -83,14 +105,12 @@ class TypedCaller : public Caller {
 template <typename Request, typename Response>
 class SharedMemoryCaller : public Caller {
  public:
-  using Method = absl::StatusOr<Response> (FusedLayerClient::*)(const Request&, const CallOptions&) const;
   struct Slot {
     std::unique_ptr<ClientSharedMemory> shm;
     Request request;
   };
-  SharedMemoryCaller(const FusedLayerClient& client, std::vector<Slot> slots, uint64_t inline_request_bytes,
-                     Method method)
-      : client_(client), slots_(std::move(slots)), inline_request_bytes_(inline_request_bytes), method_(method) {}
+  SharedMemoryCaller(const FusedLayerClient& client, std::vector<Slot> slots, uint64_t inline_request_bytes)
+      : client_(client), slots_(std::move(slots)), inline_request_bytes_(inline_request_bytes) {}
 
   CallOutcome Call() const override {
     // One slot per thread for the caller's life (threads call back to back, never two at once).
@@ -102,7 +122,7 @@ class SharedMemoryCaller : public Caller {
     }
     CallOutcome o;
     const Clock::time_point t0 = Clock::now();
-    absl::StatusOr<Response> r = (client_.*method_)(mine->request, CallOptions{});
+    absl::StatusOr<Response> r = Send(client_, mine->request);
     o.round_trip_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     if (r.ok()) {
       o.report = r->report();
@@ -120,7 +140,6 @@ class SharedMemoryCaller : public Caller {
   const FusedLayerClient& client_;
   const std::vector<Slot> slots_;
   const uint64_t inline_request_bytes_;
-  const Method method_;
   mutable std::atomic<size_t> next_{0};
   mutable std::atomic<uint64_t> last_response_bytes_{0};
 };
@@ -304,9 +323,9 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       using C = SharedMemoryCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>;
       std::vector<C::Slot> typed;
       for (auto& s : *slots) typed.push_back(C::Slot{std::move(s.shm), std::move(s.request)});
-      auto c = std::make_unique<C>(client, std::move(typed), req->ByteSizeLong(), &FusedLayerClient::MhcSeam);
-      tcp_caller = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(client, *req,
-                                                                                          &FusedLayerClient::MhcSeam);
+      auto c = std::make_unique<C>(client, std::move(typed), req->ByteSizeLong());
+      tcp_caller = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(
+          client, *req, cl.copy_requests);
       auto* tcp_raw = static_cast<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>*>(tcp_caller.get());
       tcp_response_bytes = [tcp_raw] { return tcp_raw->ResponseBytes(); };
       auto* raw = c.get();
@@ -314,8 +333,8 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       inline_request_bytes = req->ByteSizeLong();
       caller = std::move(c);
     } else {
-      auto c = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(client, *std::move(req),
-                                                                                      &FusedLayerClient::MhcSeam);
+      auto c = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(
+          client, *std::move(req), cl.copy_requests);
       auto* raw = c.get();
       response_bytes = [raw] { return raw->ResponseBytes(); };
       caller = std::move(c);
@@ -339,9 +358,9 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       using C = SharedMemoryCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>;
       std::vector<C::Slot> typed;
       for (auto& s : *slots) typed.push_back(C::Slot{std::move(s.shm), std::move(s.request)});
-      auto c = std::make_unique<C>(client, std::move(typed), req->ByteSizeLong(), &FusedLayerClient::SwaNormQuant);
+      auto c = std::make_unique<C>(client, std::move(typed), req->ByteSizeLong());
       tcp_caller = std::make_unique<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>>(
-          client, *req, &FusedLayerClient::SwaNormQuant);
+          client, *req, cl.copy_requests);
       auto* tcp_raw = static_cast<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>*>(tcp_caller.get());
       tcp_response_bytes = [tcp_raw] { return tcp_raw->ResponseBytes(); };
       auto* raw = c.get();
@@ -350,7 +369,7 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       caller = std::move(c);
     } else {
       auto c = std::make_unique<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>>(
-          client, *std::move(req), &FusedLayerClient::SwaNormQuant);
+          client, *std::move(req), cl.copy_requests);
       auto* raw = c.get();
       response_bytes = [raw] { return raw->ResponseBytes(); };
       caller = std::move(c);
@@ -361,7 +380,8 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
   out << "bench op=" << cl.op << " weight_set=" << cl.weight_set << " tokens=" << cl.tokens << " " << what
       << " path=" << PathPreferenceName(*path) << " concurrency=" << cl.concurrency
       << " duration=" << absl::FormatDuration(cl.duration) << " seed=" << seed
-      << " transport=" << (shm_transport ? "shm" : "tcp") << "\n";
+      << " transport=" << (shm_transport ? "shm" : "tcp")
+      << " requests=" << (cl.copy_requests ? "serialized" : "shared") << "\n";
   out << "request " << FormatBytes(double(caller->RequestBytes()));
   if (shm_transport) {
     out << " (tensors in " << cl.concurrency + 1 << " shared-memory objects; " << FormatBytes(double(inline_request_bytes))

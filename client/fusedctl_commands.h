@@ -43,6 +43,7 @@ struct CommandLine {
   std::string dump;                          // replay: a shadow mismatch dump (safetensors)
   bool verify = false;                       // seam, swa: request verify = true (shadow comparison)
   bool echo_floor = false;                   // bench: also measure a bare gRPC echo of the same sizes
+  bool copy_requests = false;                // bench: protobuf-serialize every request (no shared request)
   std::string transport = "tcp";             // seam, swa, bench: tcp | shm (client/shared_memory.h)
 };
 

@@ -68,6 +68,10 @@ ABSL_FLAG(bool, echo_floor, false,
           "bench: then run a bare gRPC echo of the same request/response sizes over the same channel options, "
           "started in-process on loopback (a unix socket for unix targets), at the same concurrency and duration, "
           "and print its latency and req/s next to the call's (the transport floor)");
+ABSL_FLAG(bool, copy_requests, false,
+          "bench: serialize each request with protobuf (a copy of every tensor byte per call, the generated stub's "
+          "way) instead of sending one shared request's tensor data by reference (FusedLayerClient's shared-request "
+          "calls); for comparing the two");
 ABSL_FLAG(std::string, transport, "tcp",
           "seam/swa/bench: tcp (tensors in the messages) or shm (tensors in a POSIX shared-memory object this "
           "process creates and registers; same host, server started with --allow_shared_memory)");
@@ -206,6 +210,7 @@ int main(int argc, char** argv) {
   cl.dump = absl::GetFlag(FLAGS_dump);
   cl.verify = absl::GetFlag(FLAGS_verify);
   cl.echo_floor = absl::GetFlag(FLAGS_echo_floor);
+  cl.copy_requests = absl::GetFlag(FLAGS_copy_requests);
   cl.transport = absl::GetFlag(FLAGS_transport);
   if (cl.chunk_bytes <= 0) return UsageError("--chunk_bytes must be positive");
   if (cl.tokens < 0) return UsageError("--tokens must be >= 0");

@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/transport_credentials.h"
+#include "client/wire_request.h"
+#include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -71,7 +73,9 @@ FusedLayerClient::FusedLayerClient(std::shared_ptr<grpc::Channel> channel, Clien
     : channel_(std::move(channel)),
       options_(std::move(options)),
       stub_(v1::FusedLayer::NewStub(channel_)),
-      health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
+      health_stub_(grpc::health::v1::Health::NewStub(channel_)),
+      mhc_method_("/fusedlayer.v1.FusedLayer/MhcSeam", grpc::internal::RpcMethod::NORMAL_RPC, channel_),
+      swa_method_("/fusedlayer.v1.FusedLayer/SwaNormQuant", grpc::internal::RpcMethod::NORMAL_RPC, channel_) {}
 
 void FusedLayerClient::Prepare(grpc::ClientContext& ctx, const CallOptions& call,
                                absl::Duration fallback) const {
@@ -91,6 +95,30 @@ absl::StatusOr<v1::MhcSeamResponse> FusedLayerClient::MhcSeam(const v1::MhcSeamR
 absl::StatusOr<v1::SwaNormQuantResponse> FusedLayerClient::SwaNormQuant(const v1::SwaNormQuantRequest& request,
                                                                         const CallOptions& call) const {
   return Unary(*stub_, &v1::FusedLayer::Stub::SwaNormQuant, request, call);
+}
+
+template <typename Response>
+absl::StatusOr<Response> FusedLayerClient::SharedRequestCall(const grpc::internal::RpcMethod& method,
+                                                             std::shared_ptr<const google::protobuf::Message> request,
+                                                             const CallOptions& call) const {
+  grpc::ClientContext ctx;
+  Prepare(ctx, call, options_.deadline);
+  const grpc::ByteBuffer wire = EncodeRequestByReference(std::move(request));
+  Response response;
+  const grpc::Status s =
+      grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, Response>(channel_.get(), method, &ctx, wire, &response);
+  if (!s.ok()) return ToAbslStatus(s);
+  return response;
+}
+
+absl::StatusOr<v1::MhcSeamResponse> FusedLayerClient::MhcSeam(std::shared_ptr<const v1::MhcSeamRequest> request,
+                                                              const CallOptions& call) const {
+  return SharedRequestCall<v1::MhcSeamResponse>(mhc_method_, std::move(request), call);
+}
+
+absl::StatusOr<v1::SwaNormQuantResponse> FusedLayerClient::SwaNormQuant(
+    std::shared_ptr<const v1::SwaNormQuantRequest> request, const CallOptions& call) const {
+  return SharedRequestCall<v1::SwaNormQuantResponse>(swa_method_, std::move(request), call);
 }
 
 absl::StatusOr<v1::ListWeightSetsResponse> FusedLayerClient::ListWeightSets(const CallOptions& call) const {

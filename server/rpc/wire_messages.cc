@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "fusedlayer/wire/tensor_patch.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "grpcpp/support/proto_buffer_reader.h"
@@ -18,26 +19,13 @@ namespace {
 using google::protobuf::internal::WireFormatLite;
 using google::protobuf::io::CodedOutputStream;
 
-// Tensor.data's field number (proto/fusedlayer/v1/fusedlayer.proto).
-constexpr int kTensorDataField = 3;
+using wire::kTensorDataField;
 // Outputs below this size are copied next to the headers: a slice of their own would cost more
 // than the copy (and they are the fp32 mixes and scales, a few hundred bytes at decode sizes).
 constexpr size_t kCopyBelowBytes = 4096;
 
 uint32_t LengthDelimitedKey(int field) {
   return WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
-}
-
-// The Tensor submessage of one output holding only `data`: its size on the wire, not counting the
-// outer field's key and length.
-uint64_t PatchBodyBytes(const OutputBuffers::Buffer& b) {
-  return CodedOutputStream::VarintSize32(LengthDelimitedKey(kTensorDataField)) + CodedOutputStream::VarintSize64(b.bytes) +
-         b.bytes;
-}
-
-uint64_t PatchBytes(const OutputBuffers::Buffer& b) {
-  const uint64_t body = PatchBodyBytes(b);
-  return CodedOutputStream::VarintSize32(LengthDelimitedKey(b.field)) + CodedOutputStream::VarintSize64(body) + body;
 }
 
 void AppendVarint(std::string* out, uint64_t v) {
@@ -297,7 +285,7 @@ absl::Status ParseWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message*
 
 uint64_t WireResponseBytes(const google::protobuf::Message& message, const OutputBuffers& outputs) {
   uint64_t bytes = message.ByteSizeLong();
-  for (const OutputBuffers::Buffer& b : outputs.buffers()) bytes += PatchBytes(b);
+  for (const OutputBuffers::Buffer& b : outputs.buffers()) bytes += wire::TensorPatchBytes(b.field, b.bytes);
   return bytes;
 }
 
@@ -316,10 +304,7 @@ void EncodeWireResponse(const google::protobuf::Message& message, const OutputBu
     pending.clear();
   };
   for (const OutputBuffers::Buffer& b : outputs.buffers()) {
-    AppendVarint(&pending, LengthDelimitedKey(b.field));
-    AppendVarint(&pending, PatchBodyBytes(b));
-    AppendVarint(&pending, LengthDelimitedKey(kTensorDataField));
-    AppendVarint(&pending, b.bytes);
+    wire::AppendTensorPatchHeader(&pending, b.field, b.bytes);
     if (b.bytes < kCopyBelowBytes) {
       pending.append(b.data, b.bytes);
       continue;

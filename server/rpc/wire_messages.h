@@ -5,10 +5,8 @@
 //     on the call's own clock: it is part of the decode stage), and its slices are freed at once;
 //   - the response is the message (without the tensor data the call keeps outside it,
 //     exec/output_buffers.h) followed by one more occurrence of each such output's Tensor field
-//     holding only its `data`. Protobuf merges repeated occurrences of a singular message field
-//     (the wire format's rule for embedded messages: "merge"), so every parser reads one message
-//     with dtype, shape and data, byte for byte what serializing the whole message would give to
-//     a reader. The data goes to gRPC as slices over the outputs' own memory: no copy.
+//     holding only its `data` (proto/fusedlayer/wire/tensor_patch.h: every parser reads one message
+//     with dtype, shape and data). The data goes to gRPC as slices over the outputs' own memory: no copy.
 //   - on a device backend the request is read instead (ReadWireRequest): the data of its tensors
 //     goes from gRPC's slices straight into one block of page-locked memory, which the lane copies
 //     to the device from as it is (exec/device_staging.h), and only the rest is parsed by protobuf.

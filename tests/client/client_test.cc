@@ -25,6 +25,8 @@
 #include "client/safetensors_io.h"
 #include "client/tensor_messages.h"
 #include "client/tensor_summary.h"
+#include "client/wire_request.h"
+#include "grpcpp/support/slice.h"
 #include "gtest/gtest.h"
 
 namespace fusedlayer::client {
@@ -57,6 +59,58 @@ std::vector<float> Fp32Of(const v1::Tensor& t) {
   return v;
 }
 std::vector<int64_t> Shape(const v1::Tensor& t) { return {t.shape().begin(), t.shape().end()}; }
+
+// ---- shared requests sent by reference (client/wire_request.h) ------------------------------------
+
+std::string RandomBytes(std::mt19937_64& rng, size_t n) {
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+// The bytes parse as the request itself (protobuf merges the data patches into their tensors), a
+// large tensor's data goes as a slice over the request's own memory, and the slices' references to
+// the request are gone with the buffer.
+TEST(WireRequest, ParsesAsTheRequestAndSendsLargeTensorsFromItsMemory) {
+  std::mt19937_64 rng = FreshRng();
+  auto request = std::make_shared<v1::MhcSeamRequest>();
+  request->set_weight_set("w");
+  request->set_mode(v1::MHC_MODE_SHIFTED);
+  request->set_request_id("id");
+  request->set_capture_aux(true);
+  request->mutable_x()->set_dtype(v1::DATA_TYPE_BF16);
+  request->mutable_x()->add_shape(5);
+  request->mutable_x()->add_shape(4000);
+  request->mutable_x()->set_data(RandomBytes(rng, 40000));  // a slice of its own
+  request->mutable_residual()->set_dtype(v1::DATA_TYPE_BF16);
+  request->mutable_residual()->set_data(RandomBytes(rng, 100));  // copied beside the headers
+  request->mutable_post_mix()->set_data(RandomBytes(rng, 6000));  // data only (no dtype or shape)
+  request->mutable_comb_mix()->set_dtype(v1::DATA_TYPE_FP32);
+  request->mutable_comb_mix()->mutable_shared_memory()->set_region("r");  // no data at all
+  request->mutable_pre_mix()->set_dtype(v1::DATA_TYPE_FP32);  // empty data
+  request->mutable_pre_mix()->set_data("");
+  request->add_output_placements()->set_output("y");
+  std::shared_ptr<const v1::MhcSeamRequest> shared = request;
+  {
+    const grpc::ByteBuffer wire = EncodeRequestByReference(shared);
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(wire.Dump(&slices).ok());
+    std::string bytes;
+    bool x_by_reference = false;
+    for (const grpc::Slice& s : slices) {
+      bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+      x_by_reference = x_by_reference || (reinterpret_cast<const char*>(s.begin()) == shared->x().data().data() &&
+                                          s.size() == shared->x().data().size());
+    }
+    EXPECT_TRUE(x_by_reference);
+    EXPECT_EQ(wire.Length(), bytes.size());
+    v1::MhcSeamRequest parsed;
+    ASSERT_TRUE(parsed.ParseFromString(bytes));
+    EXPECT_EQ(parsed.SerializeAsString(), shared->SerializeAsString());
+    EXPECT_GT(shared.use_count(), 2);  // `request`, `shared` and the large tensors' slices
+  }
+  EXPECT_EQ(shared.use_count(), 2);  // `request` and `shared`: the buffer's slices let go
+}
 
 // ---- tensor messages -----------------------------------------------------------------------------
 

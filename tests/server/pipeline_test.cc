@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/fusedlayer_client.h"
 #include "exec/device_lanes.h"
 #include "exec/device_staging.h"
 #include "exec/executor.h"
@@ -990,6 +991,42 @@ TEST(PipelineServer, ConcurrentRequestsOverGrpcMatchTheLibraryBatchingOffAndOn) 
     EXPECT_GT(MetricValue(scrape, "fusedlayer_request_staging_bytes", {{"state", "held"}}), 0.0);
     EXPECT_EQ(MetricValue(scrape, "fusedlayer_request_staging_bytes", {{"state", "in_use"}}), 0.0);
     EXPECT_EQ(MetricValue(scrape, "fusedlayer_request_staging_misses_total", {}), 0.0);
+  }
+}
+
+// The C++ client's shared requests (their tensor data sent by reference after the message,
+// client/wire_request.h) read by the server as the same requests: on lanes, where the server reads
+// the data straight into pinned memory (rpc/wire_messages.h), and on the CPU. Bitwise the library's
+// outputs, and the same as the protobuf-serialized call, for small and large tensors.
+TEST(PipelineServer, SharedClientRequestsAreReadAsTheSameRequests) {
+  for (const bool lane : {true, false}) {
+    SCOPED_TRACE(lane ? "lanes" : "cpu");
+    std::mt19937_64 rng = MakeRng(lane ? 11 : 12);
+    const server::PackedWeightSet set = MakeWeightSet(rng, "g", MhcSetSpec{.hidden = 512}, SwaSetSpec{});
+    std::unique_ptr<Backend> backend;
+    if (lane) backend = std::make_unique<LaneTestBackend>(8);
+    auto ts = TestServer::Start(LaneConfig(lane ? 2 : 1, 0), std::move(backend), {set});
+    ASSERT_NE(ts, nullptr);
+    auto client = client::FusedLayerClient::Connect("127.0.0.1:" + std::to_string(ts->server().port()));
+    ASSERT_TRUE(client.ok()) << client.status();
+    Reference ref(set);
+    for (int64_t tokens : {0, 1, 5, 700}) {  // 700: x 0.7 MB and R 2.8 MB
+      SCOPED_TRACE(::testing::Message() << "T = " << tokens);
+      auto mreq = std::make_shared<const v1::MhcSeamRequest>(
+          MakeMhcRequest(rng, "g", MhcRequestSpec{.hidden = 512, .tokens = tokens, .capture_aux = tokens % 2 == 1}));
+      absl::StatusOr<v1::MhcSeamResponse> shared = (*client)->MhcSeam(mreq);
+      absl::StatusOr<v1::MhcSeamResponse> serialized = (*client)->MhcSeam(*mreq);
+      ASSERT_TRUE(shared.ok()) << shared.status();
+      ASSERT_TRUE(serialized.ok()) << serialized.status();
+      const v1::MhcSeamResponse want = ref.RunMhc(*mreq, Path::kFused);
+      ExpectMhcEqual(*shared, want);
+      ExpectMhcEqual(*serialized, want);
+
+      auto sreq = std::make_shared<const v1::SwaNormQuantRequest>(MakeSwaRequest(rng, "g", tokens, 256 + 128 + 8));
+      absl::StatusOr<v1::SwaNormQuantResponse> sshared = (*client)->SwaNormQuant(sreq);
+      ASSERT_TRUE(sshared.ok()) << sshared.status();
+      ExpectSwaEqual(*sshared, ref.RunSwa(*sreq, Path::kFused));
+    }
   }
 }
 

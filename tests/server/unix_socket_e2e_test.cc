@@ -16,6 +16,7 @@
 
 #include "client/fusedlayer_client.h"
 #include "client/random_inputs.h"
+#include "client/wire_request.h"
 #include "gtest/gtest.h"
 #include "server_process.h"
 #include "server_test_env.h"
@@ -299,7 +300,8 @@ TEST_F(UnixSocketTest, FusedctlCommandsAndBenchEchoFloorOverUnixAndTcp) {
   args.insert(args.end(), bench.begin(), bench.end());
   ASSERT_EQ(Fusedctl({}, args, &out), 0) << out;
   EXPECT_NE(out.find("echo floor   bare gRPC echo over a unix socket (plaintext)"), std::string::npos) << out;
-  ExpectEchoFloorBlock(out, mhc_req->ByteSizeLong());
+  // The bench sends a shared request (its tensors as patches after the message, client/wire_request.h).
+  ExpectEchoFloorBlock(out, client::EncodeRequestByReference(std::make_shared<v1::MhcSeamRequest>(*mhc_req)).Length());
 
   // The same over TCP loopback: a second server, the echo on 127.0.0.1.
   auto tcp = TestServer::Start(TestConfig(), nullptr, {set});
@@ -313,6 +315,16 @@ TEST_F(UnixSocketTest, FusedctlCommandsAndBenchEchoFloorOverUnixAndTcp) {
             0)
       << out;
   EXPECT_NE(out.find("echo floor   bare gRPC echo over 127.0.0.1 (plaintext)"), std::string::npos) << out;
+  ExpectEchoFloorBlock(out, client::EncodeRequestByReference(std::make_shared<v1::SwaNormQuantRequest>(*swa_req)).Length());
+
+  // --copy_requests: protobuf's serialization, the message's own size.
+  ASSERT_EQ(Fusedctl({}, {"--target=127.0.0.1:" + std::to_string(tcp->server().port()), "bench", "--op=swa",
+                          "--weight_set=ux/bench", "--tokens=4", "--concurrency=1", "--duration=0.3", "--echo_floor",
+                          "--copy_requests"},
+                     &out),
+            0)
+      << out;
+  EXPECT_NE(out.find(" requests=serialized\n"), std::string::npos) << out;
   ExpectEchoFloorBlock(out, swa_req->ByteSizeLong());
 
   // Without the flag there is no floor block.
