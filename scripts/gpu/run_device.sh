@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
-#   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab)
+#   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab
+#                                                  samebits abclient)
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -249,6 +250,55 @@ if want ab; then
     done
     cat "$OUT/ab.log"
   fi
+fi
+# samebits: the new server's outputs against the baseline server's (fusedlayer_server_base), same
+# inputs (fusedctl --seed), compared byte for byte: for a change of the data path, not the kernels.
+if want samebits; then
+  if [ ! -x ./fusedlayer_server_base ]; then
+    echo "== samebits: no fusedlayer_server_base in this bundle"; failed=1
+  else
+    echo "== samebits: new vs baseline server outputs, same seeds" | tee "$OUT/samebits.log"
+    for which in base new; do
+      server=./fusedlayer_server; [ "$which" = base ] && server=./fusedlayer_server_base
+      $server --demo_weights --backend=cuda --address=127.0.0.1:50193 --metrics_address=127.0.0.1:50194 \
+        > "$OUT/server-samebits-$which.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:50193 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+      C="--target=127.0.0.1:50193"
+      for t in 1 7 64 300; do
+        ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=$t --seed=$((100 + t)) --capture_aux \
+          --output=/tmp/sb-$which-mhc-$t.safetensors >> "$OUT/samebits.log" 2>&1 || failed=1
+        ./fusedctl seam $C --weight_set=v41-flash/demo --tokens=$t --seed=$((200 + t)) --mode=normal \
+          --output=/tmp/sb-$which-mhcnormal-$t.safetensors >> "$OUT/samebits.log" 2>&1 || failed=1
+        ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=$t --seed=$((300 + t)) \
+          --output=/tmp/sb-$which-swa-$t.safetensors >> "$OUT/samebits.log" 2>&1 || failed=1
+      done
+      kill -TERM $pid; wait $pid
+    done
+    for f in /tmp/sb-base-*.safetensors; do
+      n=${f#/tmp/sb-base-}
+      if cmp -s "$f" "/tmp/sb-new-$n"; then echo "same bits: $n"; else echo "DIFFER: $n"; failed=1; fi
+    done | tee -a "$OUT/samebits.log"
+  fi
+fi
+# abclient: the client side of the round trip on the new server: fusedctl bench with shared
+# requests (tensor data sent by reference, the default) and with --copy_requests (protobuf
+# serialization per call), interleaved, each shared row with its echo floor.
+if want abclient; then
+  start_server 50195 50196 "$OUT/server-abclient.log"
+  echo "== abclient: shared vs serialized requests (${AB_SECONDS:-4} s per row)" | tee "$OUT/abclient.log"
+  for row in ${ABC_ROWS:-"mhc:64:1 mhc:1:1 swa:64:1"}; do
+    IFS=: read -r op tokens conc <<< "$row"
+    for pass in 1 2; do
+      for mode in shared serialized; do
+        extra="--echo_floor"; [ "$mode" = serialized ] && extra="--copy_requests"
+        echo "---- $mode $op T=$tokens c=$conc pass $pass" >> "$OUT/abclient.log"
+        ./fusedctl bench --target=127.0.0.1:50195 --op=$op --weight_set=v4-pro/demo --tokens=$tokens \
+          --concurrency=$conc --duration=${AB_SECONDS:-4}s $extra >> "$OUT/abclient.log" 2>&1 || echo "bench failed" >> "$OUT/abclient.log"
+      done
+    done
+  done
+  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/abclient.log"
 fi
 echo "run_device: failed=$failed"
 exit $failed
