@@ -179,59 +179,61 @@ absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* 
   std::string skeleton;  // the request without the moved data, for protobuf
   skeleton.reserve(1024);
   std::vector<ParallelCopy::Piece> pieces;
-  struct Moved {
-    int field;
-    size_t offset;
-    uint64_t bytes;
-  };
-  std::vector<Moved> moved;
   size_t used = 0;
-  uint64_t seen = 0;  // Tensor fields met so far
-  // One top-level Tensor field's body of `length` bytes: false to leave the request to protobuf.
-  auto read_tensor = [&](int field, uint64_t length) -> bool {
-    if (length > in.remaining()) return false;
-    const uint64_t end = in.remaining() - length;
+  // Each Tensor field's occurrences: protobuf merges repeated occurrences of an embedded message
+  // as if their bodies were one (the wire format's rule), which is how the C++ client sends a
+  // shared request (the message, then each tensor's data as one more occurrence:
+  // proto/fusedlayer/wire/tensor_patch.h). So the bodies without `data` are concatenated here, in
+  // order, and the data recorded where it went.
+  struct TensorState {
+    int field = 0;
     std::string body;
     bool has_data = false, has_shared_memory = false;
     int32_t dtype = 0;
-    uint64_t data_offset = 0, data_bytes = 0;
+    size_t data_offset = 0;
+    uint64_t data_bytes = 0;
+  };
+  std::vector<TensorState> tensors;  // in the order of their first occurrence
+  // One occurrence of Tensor field `field`, `length` bytes: false to leave the request to protobuf.
+  auto read_tensor = [&](int field, uint64_t length) -> bool {
+    if (length > in.remaining()) return false;
+    const uint64_t end = in.remaining() - length;
+    auto it = std::find_if(tensors.begin(), tensors.end(), [&](const TensorState& t) { return t.field == field; });
+    if (it == tensors.end()) it = tensors.insert(tensors.end(), TensorState{.field = field});
+    TensorState& t = *it;
     while (in.remaining() > end) {
       uint64_t key = 0;
       if (!in.ReadVarint(&key, nullptr) || key > UINT32_MAX) return false;
       const int number = static_cast<int>(key >> 3), type = static_cast<int>(key & 7);
       const bool length_delimited = type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
       if (number == kTensorDataField) {
-        if (!length_delimited || has_data || has_shared_memory) return false;
-        if (!in.ReadVarint(&data_bytes, nullptr) || data_bytes > in.remaining() - end) return false;
-        has_data = true;
-        data_offset = (used + WireTensorData::kAlign - 1) / WireTensorData::kAlign * WireTensorData::kAlign;
-        if (data_offset + data_bytes > block->bytes()) return false;  // cannot happen (block_bytes); never write past it
-        if (!in.Gather(block->data() + data_offset, data_bytes, &pieces)) return false;
-        used = data_offset + data_bytes;
+        // Once per tensor, and never beside a shared-memory reference (protobuf would resolve the
+        // oneof by order: left to it).
+        if (!length_delimited || t.has_data || t.has_shared_memory) return false;
+        if (!in.ReadVarint(&t.data_bytes, nullptr) || t.data_bytes > in.remaining() - end) return false;
+        t.has_data = true;
+        t.data_offset = (used + WireTensorData::kAlign - 1) / WireTensorData::kAlign * WireTensorData::kAlign;
+        // Cannot happen (block_bytes has room for every byte at every alignment); never write past it.
+        if (t.data_offset + t.data_bytes > block->bytes()) return false;
+        if (!in.Gather(block->data() + t.data_offset, t.data_bytes, &pieces)) return false;
+        used = t.data_offset + t.data_bytes;
         continue;
       }
       const bool known = (number == kTensorDTypeField && type == WireFormatLite::WIRETYPE_VARINT) ||
                          (number == kTensorShapeField && (type == WireFormatLite::WIRETYPE_VARINT || length_delimited)) ||
                          (number == kTensorSharedMemoryField && length_delimited);
-      if (!known || (number == kTensorSharedMemoryField && has_data)) return false;
-      has_shared_memory = has_shared_memory || number == kTensorSharedMemoryField;
-      AppendVarint(&body, key);
+      if (!known || (number == kTensorSharedMemoryField && t.has_data)) return false;
+      t.has_shared_memory = t.has_shared_memory || number == kTensorSharedMemoryField;
+      AppendVarint(&t.body, key);
       if (number == kTensorDTypeField) {
         uint64_t v = 0;
-        if (!in.ReadVarint(&v, &body)) return false;
-        dtype = static_cast<int32_t>(v);  // protobuf's enum conversion
-      } else if (!CopyValue(in, type, &body)) {
+        if (!in.ReadVarint(&v, &t.body)) return false;
+        t.dtype = static_cast<int32_t>(v);  // protobuf's enum conversion; the last one wins
+      } else if (!CopyValue(in, type, &t.body)) {
         return false;
       }
       if (in.remaining() < end) return false;  // a field ran past the tensor's end
     }
-    // Data without a dtype: the tensor is reported as missing or mistyped from the message as
-    // protobuf parses it (proto_convert.cc), with its data there.
-    if (has_data && dtype == 0) return false;
-    if (has_data) moved.push_back(Moved{field, static_cast<size_t>(data_offset), data_bytes});
-    AppendVarint(&skeleton, LengthDelimitedKey(field));
-    AppendVarint(&skeleton, body.size());
-    skeleton += body;
     return true;
   };
   bool readable = true;
@@ -242,13 +244,22 @@ absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* 
     const int number = static_cast<int>(key >> 3), type = static_cast<int>(key & 7);
     if (number < 64 && (tensor_fields >> number & 1) != 0) {
       uint64_t length = 0;
-      readable = type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && (seen >> number & 1) == 0 &&
-                 in.ReadVarint(&length, nullptr) && read_tensor(number, length);
-      seen |= uint64_t{1} << number;
+      readable = type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && in.ReadVarint(&length, nullptr) &&
+                 read_tensor(number, length);
       continue;
     }
     AppendVarint(&skeleton, key);
     readable = CopyValue(in, type, &skeleton);
+  }
+  // The tensors after the other fields (fields of different numbers: their order does not matter),
+  // each as one occurrence holding everything but its data.
+  for (const TensorState& t : tensors) {
+    // Data without a dtype: the tensor is reported as missing or mistyped from the message as
+    // protobuf parses it (proto_convert.cc), with its data there.
+    if (t.has_data && t.dtype == 0) readable = false;
+    AppendVarint(&skeleton, LengthDelimitedKey(t.field));
+    AppendVarint(&skeleton, t.body.size());
+    skeleton += t.body;
   }
   // Anything the reader left to protobuf: the whole request, from gRPC's slices (still intact).
   if (!readable || !request->ParseFromString(skeleton)) {
@@ -260,10 +271,11 @@ absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* 
   data->block_ = std::move(*block);
   data->used_ = used;
   const google::protobuf::Reflection* reflection = request->GetReflection();
-  for (const Moved& m : moved) {
+  for (const TensorState& t : tensors) {
+    if (!t.has_data) continue;
     auto* tensor = static_cast<v1::Tensor*>(
-        reflection->MutableMessage(request, request->GetDescriptor()->FindFieldByNumber(m.field)));
-    data->tensors_.emplace_back(tensor, std::string_view(data->block_.data() + m.offset, m.bytes));
+        reflection->MutableMessage(request, request->GetDescriptor()->FindFieldByNumber(t.field)));
+    data->tensors_.emplace_back(tensor, std::string_view(data->block_.data() + t.data_offset, t.data_bytes));
   }
   return absl::OkStatus();
 }

@@ -63,10 +63,12 @@ class WireTensorData {
 // except that the `data` of each non-repeated Tensor field of the request (a top-level tensor with
 // a dtype) goes into a block from `pool` (`data`, each tensor aligned to kAlign), copied there
 // from gRPC's slices by `copier`, instead of into the message. Everything else is parsed by protobuf.
-// Where the reader cannot do that it leaves the whole request to ParseWireRequest (`data` empty):
-// no block free in the pool right now (it never waits), or a request whose tensors protobuf would
-// merge or resolve (a tensor field twice, `data` twice or with `shared_memory`, an unknown field
-// in a tensor, groups, malformed bytes: protobuf then gives the error).
+// A tensor field that occurs more than once is merged as protobuf merges it (the C++ client's
+// shared requests send each tensor's data as one more occurrence). Where the reader cannot do that
+// it leaves the whole request to ParseWireRequest (`data` empty): no block free in the pool right
+// now (it never waits), or a request whose tensors protobuf would resolve by order (`data` twice
+// or with `shared_memory`), a tensor with data but no dtype, an unknown field in a tensor, groups,
+// malformed bytes (protobuf then gives the error).
 absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* request, HostStagingPool* pool,
                              ParallelCopy* copier, WireTensorData* data);
 

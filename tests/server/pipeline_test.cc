@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "client/fusedlayer_client.h"
+#include "client/wire_request.h"
 #include "exec/device_lanes.h"
 #include "exec/device_staging.h"
 #include "exec/executor.h"
@@ -238,8 +239,11 @@ TEST(WireReader, MergedMalformedAndHostileRequestsReadAsProtobufParsesThem) {
   const std::string dtype = key(1, 0) + varint(v1::DATA_TYPE_BF16);
   const std::string shm = ld(4, ld(1, "region"));
   const std::vector<std::pair<const char*, std::string>> cases = {
-      {"x twice (merged)", whole + ld(4, base.x().SerializeAsString())},
+      {"x twice, merged (its data once)", ld(4, dtype) + ld(5, dtype) + ld(4, ld(3, "abcd")) + ld(4, key(2, 0) + varint(2))},
       {"x's data twice", ld(4, dtype + ld(3, "ab") + ld(3, "cdef"))},
+      {"x's data twice in two occurrences", ld(4, dtype + ld(3, "ab")) + ld(4, ld(3, "cdef"))},
+      {"x whole twice", whole + ld(4, base.x().SerializeAsString())},
+      {"data then shared memory in two occurrences", ld(4, dtype + ld(3, "ab")) + ld(4, shm)},
       {"data then shared memory", ld(4, dtype + ld(3, "ab") + shm)},
       {"shared memory then data", ld(4, dtype + shm + ld(3, "ab"))},
       {"data without dtype", ld(4, ld(3, "ab"))},
@@ -278,6 +282,42 @@ TEST(WireReader, MergedMalformedAndHostileRequestsReadAsProtobufParsesThem) {
     read_with_moved_tensors += ExpectReadAsProtobufParses<v1::MhcSeamRequest>(rng, bytes, pool, copier, false) > 0;
   }
   EXPECT_GT(read_with_moved_tensors, 300u);
+  EXPECT_EQ(pool.in_use_bytes(), 0u);
+}
+
+// The C++ client's shared requests (each tensor's data as one more occurrence of its field after
+// the message, client/wire_request.h): read with every tensor's data in the block.
+TEST(WireReader, ReadsTheClientsSharedRequestsWithTheDataInTheBlock) {
+  LaneTestBackend backend(1);
+  HostStagingPool pool(backend, size_t{64} << 20);
+  server::ParallelCopy copier(/*helper_threads=*/1);
+  std::mt19937_64 rng = MakeRng();
+  for (int64_t tokens : {1, 9, 600}) {
+    SCOPED_TRACE(tokens);
+    auto m = std::make_shared<const v1::MhcSeamRequest>(
+        MakeMhcRequest(rng, "w", MhcRequestSpec{.hidden = 256, .tokens = tokens, .capture_aux = true}));
+    const grpc::ByteBuffer sent = client::EncodeRequestByReference(m);
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(sent.Dump(&slices).ok());
+    grpc::ByteBuffer wire(slices.data(), slices.size());
+    v1::MhcSeamRequest got;
+    server::WireTensorData data;
+    ASSERT_TRUE(server::ReadWireRequest(&wire, &got, &pool, &copier, &data).ok());
+    EXPECT_EQ(data.tensors(), 5u);  // x, residual, post_mix, comb_mix, pre_mix
+    data.MoveIntoMessages();
+    EXPECT_EQ(got.SerializeAsString(), m->SerializeAsString());
+
+    auto sw = std::make_shared<const v1::SwaNormQuantRequest>(MakeSwaRequest(rng, "w", tokens, 256 + 128 + 8));
+    const grpc::ByteBuffer ssent = client::EncodeRequestByReference(sw);
+    ASSERT_TRUE(ssent.Dump(&slices).ok());
+    grpc::ByteBuffer swire(slices.data(), slices.size());
+    v1::SwaNormQuantRequest sgot;
+    server::WireTensorData sdata;
+    ASSERT_TRUE(server::ReadWireRequest(&swire, &sgot, &pool, &copier, &sdata).ok());
+    EXPECT_EQ(sdata.tensors(), 1u);
+    sdata.MoveIntoMessages();
+    EXPECT_EQ(sgot.SerializeAsString(), sw->SerializeAsString());
+  }
   EXPECT_EQ(pool.in_use_bytes(), 0u);
 }
 
