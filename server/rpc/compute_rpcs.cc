@@ -86,6 +86,13 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
                                           OutputBuffers* outputs, HostRange pinned_inputs = {}) const;
   // Metrics, report, verify or shadow sampling, response: this request's part after the launch.
   void Finish(const absl::StatusOr<DispatchOutcome>& ran, size_t batch_requests, int64_t batch_tokens);
+  // Where this request's inputs were read into page-locked memory: its shared-memory inputs'
+  // block, else the block its message's tensor data was read into (either may be empty; the lane
+  // copies from there only when every input lies in it).
+  HostRange PinnedInputs() const {
+    if (transfer_ != nullptr && transfer_->pinned_inputs().begin != nullptr) return transfer_->pinned_inputs();
+    return HostRange{wire_->begin(), wire_->end()};
+  }
   std::string What() const {
     return absl::StrCat("request ", response_->request_id(), " (weight set '", set_->name, "', ",
                         Rpc::kTokensSymbol, " = ", decoded_.args.tokens, ")");
@@ -185,8 +192,8 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
   }
   for (ComputeTask* task : live) {
     // Alone, its inputs are copied to the device from where they were read (when pinned).
-    absl::StatusOr<DispatchOutcome> ran = task->Execute(task->decoded_, task->What(), &task->stages_, task->outputs_,
-                                                        HostRange{task->wire_->begin(), task->wire_->end()});
+    absl::StatusOr<DispatchOutcome> ran =
+        task->Execute(task->decoded_, task->What(), &task->stages_, task->outputs_, task->PinnedInputs());
     metrics.RecordBatch(Rpc::kOp, 1, task->decoded_.args.tokens);
     task->Finish(ran, 1, task->decoded_.args.tokens);
   }
@@ -303,6 +310,8 @@ absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Me
     staged_bytes = transport::SharedMemoryInputBytes(*request);
   }
   if (absl::Status s = AdmitComputeBytes(call, *response_bytes, staged_bytes); !s.ok()) return s;
+  // On a device backend, admitted inputs are read into page-locked memory (when a block is free).
+  if (transfer != nullptr) transfer->ReadInputsIntoPinned(lanes_.request_staging(), staged_bytes);
   // A request the shadow verifier samples (fused runs only; a shared-memory request is not
   // sampled: the shadow job re-reads the inline messages) keeps its outputs in the response
   // message for the job to read; every other one has them outside it, sent without copies.

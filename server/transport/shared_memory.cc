@@ -363,6 +363,25 @@ void TensorTransfer::AlignedDelete::operator()(char* p) const {
 TensorTransfer::TensorTransfer(SharedMemoryRegistry* registry, std::string identity)
     : registry_(registry), identity_(std::move(identity)) {}
 
+namespace {
+// Each input starts on this boundary in the pinned block, as the lanes lay out their staging
+// (LaneStaging copies a span of inputs only when every one keeps its alignment relative to the first).
+constexpr uint64_t kPinnedAlign = 256;
+constexpr uint64_t kMaxInputs = 8;  // the compute requests have at most 5
+uint64_t AlignUp(uint64_t n) { return (n + kPinnedAlign - 1) / kPinnedAlign * kPinnedAlign; }
+}  // namespace
+
+void TensorTransfer::ReadInputsIntoPinned(HostStagingPool* pool, uint64_t input_bytes) {
+  if (pool == nullptr || input_bytes == 0 || input_bytes > pool->limit_bytes()) return;
+  absl::StatusOr<HostStagingPool::Lease> block = pool->TryAcquire(input_bytes + kPinnedAlign * kMaxInputs);
+  if (block.ok()) pinned_ = std::move(*block);
+}
+
+HostRange TensorTransfer::pinned_inputs() const {
+  if (pinned_.data() == nullptr) return {};
+  return HostRange{pinned_.data(), pinned_.data() + pinned_used_};
+}
+
 absl::StatusOr<ResolvedRef> TensorTransfer::Resolve(const v1::SharedMemoryRef& ref, const char* tensor) {
   if (registry_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -386,6 +405,13 @@ absl::StatusOr<char*> TensorTransfer::ReadInput(const v1::SharedMemoryRef& ref, 
   }
   absl::StatusOr<ResolvedRef> r = Resolve(ref, tensor);
   if (!r.ok()) return r.status();
+  if (const uint64_t at = AlignUp(pinned_used_); pinned_.data() != nullptr && at + bytes <= pinned_.bytes()) {
+    char* const data = pinned_.data() + at;
+    if (absl::Status s = r->region->Read(r->offset, data, bytes, tensor); !s.ok()) return s;
+    pinned_used_ = at + bytes;
+    staged_bytes_ += bytes;
+    return data;
+  }
   // At least one byte, so an empty tensor still has a valid, aligned address.
   std::unique_ptr<char[], AlignedDelete> buf(
       static_cast<char*>(::operator new[](bytes == 0 ? 1 : bytes, std::align_val_t{kSharedMemoryAlignment})));

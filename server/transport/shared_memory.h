@@ -38,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/annotated_mutex.h"
+#include "exec/host_staging_pool.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
@@ -151,6 +152,14 @@ class TensorTransfer {
   // `registry` may be null: every reference is then FAILED_PRECONDITION (no shared memory here).
   TensorTransfer(SharedMemoryRegistry* registry, std::string identity);
 
+  // On a device backend: read the inputs (at most `input_bytes` in all, SharedMemoryInputBytes)
+  // into one page-locked block of `pool` instead of ordinary memory, so that the lane copies them
+  // to the device from where they were read, with no staging memcpy (exec/device_staging.h). Never
+  // waits: when the pool has no block free, the inputs go to ordinary memory as before.
+  void ReadInputsIntoPinned(HostStagingPool* pool, uint64_t input_bytes);
+  // The page-locked block's bytes in use (empty without one).
+  HostRange pinned_inputs() const;
+
   // Reads the input `ref` of `bytes` bytes (dtype x shape, checked against ref.byte_size) and
   // returns its staging buffer, aligned to kSharedMemoryAlignment and valid as long as this object.
   absl::StatusOr<char*> ReadInput(const v1::SharedMemoryRef& ref, uint64_t bytes, const char* tensor);
@@ -179,6 +188,8 @@ class TensorTransfer {
   const std::string identity_;
   std::vector<std::pair<std::string, std::shared_ptr<const SharedMemoryRegion>>> regions_;  // looked up
   std::vector<std::unique_ptr<char[], AlignedDelete>> staging_;
+  HostStagingPool::Lease pinned_;  // ReadInputsIntoPinned's block, or none
+  size_t pinned_used_ = 0;
   uint64_t staged_bytes_ = 0;
   std::vector<Output> outputs_;
 };

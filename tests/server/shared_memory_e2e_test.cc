@@ -28,6 +28,7 @@
 #include "client/fusedlayer_client.h"
 #include "client/shared_memory.h"
 #include "gtest/gtest.h"
+#include "lane_test_backend.h"
 #include "server_test_env.h"
 #include "test_util.h"
 
@@ -168,6 +169,42 @@ TEST(SharedMemory, MhcOutputsEqualTcpBitwiseForEveryStageAndPath) {
         ExpectMhcEqual(*got, *tcp);
       }
     }
+  }
+}
+
+// On a device backend (the lane test backend: device memory apart from the host's, copies only
+// from page-locked blocks) the inputs are read from the region straight into a page-locked block
+// and go to the device from there in one copy, however large (no staging memcpy, no chunks); the
+// outputs are bitwise TCP's.
+TEST(SharedMemory, OnLanesInputsAreReadIntoPinnedMemoryAndCopiedFromThereInOneCopy) {
+  std::mt19937_64 rng = MakeRng(43);
+  const PackedWeightSet set = MakeWeightSet(rng, "shm/lanes", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
+  auto backend = std::make_unique<LaneTestBackend>(8);
+  const std::shared_ptr<LaneTestBackend::Control> control = backend->control();
+  server::ServerConfig cfg = ShmConfig();
+  cfg.device_lanes = 1;
+  auto ts = TestServer::Start(cfg, std::move(backend), {set});
+  ASSERT_NE(ts, nullptr);
+  auto c = ClientFor(*ts);
+  ASSERT_NE(c, nullptr);
+  for (int64_t T : {int64_t{1}, int64_t{7}, int64_t{600}}) {  // 600: R is 1.5 MB, x 0.4 MB
+    SCOPED_TRACE(::testing::Message() << "T " << T);
+    const MhcRequestSpec spec{.hc_mult = 4, .hidden = 320, .tokens = T};
+    v1::MhcSeamRequest req = MakeMhcRequest(rng, "shm/lanes", spec);
+    absl::StatusOr<v1::MhcSeamResponse> tcp = c->MhcSeam(req);
+    ASSERT_TRUE(tcp.ok()) << tcp.status();
+    absl::StatusOr<std::unique_ptr<ClientSharedMemory>> shm =
+        ClientSharedMemory::Create(*c, client::MhcRequestSharedBytes(req, MhcConfigOf(spec)));
+    ASSERT_TRUE(shm.ok()) << shm.status();
+    v1::MhcSeamRequest by_ref = req;
+    ASSERT_TRUE((*shm)->Prepare(by_ref, MhcConfigOf(spec)).ok());
+    PoisonOutputs(**shm, by_ref.output_placements());
+    control->copies_to_device = 0;
+    absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(control->copies_to_device.load(), 1);
+    ASSERT_TRUE((*shm)->Fetch(*got).ok());
+    ExpectMhcEqual(*got, *tcp);
   }
 }
 
