@@ -287,7 +287,8 @@ fi
 if want abclient; then
   start_server 50195 50196 "$OUT/server-abclient.log"
   echo "== abclient: shared vs serialized requests (${AB_SECONDS:-4} s per row)" | tee "$OUT/abclient.log"
-  for row in ${ABC_ROWS:-"mhc:64:1 mhc:1:1 swa:64:1"}; do
+  abc_rows=${ABC_ROWS:-mhc:64:1 mhc:1:1 swa:64:1}
+  for row in $abc_rows; do
     IFS=: read -r op tokens conc <<< "$row"
     for pass in 1 2; do
       for mode in shared serialized; do
