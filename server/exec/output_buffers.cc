@@ -1,6 +1,7 @@
 #include "exec/output_buffers.h"
 
 #include <utility>
+#include <vector>
 
 namespace fusedlayer::server {
 
@@ -23,6 +24,17 @@ bool OutputBuffers::Move(const void* was, size_t bytes, char* now, std::shared_p
     }
   }
   return false;
+}
+
+const OutputBuffers::Buffer* OutputBuffers::Find(int field) const {
+  for (const Buffer& b : buffers_) {
+    if (b.field == field) return &b;
+  }
+  return nullptr;
+}
+
+void OutputBuffers::Remove(int field) {
+  std::erase_if(buffers_, [field](const Buffer& b) { return b.field == field; });
 }
 
 uint64_t OutputBuffers::bytes() const {

@@ -41,6 +41,11 @@ class OutputBuffers {
   // staging block): the old buffer is freed. False when no output has data `was` and size `bytes`.
   bool Move(const void* was, size_t bytes, char* now, std::shared_ptr<const void> owner);
 
+  // The buffer of the output at response field `field`, or null.
+  const Buffer* Find(int field) const;
+  // Drops the output at `field` (written elsewhere, e.g. to shared memory): the response does not carry it.
+  void Remove(int field);
+
   const std::vector<Buffer>& buffers() const { return buffers_; }
   bool empty() const { return buffers_.empty(); }
   uint64_t bytes() const;  // of all outputs' data

@@ -209,7 +209,7 @@ void FusedLayerService::ComputeTask<Rpc>::Finish(const absl::StatusOr<DispatchOu
   if (ran.ok() && transfer_ != nullptr) {
     // Outputs to their regions before the report: a region that shrank or vanished meanwhile
     // fails this request alone (FAILED_PRECONDITION), the batch it shared a launch with is not affected.
-    if (absl::Status s = transfer_->WriteOutputs(); !s.ok()) {
+    if (absl::Status s = transfer_->WriteOutputs(outputs_); !s.ok()) {
       call_->Complete(std::move(s));
       return;
     }

@@ -228,11 +228,19 @@ absl::StatusOr<uint64_t> SumDenseBytes(std::initializer_list<std::pair<DType, st
   return total;
 }
 
-// Output placements: each names one output this call produces (`produced`: response field name and
-// tensor, already sized), at most once; the transfer records where it goes after the run.
+// One output a call produces: its response field's name and number, and its tensor (sized by
+// AllocateOutput, its data in `external` when that holds the field, else in the message).
+struct ProducedOutput {
+  const char* name;
+  int field;
+  v1::Tensor* tensor;
+};
+
+// Output placements: each names one output this call produces, at most once; the transfer records
+// where it goes after the run.
 absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPlacement>& placements,
-                          std::initializer_list<std::pair<const char*, v1::Tensor*>> produced,
-                          transport::TensorTransfer* transfer) {
+                          std::initializer_list<ProducedOutput> produced, transport::TensorTransfer* transfer,
+                          const OutputBuffers* external) {
   for (int i = 0; i < placements.size(); ++i) {
     const v1::OutputPlacement& p = placements[i];
     for (int j = 0; j < i; ++j) {
@@ -241,35 +249,41 @@ absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPla
             absl::StrCat("output_placements names output '", ClientString(p.output()), "' twice"));
       }
     }
-    const std::pair<const char*, v1::Tensor*>* found = nullptr;
+    const ProducedOutput* found = nullptr;
     for (const auto& out : produced) {
-      if (p.output() == out.first) found = &out;
+      if (p.output() == out.name) found = &out;
     }
     if (found == nullptr) {
       std::vector<std::string> names;
-      for (const auto& out : produced) names.emplace_back(out.first);
+      for (const auto& out : produced) names.emplace_back(out.name);
       return absl::InvalidArgumentError(absl::StrCat("output_placements names '", ClientString(p.output()),
                                                      "', which this call does not produce (it produces ",
                                                      absl::StrJoin(names, ", "), ")"));
     }
     if (!p.has_shared_memory()) {
-      return absl::InvalidArgumentError(absl::StrCat("output_placements for '", found->first,
+      return absl::InvalidArgumentError(absl::StrCat("output_placements for '", found->name,
                                                      "' has no shared_memory reference"));
     }
     if (transfer == nullptr) {
       return absl::FailedPreconditionError(
-          absl::StrCat("output '", found->first, "': shared-memory tensors are not accepted here"));
+          absl::StrCat("output '", found->name, "': shared-memory tensors are not accepted here"));
     }
-    if (absl::Status s = transfer->PlaceOutput(p.shared_memory(), found->second, found->first); !s.ok()) return s;
+    const OutputBuffers::Buffer* buffer = external != nullptr ? external->Find(found->field) : nullptr;
+    const uint64_t bytes = buffer != nullptr ? buffer->bytes : found->tensor->data().size();
+    if (absl::Status s = transfer->PlaceOutput(p.shared_memory(), found->tensor, found->name, found->field, bytes);
+        !s.ok()) {
+      return s;
+    }
   }
   return absl::OkStatus();
 }
 
 // Where a request's outputs go: `external` when given, except for requests whose outputs are read
-// back from the response message (verify's comparison, output placements' writes to shared memory).
+// back from the response message (verify's comparison). Outputs placed in shared memory go there
+// too: written to their objects from those buffers after the run, never zero-filled in a message.
 template <typename Request>
 OutputBuffers* OutputsOutsideMessage(const Request& req, OutputBuffers* external) {
-  return req.verify() || req.output_placements_size() > 0 ? nullptr : external;
+  return req.verify() ? nullptr : external;
 }
 
 absl::Status CheckVerify(bool verify, bool uses_shared_memory) {
@@ -401,21 +415,19 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
   a.y = AllocateOutput(resp->mutable_y(), DType::kBF16, {*T, C}, external, R::kYFieldNumber);
   if (a.capture_aux) a.aux = AllocateOutput(resp->mutable_aux(), DType::kBF16, {*T, C}, external, R::kAuxFieldNumber);
   if (req.output_placements_size() > 0) {
+    const ProducedOutput new_residual{"new_residual", R::kNewResidualFieldNumber, resp->mutable_new_residual()},
+        new_pre_mix{"new_pre_mix", R::kNewPreMixFieldNumber, resp->mutable_new_pre_mix()},
+        new_post_mix{"new_post_mix", R::kNewPostMixFieldNumber, resp->mutable_new_post_mix()},
+        new_comb_mix{"new_comb_mix", R::kNewCombMixFieldNumber, resp->mutable_new_comb_mix()},
+        y{"y", R::kYFieldNumber, resp->mutable_y()}, aux{"aux", R::kAuxFieldNumber, resp->mutable_aux()};
     absl::Status placed =
         a.stage == MhcStage::kHead
-            ? PlaceOutputs(req.output_placements(), {{"new_residual", resp->mutable_new_residual()}, {"y", resp->mutable_y()}},
-                           transfer)
+            ? PlaceOutputs(req.output_placements(), {new_residual, y}, transfer, external)
         : a.capture_aux
-            ? PlaceOutputs(req.output_placements(),
-                           {{"new_residual", resp->mutable_new_residual()}, {"new_pre_mix", resp->mutable_new_pre_mix()},
-                            {"new_post_mix", resp->mutable_new_post_mix()}, {"new_comb_mix", resp->mutable_new_comb_mix()},
-                            {"y", resp->mutable_y()}, {"aux", resp->mutable_aux()}},
-                           transfer)
-            : PlaceOutputs(req.output_placements(),
-                           {{"new_residual", resp->mutable_new_residual()}, {"new_pre_mix", resp->mutable_new_pre_mix()},
-                            {"new_post_mix", resp->mutable_new_post_mix()}, {"new_comb_mix", resp->mutable_new_comb_mix()},
-                            {"y", resp->mutable_y()}},
-                           transfer);
+            ? PlaceOutputs(req.output_placements(), {new_residual, new_pre_mix, new_post_mix, new_comb_mix, y, aux},
+                           transfer, external)
+            : PlaceOutputs(req.output_placements(), {new_residual, new_pre_mix, new_post_mix, new_comb_mix, y}, transfer,
+                           external);
     if (!placed.ok()) return placed;
   }
 
@@ -454,15 +466,12 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
     a.q_proj = AllocateOutput(resp->mutable_q_proj(), DType::kBF16, {*M, p.wq_b_rows}, external, R::kQProjFieldNumber);
   }
   if (req.output_placements_size() > 0) {
-    absl::Status placed =
-        p.has_wq_b() ? PlaceOutputs(req.output_placements(),
-                                    {{"q_fp8", resp->mutable_q_fp8()}, {"q_scale", resp->mutable_q_scale()},
-                                     {"kv", resp->mutable_kv()}, {"q_proj", resp->mutable_q_proj()}},
-                                    transfer)
-                     : PlaceOutputs(req.output_placements(),
-                                    {{"q_fp8", resp->mutable_q_fp8()}, {"q_scale", resp->mutable_q_scale()},
-                                     {"kv", resp->mutable_kv()}},
-                                    transfer);
+    const ProducedOutput q_fp8{"q_fp8", R::kQFp8FieldNumber, resp->mutable_q_fp8()},
+        q_scale{"q_scale", R::kQScaleFieldNumber, resp->mutable_q_scale()}, kv{"kv", R::kKvFieldNumber, resp->mutable_kv()},
+        q_proj{"q_proj", R::kQProjFieldNumber, resp->mutable_q_proj()};
+    absl::Status placed = p.has_wq_b()
+                              ? PlaceOutputs(req.output_placements(), {q_fp8, q_scale, kv, q_proj}, transfer, external)
+                              : PlaceOutputs(req.output_placements(), {q_fp8, q_scale, kv}, transfer, external);
     if (!placed.ok()) return placed;
   }
 

@@ -422,8 +422,8 @@ absl::StatusOr<char*> TensorTransfer::ReadInput(const v1::SharedMemoryRef& ref, 
   return data;
 }
 
-absl::Status TensorTransfer::PlaceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name) {
-  const uint64_t bytes = tensor->data().size();
+absl::Status TensorTransfer::PlaceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name,
+                                         int field, uint64_t bytes) {
   if (ref.byte_size() != bytes) {
     return absl::InvalidArgumentError(absl::StrCat("output '", name, "': shared_memory.byte_size ", ref.byte_size(),
                                                    ", but the output is ", bytes, " bytes"));
@@ -440,11 +440,11 @@ absl::Status TensorTransfer::PlaceOutput(const v1::SharedMemoryRef& ref, v1::Ten
                                                      "' overlap in shared memory; outputs must be disjoint"));
     }
   }
-  outputs_.push_back(Output{*std::move(r), ref, tensor, name});
+  outputs_.push_back(Output{*std::move(r), ref, tensor, name, field});
   return absl::OkStatus();
 }
 
-absl::Status TensorTransfer::WriteOutputs() {
+absl::Status TensorTransfer::WriteOutputs(OutputBuffers* external) {
   // Every region an output goes to, once: still named by its key, still whole.
   for (size_t i = 0; i < outputs_.size(); ++i) {
     bool seen = false;
@@ -454,13 +454,20 @@ absl::Status TensorTransfer::WriteOutputs() {
     if (absl::Status s = outputs_[i].ref.region->CheckSize(); !s.ok()) return s;
   }
   for (const Output& o : outputs_) {
+    // On a GPU lane the call's buffer is the lane's lent page-locked block (exec/output_buffers.h):
+    // the output goes from there to the object with no copy in between.
+    const OutputBuffers::Buffer* buffer = external != nullptr ? external->Find(o.field) : nullptr;
+    const char* data = buffer != nullptr ? buffer->data : o.tensor->data().data();
+    const uint64_t have = buffer != nullptr ? buffer->bytes : o.tensor->data().size();
+    if (have != o.ref.byte_size) {
+      return absl::InternalError(absl::StrCat("output '", o.name, "' has ", have, " bytes, placed as ", o.ref.byte_size));
+    }
     // A shrink between the check and the write makes pwrite extend the object again, by at most the
     // registered region, which the identity's byte limit already bounds; the server never faults.
-    if (absl::Status s = o.ref.region->Write(o.ref.offset, o.tensor->data().data(), o.ref.byte_size, o.name); !s.ok()) {
-      return s;
-    }
+    if (absl::Status s = o.ref.region->Write(o.ref.offset, data, o.ref.byte_size, o.name); !s.ok()) return s;
   }
   for (Output& o : outputs_) {
+    if (external != nullptr) external->Remove(o.field);
     o.tensor->clear_data();
     *o.tensor->mutable_shared_memory() = o.proto;
   }

@@ -39,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "common/annotated_mutex.h"
 #include "exec/host_staging_pool.h"
+#include "exec/output_buffers.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
@@ -145,7 +146,7 @@ class SharedMemoryRegistry {
 };
 
 // One compute request's shared-memory tensors: inputs read into owned, aligned staging buffers at
-// decode (reactor thread), outputs written from the response's tensors after the run (executor),
+// decode (reactor thread), outputs written from the call's output buffers after the run (executor),
 // then replaced in the response by their references. Not thread-safe; one per request.
 class TensorTransfer {
  public:
@@ -163,12 +164,16 @@ class TensorTransfer {
   // Reads the input `ref` of `bytes` bytes (dtype x shape, checked against ref.byte_size) and
   // returns its staging buffer, aligned to kSharedMemoryAlignment and valid as long as this object.
   absl::StatusOr<char*> ReadInput(const v1::SharedMemoryRef& ref, uint64_t bytes, const char* tensor);
-  // Records that output `tensor` (already sized) goes to `ref` after the run: byte_size must be the
-  // tensor's, and it must not overlap another placed output.
-  absl::Status PlaceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name);
-  // After a successful run: writes every placed output, then clears its data in the response and
-  // sets its shared_memory reference. Checks first that every object is still there and whole.
-  absl::Status WriteOutputs();
+  // Records that output `tensor` (response field `field`, `bytes` long, its data in the call's
+  // OutputBuffers or in the message) goes to `ref` after the run: byte_size must be `bytes`, and it
+  // must not overlap another placed output.
+  absl::Status PlaceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name, int field,
+                           uint64_t bytes);
+  // After a successful run: writes every placed output from where the run left it (`external`,
+  // the call's OutputBuffers, when it holds the output's field, else the tensor's message data),
+  // then drops it from both and sets the tensor's shared_memory reference, so the response
+  // carries the reference, not the bytes. Checks first that every object is still there and whole.
+  absl::Status WriteOutputs(OutputBuffers* external);
 
   uint64_t staged_bytes() const { return staged_bytes_; }
 
@@ -181,6 +186,7 @@ class TensorTransfer {
     v1::SharedMemoryRef proto;
     v1::Tensor* tensor;
     const char* name;
+    int field;
   };
   absl::StatusOr<ResolvedRef> Resolve(const v1::SharedMemoryRef& ref, const char* tensor);
 

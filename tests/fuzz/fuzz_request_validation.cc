@@ -25,6 +25,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "fuzz_weights_fixture.h"
 #include "prometheus/registry.h"
+#include "exec/output_buffers.h"
 #include "rpc/proto_convert.h"
 #include "transport/shared_memory.h"
 #include "weights/weight_set.h"
@@ -122,10 +123,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (data[0] & 4) {
     transfer = std::make_unique<fusedlayer::server::transport::TensorTransfer>(fx->shm.get(), "anonymous");
   }
+  // Outputs in the message, or outside it as the server keeps them (placed outputs included).
+  fusedlayer::server::OutputBuffers outside;
+  fusedlayer::server::OutputBuffers* const external = (data[0] & 8) ? &outside : nullptr;
   // After a run: the placed outputs go to the object (never fails while the object stands).
   auto write_back = [&] {
     if (transfer == nullptr) return;
-    if (absl::Status s = transfer->WriteOutputs(); !s.ok()) {
+    if (absl::Status s = transfer->WriteOutputs(external); !s.ok()) {
       std::fprintf(stderr, "fuzz_request_validation: writing placed outputs failed: %s\n", s.ToString().c_str());
       std::abort();
     }
@@ -138,7 +142,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!req.ParseFromArray(msg, len)) return -1;
     fusedlayer::v1::MhcSeamResponse resp;
     absl::StatusOr<fusedlayer::server::MhcCall> call =
-        fusedlayer::server::DecodeMhcRequest(req, *set.mhc, kMaxTokens, &resp, transfer.get());
+        fusedlayer::server::DecodeMhcRequest(req, *set.mhc, kMaxTokens, &resp, transfer.get(), external);
     if (!call.ok()) return CheckError(call.status()), 0;
     for (Path path : {Path::kUnfused, Path::kFused}) {
       if (path == Path::kFused && !fx->cpu->MhcFusedSupport(*set.mhc, call->query).supported) continue;
@@ -151,7 +155,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!req.ParseFromArray(msg, len)) return -1;
     fusedlayer::v1::SwaNormQuantResponse resp;
     absl::StatusOr<fusedlayer::server::SwaCall> call =
-        fusedlayer::server::DecodeSwaRequest(req, *set.swa, kMaxTokens, &resp, transfer.get());
+        fusedlayer::server::DecodeSwaRequest(req, *set.swa, kMaxTokens, &resp, transfer.get(), external);
     if (!call.ok()) return CheckError(call.status()), 0;
     for (Path path : {Path::kUnfused, Path::kFused}) {
       if (path == Path::kFused && !fx->cpu->SwaFusedSupport(*set.swa, call->query).supported) continue;

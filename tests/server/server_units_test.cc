@@ -1,9 +1,14 @@
 // Unit tests of the server's pure parts: the dispatcher's precedence and fallback rules, the
 // tensor codec's validation, the executor's bound, and flag parsing.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <future>
 #include <mutex>
 #include <optional>
@@ -20,6 +25,8 @@
 #include "grpcpp/support/byte_buffer.h"
 #include "rpc/proto_convert.h"
 #include "rpc/wire_messages.h"
+#include "transport/shared_memory.h"
+#include "prometheus/registry.h"
 #include "server_test_env.h"
 #include "test_util.h"
 #include "weights/weight_set.h"
@@ -252,6 +259,52 @@ TEST(TensorCodec, OutputsOutsideTheMessageGetDtypeAndShapeOnly) {
   EXPECT_EQ(external.buffers()[0].field, v1::MhcSeamResponse::kYFieldNumber);
   EXPECT_EQ(external.buffers()[0].bytes, 42u);
   EXPECT_EQ(v.data, external.buffers()[0].data);
+}
+
+// An output placed in shared memory lives in the call's OutputBuffers like any other (on a GPU lane
+// the lent staging block: no zero-filled message bytes, no copy out of the block): WriteOutputs
+// writes it to the object from there, and the response keeps its reference, not its bytes.
+TEST(SharedMemoryTransfer, PlacedOutputsAreWrittenFromTheCallsBuffersAndLeaveTheResponse) {
+  const std::string key = "/fl-units-" + std::to_string(::getpid());
+  const int fd = ::shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);
+  prometheus::Registry metrics;
+  transport::SharedMemoryRegistry registry(transport::SharedMemoryLimits{.enabled = true}, metrics);
+  v1::RegisterSystemSharedMemoryRequest reg;
+  reg.set_name("r");
+  reg.set_key(key);
+  reg.set_byte_size(4096);
+  ASSERT_TRUE(registry.Register("id", reg).ok());
+
+  using R = v1::MhcSeamResponse;
+  v1::MhcSeamResponse resp;
+  OutputBuffers external;
+  TensorView y = AllocateOutput(resp.mutable_y(), DType::kBF16, {3, 7}, &external, R::kYFieldNumber);
+  TensorView pre = AllocateOutput(resp.mutable_new_pre_mix(), DType::kFP32, {2, 2}, &external, R::kNewPreMixFieldNumber);
+  for (int i = 0; i < 42; ++i) static_cast<char*>(y.data)[i] = static_cast<char>(i * 7 + 1);
+  std::memset(pre.data, 0x5a, 16);
+  v1::SharedMemoryRef ref;
+  ref.set_region("r");
+  ref.set_offset(128);
+  ref.set_byte_size(42);
+  transport::TensorTransfer transfer(&registry, "id");
+  const absl::Status wrong = transfer.PlaceOutput(ref, resp.mutable_y(), "y", R::kYFieldNumber, 40);
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument) << wrong;
+  ASSERT_TRUE(transfer.PlaceOutput(ref, resp.mutable_y(), "y", R::kYFieldNumber, 42).ok());
+  ASSERT_TRUE(transfer.WriteOutputs(&external).ok());
+
+  std::string written(42, '\0');
+  ASSERT_EQ(::pread(fd, written.data(), 42, 128), 42);
+  for (int i = 0; i < 42; ++i) EXPECT_EQ(written[i], static_cast<char>(i * 7 + 1)) << i;
+  EXPECT_EQ(external.Find(R::kYFieldNumber), nullptr);  // not sent in the response
+  ASSERT_NE(external.Find(R::kNewPreMixFieldNumber), nullptr);
+  EXPECT_EQ(external.buffers().size(), 1u);
+  EXPECT_TRUE(resp.y().has_shared_memory());
+  EXPECT_EQ(resp.y().shared_memory().offset(), 128u);
+  EXPECT_FALSE(resp.y().has_data());
+  ::close(fd);
+  ::shm_unlink(key.c_str());
 }
 
 std::string WireBytes(const grpc::ByteBuffer& wire) {
