@@ -211,7 +211,7 @@ fi
 # defaults; AB_NEW_FLAGS adds a third pass of the new server with those flags (e.g. --device_lanes=1);
 # AB_PASSES (e.g. "base new base new") interleaves the servers, so a drift of the host shows up;
 # AB_FLOOR_ALL=1 gives every row of the new server its echo floor (by default only concurrency 1);
-# AB_SHM_ROWS (same form as AB_ROWS) runs those rows over --transport=shm on the new server too.
+# AB_SHM_ROWS (same form as AB_ROWS) runs those rows over --transport=shm on both servers too.
 if want ab; then
   if [ ! -x ./fusedlayer_server_base ]; then
     echo "== ab: no fusedlayer_server_base in this bundle (build_and_bundle.sh BASE_SERVER=...)"; failed=1
@@ -224,7 +224,7 @@ if want ab; then
     for which in $passes; do
       server=./fusedlayer_server; [ "$which" = base ] && server=./fusedlayer_server_base
       extra=""; [ "$which" = new+ ] && extra="$AB_NEW_FLAGS"
-      [ "$which" = new ] && [ -n "${AB_SHM_ROWS:-}" ] && extra="--allow_shared_memory"
+      [ "$which" != new+ ] && [ -n "${AB_SHM_ROWS:-}" ] && extra="--allow_shared_memory"
       [ "$which" = new+ ] && echo "---- new+ = new server with $AB_NEW_FLAGS" >> "$OUT/ab.log"
       # shellcheck disable=SC2086
       $server --demo_weights --backend=cuda --address=127.0.0.1:50191 --metrics_address=127.0.0.1:50192 \
@@ -238,10 +238,10 @@ if want ab; then
         ./fusedctl bench --target=127.0.0.1:50191 --op=$op --weight_set=v4-pro/demo --tokens=$tokens \
           --concurrency=$conc --duration=${ab_seconds}s $floor >> "$OUT/ab.log" 2>&1 || echo "bench failed" >> "$OUT/ab.log"
       done
-      if [ "$which" = new ]; then
+      if [ "$which" != new+ ]; then
         for row in ${AB_SHM_ROWS:-}; do
           IFS=: read -r op tokens conc <<< "$row"
-          echo "---- new shm $op T=$tokens c=$conc" >> "$OUT/ab.log"
+          echo "---- $which shm $op T=$tokens c=$conc" >> "$OUT/ab.log"
           ./fusedctl bench --target=127.0.0.1:50191 --op=$op --weight_set=v4-pro/demo --tokens=$tokens \
             --concurrency=$conc --duration=${ab_seconds}s --transport=shm >> "$OUT/ab.log" 2>&1 || echo "bench failed" >> "$OUT/ab.log"
         done
