@@ -33,6 +33,10 @@ absl::StatusOr<DeviceBuffer> Backend::AllocateHostStaging(size_t) {
   return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend has no host staging (host-accessible)"));
 }
 
+absl::StatusOr<DeviceBuffer> Backend::PageLockHostMemory(void*, size_t) {
+  return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend does not page-lock host memory"));
+}
+
 absl::StatusOr<std::unique_ptr<Lane>> Backend::CreateLane() {
   return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend has no lanes"));
 }

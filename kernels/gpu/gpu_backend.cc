@@ -250,6 +250,19 @@ class GpuBackend final : public Backend {
     return DeviceBuffer(p, bytes, [](void* q) { (void)gpuFreeHost(q); });
   }
 
+  // A client's shared-memory mapping, locked once at registration (server/transport/shared_memory.h).
+  // The driver pins the pages from the kernel (get_user_pages): pages missing from a shrunk object
+  // fail the call here, they do not fault the process.
+  absl::StatusOr<DeviceBuffer> PageLockHostMemory(void* p, size_t bytes) override {
+    if (bytes == 0) return DeviceBuffer();
+    if (gpuError_t err = gpuHostRegister(p, bytes); err != gpuSuccess) {
+      (void)gpuGetLastError();
+      return absl::FailedPreconditionError(
+          absl::StrCat("page-locking ", bytes, " bytes of host memory: ", gpuGetErrorString(err)));
+    }
+    return DeviceBuffer(p, bytes, [](void* q) { (void)gpuHostUnregister(q); });
+  }
+
   int max_lanes() const override { return 16; }
   absl::StatusOr<std::unique_ptr<Lane>> CreateLane() override {
     auto ctx = ctx_->CreateSibling();

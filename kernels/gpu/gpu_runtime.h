@@ -63,6 +63,8 @@ using gpuMemPool_t = hipMemPool_t;
 #define gpuMemPoolAttrReleaseThreshold hipMemPoolAttrReleaseThreshold
 #define gpuFreeHost hipHostFree
 inline hipError_t gpuHostAlloc(void** p, size_t bytes) { return hipHostMalloc(p, bytes, hipHostMallocDefault); }
+inline hipError_t gpuHostRegister(void* p, size_t bytes) { return hipHostRegister(p, bytes, hipHostRegisterDefault); }
+#define gpuHostUnregister hipHostUnregister
 #else
 #include <cuda_runtime.h>
 #define FL_HIP 0
@@ -121,6 +123,8 @@ using gpuMemPool_t = cudaMemPool_t;
 #define gpuMemPoolAttrReleaseThreshold cudaMemPoolAttrReleaseThreshold
 #define gpuFreeHost cudaFreeHost
 inline cudaError_t gpuHostAlloc(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, cudaHostAllocDefault); }
+inline cudaError_t gpuHostRegister(void* p, size_t bytes) { return cudaHostRegister(p, bytes, cudaHostRegisterDefault); }
+#define gpuHostUnregister cudaHostUnregister
 #endif
 
 // cudaGraphInstantiate lost its error-node/log arguments in CUDA 12; HIP 5.x still has them.

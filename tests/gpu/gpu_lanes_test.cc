@@ -4,9 +4,14 @@
 // from the lane's events, invalid arguments are refused at enqueue and the lane serves the next
 // request. Skips where no GPU is present (like every suite in tests/gpu). Written against the
 // public Backend interface only; the staging here is the test's own, not the server's.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -242,6 +247,62 @@ TEST_F(GpuLanesTest, InvalidArgumentsAreRefusedAtEnqueueAndTheLaneServesTheNextR
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(std::memcmp(q.nr.data(), want.nr.data(), q.nr.size() * 2), 0);
   EXPECT_EQ(std::memcmp(q.y.data(), want.y.data(), q.y.size() * 2), 0);
+}
+
+// What the server's page-locked shared-memory regions rely on (server/transport/shared_memory.h):
+// a lane copies to and from a MAP_SHARED mapping of a POSIX shared-memory object locked with
+// PageLockHostMemory by DMA, bitwise; after the object's owner truncates it, copies through the
+// locked mapping still complete (the locked pages stay allocated) and nothing faults; and locking
+// a mapping that reaches past the object's end is an error, not a SIGBUS.
+TEST_F(GpuLanesTest, PageLockedSharedMemoryIsCopiedByDmaAndATruncatedObjectNeverFaults) {
+  const std::string key = "/fl-gpu-lanes-" + std::to_string(::getpid());
+  const int fd = ::shm_open(key.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ::shm_unlink(key.c_str());  // the descriptor keeps the object
+  constexpr size_t kBytes = size_t{4} << 20;
+  ASSERT_EQ(::ftruncate(fd, kBytes), 0);
+  {  // The client's view: the bytes it writes.
+    void* client = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ASSERT_NE(client, MAP_FAILED);
+    for (size_t i = 0; i < kBytes; ++i) static_cast<unsigned char*>(client)[i] = static_cast<unsigned char>(i * 131 + 7);
+    ::munmap(client, kBytes);
+  }
+  void* server = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(server, MAP_FAILED);
+  {
+    absl::StatusOr<DeviceBuffer> locked = backend_->PageLockHostMemory(server, kBytes);
+    ASSERT_TRUE(locked.ok()) << locked.status();
+    auto lane = backend_->CreateLane();
+    ASSERT_TRUE(lane.ok()) << lane.status();
+    auto dev = (*lane)->Allocate(kBytes);
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    auto back = backend_->AllocateHostStaging(kBytes);
+    ASSERT_TRUE(back.ok()) << back.status();
+    std::memset(back->data(), 0, kBytes);
+    ASSERT_TRUE((*lane)->EnqueueCopyToDevice(dev->data(), server, kBytes).ok());
+    ASSERT_TRUE((*lane)->EnqueueCopyToHost(back->data(), dev->data(), kBytes).ok());
+    ASSERT_TRUE((*lane)->Wait().ok());
+    const auto* got = static_cast<const unsigned char*>(back->data());
+    for (size_t i = 0; i < kBytes; i += 4093) ASSERT_EQ(got[i], static_cast<unsigned char>(i * 131 + 7)) << i;
+
+    // The owner truncates the object: the server's CPU must not touch `server` now, its DMA may.
+    ASSERT_EQ(::ftruncate(fd, 0), 0);
+    ASSERT_TRUE((*lane)->EnqueueCopyToDevice(dev->data(), server, kBytes).ok());
+    ASSERT_TRUE((*lane)->EnqueueCopyToHost(server, dev->data(), kBytes).ok());
+    absl::StatusOr<RunStats> after = (*lane)->Wait();
+    EXPECT_TRUE(after.ok()) << after.status();
+  }  // unlocked
+  ::munmap(server, kBytes);
+
+  // A mapping past the object's end: the lock fails cleanly (its pages cannot be pinned).
+  ASSERT_EQ(::ftruncate(fd, 65536), 0);
+  void* past = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(past, MAP_FAILED);
+  absl::StatusOr<DeviceBuffer> refused = backend_->PageLockHostMemory(past, kBytes);
+  EXPECT_FALSE(refused.ok());
+  refused = absl::UnknownError("dropped");  // unlock (if it did lock) before the unmap
+  ::munmap(past, kBytes);
+  ::close(fd);
 }
 
 }  // namespace

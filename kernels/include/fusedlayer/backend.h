@@ -106,6 +106,12 @@ class Backend {
   // the server pools and bounds it, server/exec/host_staging_pool.h). ResourceExhausted when the
   // system refuses it. A host-accessible backend needs none: Unimplemented.
   virtual absl::StatusOr<DeviceBuffer> AllocateHostStaging(size_t bytes);
+  // Page-locks `bytes` of host memory the caller already has at `p` (a mapping of a client's
+  // shared-memory region), so that lanes copy to and from it by DMA as from AllocateHostStaging's
+  // memory. The returned buffer (data() == p) unlocks it when destroyed; it frees nothing. The
+  // device's copies then reach the locked pages without the CPU touching them. Unimplemented on a
+  // host-accessible backend; another error when the system refuses (e.g. locked-memory limits).
+  virtual absl::StatusOr<DeviceBuffer> PageLockHostMemory(void* p, size_t bytes);
   // How many lanes this backend can run concurrently; 0: none (host-accessible backends run on
   // their default context, with their own internal parallelism).
   virtual int max_lanes() const { return 0; }
@@ -148,7 +154,8 @@ class Lane {
   // already enqueued on this lane, so it may be dropped before Wait(). ResourceExhausted when out
   // of device memory.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
-  // `host` must be staging memory from Backend::AllocateHostStaging.
+  // `host` must be staging memory from Backend::AllocateHostStaging or memory locked by
+  // Backend::PageLockHostMemory.
   virtual absl::Status EnqueueCopyToDevice(void* device_dst, const void* host_src, size_t bytes) = 0;
   virtual absl::Status EnqueueCopyToHost(void* host_dst, const void* device_src, size_t bytes) = 0;
   // Validates the arguments (InvalidArgument / FailedPrecondition as Run* would, nothing enqueued)
