@@ -114,6 +114,9 @@ struct ServerConfig {
   bool allow_shared_memory = false;
   int64_t shared_memory_max_regions = 64;
   uint64_t shared_memory_max_bytes = uint64_t{16} << 30;
+  // On a device backend with lanes: registered bytes (all identities) mapped and page-locked so the
+  // device copies inputs from where they lie (transport/shared_memory.h); 0 = never.
+  uint64_t shared_memory_locked_bytes = uint64_t{8} << 30;
   // Shadow verification (server/shadow/, docs/shadow.md): the fraction of fused requests re-run
   // unfused off the critical path and compared; its bounded queue; mismatch dumps.
   double shadow_sample_rate = 0;

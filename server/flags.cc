@@ -100,6 +100,9 @@ ABSL_FLAG(bool, allow_shared_memory, false,
 ABSL_FLAG(int64_t, shared_memory_max_regions, 64, "shared-memory regions one identity may hold registered (1 to 4096)");
 ABSL_FLAG(uint64_t, shared_memory_max_bytes, uint64_t{16} << 30,
           "bytes of shared-memory regions one identity may hold registered");
+ABSL_FLAG(uint64_t, shared_memory_locked_bytes, uint64_t{8} << 30,
+          "on a device backend: bytes of registered regions (all identities) the server maps and page-locks so "
+          "that the device reads inputs where they lie; regions beyond it are read with pread; 0 = never");
 
 // Shadow verification (server/shadow/, docs/shadow.md).
 ABSL_FLAG(double, shadow_sample_rate, 0,
@@ -165,6 +168,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
   c.shared_memory_max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
   c.shared_memory_max_bytes = absl::GetFlag(FLAGS_shared_memory_max_bytes);
+  c.shared_memory_locked_bytes = absl::GetFlag(FLAGS_shared_memory_locked_bytes);
   c.shadow_sample_rate = absl::GetFlag(FLAGS_shadow_sample_rate);
   c.shadow_queue_size = absl::GetFlag(FLAGS_shadow_queue_size);
   c.shadow_queue_max_bytes = absl::GetFlag(FLAGS_shadow_queue_max_bytes);

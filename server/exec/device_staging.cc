@@ -53,6 +53,7 @@ size_t AlignUp(size_t n) { return (n + kTensorAlign - 1) / kTensorAlign * kTenso
 // Inputs are staged and copied in pieces of this size (see Stage). 1 MiB: ~20-40 us of copy at
 // PCIe rates, long enough that the ~3-5 us per enqueued copy stays small.
 constexpr size_t kStageChunkBytes = size_t{1} << 20;
+constexpr size_t kPinnedInputAlign = 64;
 }  // namespace
 
 LaneStaging::~LaneStaging() {
@@ -82,9 +83,13 @@ const char* LaneStaging::LayOutPinnedInputs() {
     if (last == nullptr || p + t.bytes > last) last = p + t.bytes;
   }
   if (first == nullptr) return nullptr;  // no input bytes: nothing to save
-  // Offsets in the device block as in pinned_: each must keep its alignment there.
+  // Offsets in the device block as in pinned_: each must keep its alignment there. 64 bytes (a
+  // cache line, 4x the kernels' widest vector load) is what shared-memory clients are held to
+  // (transport/shared_memory.h, kSharedMemoryAlignment); the request pool lays inputs out at 256.
   for (const Tensor& t : tensors_) {
-    if (t.input && t.bytes > 0 && (static_cast<const char*>(t.host.data) - first) % kTensorAlign != 0) return nullptr;
+    if (t.input && t.bytes > 0 && (static_cast<const char*>(t.host.data) - first) % kPinnedInputAlign != 0) {
+      return nullptr;
+    }
   }
   for (Tensor& t : tensors_) {
     if (t.input && t.bytes > 0) t.offset = static_cast<size_t>(static_cast<const char*>(t.host.data) - first);
@@ -101,6 +106,11 @@ absl::Status LaneStaging::Stage() {
   // 2026-12-02-h200-session9-run1-cupti-trace-*.log), and an mHC call has 5 inputs and 5 outputs.
   // Inputs already in pinned memory keep their layout there and skip the staging block.
   const char* const pinned_inputs = LayOutPinnedInputs();
+  if (pinned_inputs == nullptr && pinned_.device_only) {
+    // Never memcpy'd on the CPU (HostRange::device_only): TensorTransfer::UseInputsInPlace admits only
+    // layouts LayOutPinnedInputs takes, so this is a bug, not a client's doing.
+    return absl::InternalError("inputs in page-locked shared memory are not laid out for the device's copy");
+  }
   size_t total = 0;
   for (bool inputs : {true, false}) {
     if (inputs && pinned_inputs != nullptr) {

@@ -46,9 +46,10 @@ class DeviceStaging {
 // between): the staging block goes back to the pool only after the lane's Wait(), when the device
 // no longer reads or writes it. Runs on the lane's worker.
 //
-// Inputs that all lie in `pinned` (page-locked memory that outlives the call, each on its own
-// 256-byte boundary in it) are not memcpy'd: their span is copied to the device from there in one
-// copy, and the staging block holds only the outputs.
+// Inputs that all lie in `pinned` (page-locked memory that outlives the call, each 64-byte
+// aligned relative to the first) are not memcpy'd: their span is copied to the device from there
+// in one copy, and the staging block holds only the outputs. When `pinned` is device_only (a
+// client's page-locked shared memory) and the inputs do not lie so, Stage() fails rather than read it.
 class LaneStaging {
  public:
   LaneStaging(Lane& lane, HostStagingPool& pool, HostRange pinned = {}) : lane_(lane), pool_(pool), pinned_(pinned) {}

@@ -36,6 +36,9 @@ namespace fusedlayer::server {
 struct HostRange {
   const char* begin = nullptr;
   const char* end = nullptr;
+  // Memory the CPU must never read (a page-locked shared-memory mapping: transport/shared_memory.h);
+  // only the device's copies may. A lane that cannot copy such inputs by DMA fails the call.
+  bool device_only = false;
   // True when [p, p + n) lies inside.
   bool Contains(const void* p, size_t n) const {
     const char* c = static_cast<const char*>(p);

@@ -72,7 +72,11 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   int64_t tokens() const override { return decoded_.args.tokens; }
   // verify runs the unfused comparison in the same job (per request), and an empty request has
   // nothing to share.
-  bool batchable() const override { return !request_->verify() && decoded_.args.tokens > 0; }
+  // Inputs used where they lie in page-locked shared memory are the device's to read only, and a
+  // batch is assembled by memcpy (exec/batch_assembly.h).
+  bool batchable() const override {
+    return !request_->verify() && decoded_.args.tokens > 0 && !(transfer_ != nullptr && transfer_->inputs_in_place());
+  }
   bool CompatibleWith(const BatchableTask& other) const override {
     const auto* o = dynamic_cast<const ComputeTask*>(&other);
     return o != nullptr && o->set_ == set_ && Rpc::SameBatch(*request_, *o->request_);
@@ -310,8 +314,11 @@ absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Me
     staged_bytes = transport::SharedMemoryInputBytes(*request);
   }
   if (absl::Status s = AdmitComputeBytes(call, *response_bytes, staged_bytes); !s.ok()) return s;
-  // On a device backend, admitted inputs are read into page-locked memory (when a block is free).
-  if (transfer != nullptr) transfer->ReadInputsIntoPinned(lanes_.request_staging(), staged_bytes);
+  // On a device backend, inputs in a page-locked region are used where they lie; others are read
+  // into page-locked memory (when a block is free).
+  if (transfer != nullptr && !transfer->UseInputsInPlace(transport::InputTensors(*request))) {
+    transfer->ReadInputsIntoPinned(lanes_.request_staging(), staged_bytes);
+  }
   // A request the shadow verifier samples (fused runs only; a shared-memory request is not
   // sampled: the shadow job re-reads the inline messages) keeps its outputs in the response
   // message for the job to read; every other one has them outside it, sent without copies.

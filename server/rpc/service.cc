@@ -26,8 +26,10 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
       upload_bytes_(config.EffectiveMaxUploadBufferBytes(), metrics.upload_buffered_bytes()),
       verify_slots_(static_cast<uint64_t>(config.max_inflight_verify)),
       shared_memory_(transport::SharedMemoryLimits{config.allow_shared_memory, config.shared_memory_max_regions,
-                                                   config.shared_memory_max_bytes},
-                     *metrics.registry()),
+                                                   config.shared_memory_max_bytes, config.shared_memory_locked_bytes},
+                     *metrics.registry(),
+                     // Page-locked regions are copied from by the lanes only (op_calls.h).
+                     lanes.request_staging() != nullptr ? &backend : nullptr),
       upload_idle_(std::chrono::seconds(config.upload_idle_timeout_seconds)),
       request_id_salt_(std::random_device{}() & 0xffffff) {}
 

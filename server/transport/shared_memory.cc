@@ -67,7 +67,39 @@ SharedMemoryRegion::SharedMemoryRegion(int fd, std::string name, std::string key
     : fd_(fd), name_(std::move(name)), key_(std::move(key)), offset_(offset), byte_size_(byte_size), dev_(dev),
       ino_(ino) {}
 
-SharedMemoryRegion::~SharedMemoryRegion() { ::close(fd_); }
+SharedMemoryRegion::~SharedMemoryRegion() {
+  Unlock();  // in-flight requests held this region until their device work was done
+  ::close(fd_);
+}
+
+void SharedMemoryRegion::Unlock() {
+  locked_data_ = nullptr;
+  lock_ = DeviceBuffer();  // unlock before unmapping
+  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+  map_ = nullptr;
+  map_bytes_ = 0;
+}
+
+bool SharedMemoryRegion::LockForDevice(Backend& locker) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t begin = offset_ / page * page;
+  const uint64_t bytes = offset_ + byte_size_ - begin;
+  // The mapping never faults anything in here: the driver pins its pages from the kernel, and a
+  // page beyond a (concurrently) shrunk object fails the lock instead of raising SIGBUS.
+  void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, static_cast<off_t>(begin));
+  if (map == MAP_FAILED) return false;
+  absl::StatusOr<DeviceBuffer> lock = locker.PageLockHostMemory(map, bytes);
+  if (!lock.ok()) {
+    LogInfo("shared-memory region '", name_, "' (", key_, ") is read with pread: ", lock.status().message());
+    ::munmap(map, bytes);
+    return false;
+  }
+  map_ = map;
+  map_bytes_ = bytes;
+  lock_ = std::move(*lock);
+  locked_data_ = static_cast<const char*>(map) + (offset_ - begin);
+  return true;
+}
 
 absl::Status SharedMemoryRegion::CheckStillNamed() const {
   struct stat st;
@@ -119,8 +151,8 @@ absl::Status SharedMemoryRegion::Write(uint64_t at, const char* src, uint64_t n,
 
 // ---- SharedMemoryRegistry -----------------------------------------------------------------------------
 
-SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus::Registry& metrics)
-    : limits_(limits) {
+SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus::Registry& metrics, Backend* locker)
+    : limits_(limits), locker_(locker) {
   regions_gauge_ = &prometheus::BuildGauge()
                         .Name("fusedlayer_shared_memory_regions")
                         .Help("System shared-memory regions registered (all identities)")
@@ -131,6 +163,12 @@ SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus
                       .Help("Bytes of the registered system shared-memory regions (all identities)")
                       .Register(metrics)
                       .Add({});
+  locked_gauge_ = &prometheus::BuildGauge()
+                       .Name("fusedlayer_shared_memory_locked_bytes")
+                       .Help("Bytes of the registered shared-memory regions that are mapped and page-locked, so the "
+                             "device copies their inputs where they lie (--shared_memory_locked_bytes)")
+                       .Register(metrics)
+                       .Add({});
 }
 
 absl::Status SharedMemoryRegistry::CheckEnabled() const {
@@ -143,6 +181,7 @@ absl::Status SharedMemoryRegistry::CheckEnabled() const {
 void SharedMemoryRegistry::UpdateGaugesLocked() {
   regions_gauge_->Set(static_cast<double>(total_regions_));
   bytes_gauge_->Set(static_cast<double>(total_bytes_));
+  locked_gauge_->Set(static_cast<double>(locked_bytes_));
 }
 
 void SharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<SharedMemoryRegion>>::iterator it) {
@@ -155,6 +194,7 @@ void SharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<SharedMemor
   if (owner != object_owners_.end() && --owner->second.second == 0) object_owners_.erase(owner);
   total_regions_ -= 1;
   total_bytes_ -= r.byte_size();
+  if (r.device_visible() != nullptr) locked_bytes_ -= r.byte_size();
   regions_.erase(it);  // the descriptor closes when the last in-flight request lets go
   UpdateGaugesLocked();
 }
@@ -213,6 +253,14 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
   }
   auto region = std::make_shared<SharedMemoryRegion>(fd, req.name(), req.key(), req.offset(), req.byte_size(),
                                                      st.st_dev, st.st_ino);
+  // Locked before the region is shared (outside the registry's lock: pinning takes time); given
+  // back below when the budget is taken meanwhile or the registration fails.
+  bool lock_wanted = false;
+  {
+    MutexLock lock(&mu_);
+    lock_wanted = locker_ != nullptr && req.byte_size() <= limits_.max_locked_bytes - locked_bytes_;
+  }
+  const bool locked = lock_wanted && region->LockForDevice(*locker_);
 
   MutexLock lock(&mu_);
   PruneVanishedLocked(identity);
@@ -248,6 +296,11 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
   held.second += 1;
   total_regions_ += 1;
   total_bytes_ += req.byte_size();
+  if (locked && req.byte_size() <= limits_.max_locked_bytes - locked_bytes_) {
+    locked_bytes_ += req.byte_size();
+  } else if (locked) {
+    region->Unlock();  // another registration took the budget meanwhile: this one is read with pread
+  }
   regions_.emplace(key, std::move(region));
   UpdateGaugesLocked();
   return absl::OkStatus();
@@ -377,7 +430,47 @@ void TensorTransfer::ReadInputsIntoPinned(HostStagingPool* pool, uint64_t input_
   if (block.ok()) pinned_ = std::move(*block);
 }
 
+bool TensorTransfer::UseInputsInPlace(const std::vector<std::pair<const char*, const v1::Tensor*>>& inputs) {
+  if (registry_ == nullptr || !registry_->locks_regions() || inputs.size() > kMaxInputs) return false;
+  const SharedMemoryRegion* region = nullptr;
+  const char* at[kMaxInputs];
+  size_t n = 0;
+  const char* first = nullptr;
+  const char* last = nullptr;
+  uint64_t bytes = 0;
+  for (const auto& [name, t] : inputs) {
+    if (!t->has_shared_memory()) {
+      if (t->data().empty() && t->shape_size() == 0) continue;  // absent
+      return false;                                             // inline
+    }
+    if (!t->data().empty()) return false;  // both: decode gives the error
+    absl::StatusOr<ResolvedRef> r = Resolve(t->shared_memory(), name);
+    if (!r.ok()) {
+      // A lookup may have dropped a vanished region: the decode's first read reports this status.
+      deferred_error_ = r.status();
+      return false;
+    }
+    if (r->region->device_visible() == nullptr || (region != nullptr && r->region.get() != region)) return false;
+    region = r->region.get();
+    const char* p = region->device_visible() + r->offset;
+    at[n++] = p;
+    if (first == nullptr || p < first) first = p;
+    if (last == nullptr || p + r->byte_size > last) last = p + r->byte_size;
+    bytes += r->byte_size;
+  }
+  if (region == nullptr || bytes == 0) return false;
+  // As the lane lays out inputs it copies in one piece (exec/device_staging.h), and no span
+  // that is mostly gaps between the inputs (the device block is the span's size).
+  for (size_t i = 0; i < n; ++i) {
+    if ((at[i] - first) % kSharedMemoryAlignment != 0) return false;
+  }
+  if (static_cast<uint64_t>(last - first) > 2 * bytes + 4096) return false;
+  in_place_ = HostRange{first, last, /*device_only=*/true};
+  return true;
+}
+
 HostRange TensorTransfer::pinned_inputs() const {
+  if (in_place_.begin != nullptr) return in_place_;
   if (pinned_.data() == nullptr) return {};
   return HostRange{pinned_.data(), pinned_.data() + pinned_used_};
 }
@@ -399,12 +492,21 @@ absl::StatusOr<ResolvedRef> TensorTransfer::Resolve(const v1::SharedMemoryRef& r
 }
 
 absl::StatusOr<char*> TensorTransfer::ReadInput(const v1::SharedMemoryRef& ref, uint64_t bytes, const char* tensor) {
+  if (!deferred_error_.ok()) return deferred_error_;
   if (ref.byte_size() != bytes) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': shared_memory.byte_size ", ref.byte_size(),
                                                    ", but its dtype and shape need ", bytes, " bytes"));
   }
   absl::StatusOr<ResolvedRef> r = Resolve(ref, tensor);
   if (!r.ok()) return r.status();
+  if (in_place_.begin != nullptr) {
+    // Where it lies, for the device's copy only (UseInputsInPlace): nothing is read here.
+    const char* p = r->region->device_visible() == nullptr ? nullptr : r->region->device_visible() + r->offset;
+    if (p == nullptr || !in_place_.Contains(p, bytes)) {
+      return absl::InternalError(absl::StrCat("tensor '", tensor, "': not in the inputs' page-locked span"));
+    }
+    return const_cast<char*>(p);
+  }
   if (const uint64_t at = AlignUp(pinned_used_); pinned_.data() != nullptr && at + bytes <= pinned_.bytes()) {
     char* const data = pinned_.data() + at;
     if (absl::Status s = r->region->Read(r->offset, data, bytes, tensor); !s.ok()) return s;
@@ -509,5 +611,13 @@ uint64_t SharedMemoryInputBytes(const v1::MhcSeamRequest& r) {
   return InputBytes({&r.x(), &r.residual(), &r.post_mix(), &r.comb_mix(), &r.pre_mix()});
 }
 uint64_t SharedMemoryInputBytes(const v1::SwaNormQuantRequest& r) { return InputBytes({&r.qr_kv()}); }
+
+std::vector<std::pair<const char*, const v1::Tensor*>> InputTensors(const v1::MhcSeamRequest& r) {
+  return {{"x", &r.x()}, {"residual", &r.residual()}, {"post_mix", &r.post_mix()}, {"comb_mix", &r.comb_mix()},
+          {"pre_mix", &r.pre_mix()}};
+}
+std::vector<std::pair<const char*, const v1::Tensor*>> InputTensors(const v1::SwaNormQuantRequest& r) {
+  return {{"qr_kv", &r.qr_kv()}};
+}
 
 }  // namespace fusedlayer::server::transport

@@ -55,6 +55,8 @@ struct SharedMemoryLimits {
   bool enabled = false;              // --allow_shared_memory
   int64_t max_regions = 64;          // per identity (--shared_memory_max_regions)
   uint64_t max_bytes = uint64_t{16} << 30;  // registered bytes per identity (--shared_memory_max_bytes)
+  // Registered bytes, all identities, mapped and page-locked (--shared_memory_locked_bytes; 0 = none).
+  uint64_t max_locked_bytes = 0;
 };
 
 // One registered region: the object's descriptor (never a mapping) and where the region lies.
@@ -81,12 +83,29 @@ class SharedMemoryRegion {
   absl::Status Read(uint64_t at, char* dst, uint64_t n, const char* tensor) const;
   absl::Status Write(uint64_t at, const char* src, uint64_t n, const char* tensor) const;
 
+  // Device backends: maps the region (MAP_SHARED) and page-locks the mapping through `locker`, so
+  // that a lane's copy engine reads inputs where they lie. Called once, at registration, before
+  // the region is shared with any request; false (nothing kept) when the system refuses.
+  bool LockForDevice(Backend& locker);
+  // Undoes LockForDevice (no-op when not locked). Only while no request can see the region.
+  void Unlock();
+  // The region's first byte in its page-locked mapping, or null when not locked. FOR THE DEVICE'S
+  // COPIES ONLY: the CPU never reads or writes through it. A client that truncates its object
+  // makes any CPU access to the mapping a SIGBUS; the device's DMA goes to the pages locked at
+  // registration, which stay allocated while locked, so it cannot fault (stale bytes at worst,
+  // and only for the client that shrank its own object; the size is checked at every use).
+  const char* device_visible() const { return locked_data_; }
+
  private:
   const int fd_;
   const std::string name_, key_;
   const uint64_t offset_, byte_size_;
   const dev_t dev_;
   const ino_t ino_;
+  void* map_ = nullptr;  // LockForDevice's mapping (page-aligned, covers the region)
+  size_t map_bytes_ = 0;
+  DeviceBuffer lock_;    // unlocks the mapping when reset (before munmap)
+  const char* locked_data_ = nullptr;
 };
 
 // A reference resolved against its region: bounds and alignment checked.
@@ -103,9 +122,13 @@ absl::StatusOr<ResolvedRef> CheckRange(std::shared_ptr<const SharedMemoryRegion>
 
 class SharedMemoryRegistry {
  public:
-  SharedMemoryRegistry(SharedMemoryLimits limits, prometheus::Registry& metrics);
+  // `locker`: the device backend whose lanes copy from regions page-locked through it, or null
+  // (the CPU backend, or no lanes): no region is then mapped.
+  SharedMemoryRegistry(SharedMemoryLimits limits, prometheus::Registry& metrics, Backend* locker = nullptr);
 
   bool enabled() const { return limits_.enabled; }
+  // Whether registration page-locks regions (a device backend with lanes, a budget above 0).
+  bool locks_regions() const { return locker_ != nullptr && limits_.max_locked_bytes > 0; }
 
   // The RPCs (rpc/shared_memory_rpcs.cc); `identity` is the caller's (auth/caller_identity.h).
   absl::Status Register(const std::string& identity, const v1::RegisterSystemSharedMemoryRequest& request);
@@ -134,8 +157,10 @@ class SharedMemoryRegistry {
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SharedMemoryLimits limits_;
+  Backend* const locker_;
   prometheus::Gauge* regions_gauge_;
   prometheus::Gauge* bytes_gauge_;
+  prometheus::Gauge* locked_gauge_;
   Mutex mu_;
   std::map<Key, std::shared_ptr<SharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
@@ -143,6 +168,7 @@ class SharedMemoryRegistry {
   std::map<std::pair<dev_t, ino_t>, std::pair<std::string, int>> object_owners_ ABSL_GUARDED_BY(mu_);
   int64_t total_regions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t locked_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the registered regions that are page-locked
 };
 
 // One compute request's shared-memory tensors: inputs read into owned, aligned staging buffers at
@@ -158,7 +184,19 @@ class TensorTransfer {
   // to the device from where they were read, with no staging memcpy (exec/device_staging.h). Never
   // waits: when the pool has no block free, the inputs go to ordinary memory as before.
   void ReadInputsIntoPinned(HostStagingPool* pool, uint64_t input_bytes);
-  // The page-locked block's bytes in use (empty without one).
+  // On a device backend, before decode, in place of ReadInputsIntoPinned: when every input of the
+  // request (`inputs`; absent ones, without data or reference, are skipped) references one
+  // page-locked region (SharedMemoryRegion::LockForDevice), laid out so that a lane copies them
+  // in one piece (each 64-byte aligned relative to the first, their span at most twice their
+  // bytes plus a page), the inputs are used where they lie: ReadInput reads nothing and returns
+  // the input's device-visible address, and pinned_inputs() is their span, marked device_only, which
+  // the lane copies to the device by DMA. Nothing on the CPU reads those addresses: such a request
+  // is not batched (batch assembly memcpy's inputs), and shared-memory requests are never verified
+  // or shadowed. False (nothing changed) otherwise.
+  bool UseInputsInPlace(const std::vector<std::pair<const char*, const v1::Tensor*>>& inputs);
+  bool inputs_in_place() const { return in_place_.begin != nullptr; }
+  // The inputs' page-locked span: the block they were read into, or their span in a page-locked
+  // region (UseInputsInPlace); empty without either.
   HostRange pinned_inputs() const;
 
   // Reads the input `ref` of `bytes` bytes (dtype x shape, checked against ref.byte_size) and
@@ -195,6 +233,8 @@ class TensorTransfer {
   std::vector<std::pair<std::string, std::shared_ptr<const SharedMemoryRegion>>> regions_;  // looked up
   std::vector<std::unique_ptr<char[], AlignedDelete>> staging_;
   HostStagingPool::Lease pinned_;  // ReadInputsIntoPinned's block, or none
+  HostRange in_place_;             // UseInputsInPlace's span, or none
+  absl::Status deferred_error_;    // a lookup UseInputsInPlace made failed: ReadInput's answer
   size_t pinned_used_ = 0;
   uint64_t staged_bytes_ = 0;
   std::vector<Output> outputs_;
@@ -207,5 +247,8 @@ bool UsesSharedMemory(const v1::SwaNormQuantRequest& request);
 // saturating at UINT64_MAX.
 uint64_t SharedMemoryInputBytes(const v1::MhcSeamRequest& request);
 uint64_t SharedMemoryInputBytes(const v1::SwaNormQuantRequest& request);
+// The request's input tensors with their names (for TensorTransfer::UseInputsInPlace).
+std::vector<std::pair<const char*, const v1::Tensor*>> InputTensors(const v1::MhcSeamRequest& request);
+std::vector<std::pair<const char*, const v1::Tensor*>> InputTensors(const v1::SwaNormQuantRequest& request);
 
 }  // namespace fusedlayer::server::transport

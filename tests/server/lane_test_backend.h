@@ -76,6 +76,8 @@ class LaneTestBackend final : public Backend {
     std::atomic<int64_t> lane_kernels{0};         // kernels executed on lanes
     std::atomic<int64_t> default_kernels{0};      // kernels run on the default context
     std::atomic<int64_t> host_staging_allocations{0};
+    std::atomic<bool> refuse_page_lock{false};  // PageLockHostMemory fails
+    std::atomic<int64_t> page_locks{0};          // ranges locked by PageLockHostMemory now
     std::atomic<int64_t> copies_to_device{0};  // EnqueueCopyToDevice calls on lanes
     std::atomic<int64_t> copies_to_host{0};    // EnqueueCopyToHost calls on lanes
     std::atomic<int> max_concurrent_lane_kernels{0};
@@ -106,6 +108,21 @@ class LaneTestBackend final : public Backend {
     ++control_->host_staging_allocations;
     char* p = NewBlock(bytes, /*device=*/false);
     return DeviceBuffer(p, bytes, [this](void* q) { FreeBlock(q, /*device=*/false); });
+  }
+  // Lane copies accept the locked range as staging memory until it is unlocked (the test for
+  // "every lane copy's host side is page-locked" then covers shared-memory mappings too).
+  absl::StatusOr<DeviceBuffer> PageLockHostMemory(void* p, size_t bytes) override {
+    if (control_->refuse_page_lock.load()) return absl::FailedPreconditionError("page-locking refused (test)");
+    ++control_->page_locks;
+    {
+      std::lock_guard<std::mutex> lock(blocks_mu_);
+      blocks_[static_cast<char*>(p)] = Block{bytes, /*device=*/false};
+    }
+    return DeviceBuffer(p, bytes, [this](void* q) {
+      std::lock_guard<std::mutex> lock(blocks_mu_);
+      if (blocks_.erase(static_cast<char*>(q)) != 1) std::abort();  // a double unlock
+      --control_->page_locks;
+    });
   }
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
     std::lock_guard<std::mutex> lock(default_mu_);

@@ -176,11 +176,14 @@ TEST(SharedMemory, MhcOutputsEqualTcpBitwiseForEveryStageAndPath) {
 // from page-locked blocks) the inputs are read from the region straight into a page-locked block
 // and go to the device from there in one copy, however large (no staging memcpy, no chunks); the
 // outputs are bitwise TCP's.
+// Regions the backend does not page-lock (refused here; beyond --shared_memory_locked_bytes) are
+// read with pread, into a page-locked block of the request pool.
 TEST(SharedMemory, OnLanesInputsAreReadIntoPinnedMemoryAndCopiedFromThereInOneCopy) {
   std::mt19937_64 rng = MakeRng(43);
   const PackedWeightSet set = MakeWeightSet(rng, "shm/lanes", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
   auto backend = std::make_unique<LaneTestBackend>(8);
   const std::shared_ptr<LaneTestBackend::Control> control = backend->control();
+  control->refuse_page_lock = true;
   server::ServerConfig cfg = ShmConfig();
   cfg.device_lanes = 1;
   auto ts = TestServer::Start(cfg, std::move(backend), {set});
@@ -206,6 +209,169 @@ TEST(SharedMemory, OnLanesInputsAreReadIntoPinnedMemoryAndCopiedFromThereInOneCo
     ASSERT_TRUE((*shm)->Fetch(*got).ok());
     ExpectMhcEqual(*got, *tcp);
   }
+}
+
+// Page-locked regions (a device backend with lanes): the inputs are not read at decode; the lane
+// copies them to the device where they lie, in one copy. So bytes the client changes while the
+// request waits at the lane are the ones the kernels see (pread at decode would have read the old
+// ones): the outputs are bitwise TCP's for the new inputs. The region is unlocked once
+// unregistered. (The lane test backend's "DMA" is a CPU memcpy that accepts only staging or locked
+// memory, so this also checks that nothing else copies from the region.)
+TEST(SharedMemory, OnLanesInputsInAPageLockedRegionAreCopiedWhereTheyLie) {
+  std::mt19937_64 rng = MakeRng(44);
+  const PackedWeightSet set = MakeWeightSet(rng, "shm/locked", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
+  auto backend = std::make_unique<LaneTestBackend>(8);
+  const std::shared_ptr<LaneTestBackend::Control> control = backend->control();
+  server::ServerConfig cfg = ShmConfig();
+  cfg.device_lanes = 1;
+  auto ts = TestServer::Start(cfg, std::move(backend), {set});
+  ASSERT_NE(ts, nullptr);
+  auto c = ClientFor(*ts);
+  ASSERT_NE(c, nullptr);
+  for (int64_t T : {int64_t{1}, int64_t{7}, int64_t{600}}) {
+    SCOPED_TRACE(::testing::Message() << "T " << T);
+    const MhcRequestSpec spec{.hc_mult = 4, .hidden = 320, .tokens = T};
+    const v1::MhcSeamRequest sent = MakeMhcRequest(rng, "shm/locked", spec);
+    const v1::MhcSeamRequest seen = MakeMhcRequest(rng, "shm/locked", spec);  // what the region holds at the copy
+    absl::StatusOr<v1::MhcSeamResponse> tcp = c->MhcSeam(seen);
+    ASSERT_TRUE(tcp.ok()) << tcp.status();
+    {
+      absl::StatusOr<std::unique_ptr<ClientSharedMemory>> shm =
+          ClientSharedMemory::Create(*c, client::MhcRequestSharedBytes(sent, MhcConfigOf(spec)));
+      ASSERT_TRUE(shm.ok()) << shm.status();
+      EXPECT_EQ(control->page_locks.load(), 1);
+      v1::MhcSeamRequest by_ref = sent;
+      ASSERT_TRUE((*shm)->Prepare(by_ref, MhcConfigOf(spec)).ok());
+      PoisonOutputs(**shm, by_ref.output_placements());
+      control->copies_to_device = 0;
+      control->Hold();
+      absl::StatusOr<v1::MhcSeamResponse> got;
+      std::thread caller([&] { got = c->MhcSeam(by_ref); });
+      control->WaitForHeld(1);  // decoded, at the lane, its copy to the device not yet run
+      for (auto [ref, in] : {std::pair{&by_ref.x(), &seen.x()}, {&by_ref.residual(), &seen.residual()},
+                             {&by_ref.post_mix(), &seen.post_mix()}, {&by_ref.comb_mix(), &seen.comb_mix()},
+                             {&by_ref.pre_mix(), &seen.pre_mix()}}) {
+        ASSERT_TRUE(ref->has_shared_memory());
+        ASSERT_EQ(ref->shared_memory().byte_size(), in->data().size());
+        std::memcpy((*shm)->data() + ref->shared_memory().offset(), in->data().data(), in->data().size());
+      }
+      control->Release();
+      caller.join();
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(control->copies_to_device.load(), 1);
+      ASSERT_TRUE((*shm)->Fetch(*got).ok());
+      ExpectMhcEqual(*got, *tcp);
+    }  // unregistered and removed
+    // Unlocked when the last in-flight reference lets go (the call's end, just after its response).
+    for (int i = 0; i < 500 && control->page_locks.load() != 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    EXPECT_EQ(control->page_locks.load(), 0);
+  }
+  EXPECT_EQ(MetricValue(ScrapeWhenIdle(*ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
+}
+
+// Page-locked regions: a shrunk or removed object is refused before the device copies anything
+// (the CPU never touches the mapping: a SIGBUS here would kill the test), a request mixing inline
+// and shared-memory inputs, or with inputs spread over a region, takes the pread path, and a
+// region beyond --shared_memory_locked_bytes is not locked; all bitwise TCP.
+TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsArePread) {
+  std::mt19937_64 rng = MakeRng(45);
+  const PackedWeightSet set = MakeWeightSet(rng, "shm/locked2", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
+  auto backend = std::make_unique<LaneTestBackend>(8);
+  const std::shared_ptr<LaneTestBackend::Control> control = backend->control();
+  server::ServerConfig cfg = ShmConfig();
+  cfg.device_lanes = 1;
+  cfg.shared_memory_locked_bytes = uint64_t{1} << 20;
+  auto ts = TestServer::Start(cfg, std::move(backend), {set});
+  ASSERT_NE(ts, nullptr);
+  auto c = ClientFor(*ts);
+  ASSERT_NE(c, nullptr);
+  const MhcRequestSpec spec{.hc_mult = 4, .hidden = 320, .tokens = 5};
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng, "shm/locked2", spec);
+  absl::StatusOr<v1::MhcSeamResponse> tcp = c->MhcSeam(req);
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  const uint64_t x_bytes = req.x().data().size();
+  // Every input by reference at 256-byte steps from `base` of region `name` (object `obj`).
+  auto all_by_ref = [&](TestObject& obj, const std::string& name, uint64_t base) {
+    v1::MhcSeamRequest by_ref = req;
+    uint64_t at = base;
+    for (auto [ref, in] : {std::pair{by_ref.mutable_x(), &req.x()}, {by_ref.mutable_residual(), &req.residual()},
+                           {by_ref.mutable_post_mix(), &req.post_mix()}, {by_ref.mutable_comb_mix(), &req.comb_mix()},
+                           {by_ref.mutable_pre_mix(), &req.pre_mix()}}) {
+      std::memcpy(obj.data() + at, in->data().data(), in->data().size());
+      *ref->mutable_shared_memory() = Ref(name, at, in->data().size());
+      ref->clear_data();
+      at += (in->data().size() + 255) / 256 * 256;
+    }
+    return by_ref;
+  };
+  {  // In place; then shrunk after registration: refused before any copy, no crash, still serving.
+    SCOPED_TRACE("In place; then shrunk after re");
+    TestObject obj(uint64_t{64} << 10);
+    ASSERT_TRUE(c->RegisterSystemSharedMemory("r", obj.key(), 0, uint64_t{64} << 10).ok());
+    EXPECT_EQ(control->page_locks.load(), 1);
+    const v1::MhcSeamRequest by_ref = all_by_ref(obj, "r", 4096);
+    control->copies_to_device = 0;
+    absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(control->copies_to_device.load(), 1);
+    ExpectMhcEqual(*got, *tcp);
+    obj.Truncate(4096);
+    absl::Status s = c->MhcSeam(by_ref).status();
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+    ASSERT_TRUE(c->UnregisterSystemSharedMemory("r").ok());
+  }
+  {  // x alone by reference (the rest inline): read with pread, correct.
+    SCOPED_TRACE("x alone by reference (the rest");
+    TestObject obj(4096 + x_bytes);
+    ASSERT_TRUE(c->RegisterSystemSharedMemory("r", obj.key(), 0, 4096 + x_bytes).ok());
+    std::memcpy(obj.data() + 4096, req.x().data().data(), x_bytes);
+    v1::MhcSeamRequest by_ref = req;
+    *by_ref.mutable_x()->mutable_shared_memory() = Ref("r", 4096, x_bytes);
+    by_ref.mutable_x()->clear_data();
+    absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectMhcEqual(*got, *tcp);
+    ASSERT_TRUE(c->UnregisterSystemSharedMemory("r").ok());
+  }
+  {  // Every input by reference, but far apart in the region: the span is mostly gaps, so pread.
+    SCOPED_TRACE("Every input by reference, but ");
+    const uint64_t gap = uint64_t{256} << 10;
+    TestObject obj(2 * gap + (uint64_t{1} << 16));
+    ASSERT_TRUE(c->RegisterSystemSharedMemory("r", obj.key(), 0, 2 * gap + (uint64_t{1} << 16)).ok());
+    v1::MhcSeamRequest by_ref = req;
+    uint64_t at = 0;
+    for (auto [ref, in] : {std::pair{by_ref.mutable_x(), &req.x()}, {by_ref.mutable_residual(), &req.residual()},
+                           {by_ref.mutable_post_mix(), &req.post_mix()}, {by_ref.mutable_comb_mix(), &req.comb_mix()},
+                           {by_ref.mutable_pre_mix(), &req.pre_mix()}}) {
+      std::memcpy(obj.data() + at, in->data().data(), in->data().size());
+      *ref->mutable_shared_memory() = Ref("r", at, in->data().size());
+      ref->clear_data();
+      at += (at == 0 ? 2 * gap : (in->data().size() + 4095) / 4096 * 4096);
+    }
+    control->copies_to_device = 0;
+    absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectMhcEqual(*got, *tcp);
+    ASSERT_TRUE(c->UnregisterSystemSharedMemory("r").ok());
+  }
+  {  // Beyond the locked budget (1 MiB here): registered, not locked, read with pread.
+    SCOPED_TRACE("Beyond the locked budget");
+    const uint64_t bytes = uint64_t{2} << 20;
+    TestObject obj(bytes);
+    ASSERT_TRUE(c->RegisterSystemSharedMemory("big", obj.key(), 0, bytes).ok());
+    EXPECT_EQ(control->page_locks.load(), 0);
+    std::memcpy(obj.data(), req.x().data().data(), x_bytes);
+    v1::MhcSeamRequest by_ref = req;
+    *by_ref.mutable_x()->mutable_shared_memory() = Ref("big", 0, x_bytes);
+    by_ref.mutable_x()->clear_data();
+    absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectMhcEqual(*got, *tcp);
+    ASSERT_TRUE(c->UnregisterSystemSharedMemory("big").ok());
+  }
+  EXPECT_EQ(MetricValue(ScrapeWhenIdle(*ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
 }
 
 TEST(SharedMemory, SwaOutputsEqualTcpBitwiseForEveryLayout) {
