@@ -118,6 +118,10 @@ absl::Status LaneStaging::Stage() {
     } else {
       for (Tensor& t : tensors_) {
         if (t.input != inputs || t.bytes == 0) continue;
+        if (!inputs && pinned_outputs_.Contains(t.host.data, t.bytes)) {
+          t.direct = true;  // laid out below, after the staged outputs
+          continue;
+        }
         t.offset = total;
         total += AlignUp(t.bytes);
         (inputs ? inputs_end_ : outputs_end_) = t.offset + t.bytes;
@@ -125,14 +129,22 @@ absl::Status LaneStaging::Stage() {
     }
     if (inputs) outputs_begin_ = total;
   }
+  if (outputs_end_ < outputs_begin_) outputs_end_ = outputs_begin_;  // no staged outputs
+  const size_t staging_end = std::max(outputs_end_, pinned_inputs != nullptr ? outputs_begin_ : inputs_end_);
+  // Direct outputs: in the device block only.
+  for (Tensor& t : tensors_) {
+    if (!t.direct) continue;
+    t.offset = total;
+    total += AlignUp(t.bytes);
+  }
   if (total == 0) {
     // Nothing to move (e.g. T = 0): the kernels get no memory, as from a zero-byte Allocate.
     for (Tensor& t : tensors_) t.dev->data = nullptr;
     return absl::OkStatus();
   }
   staging_base_ = pinned_inputs != nullptr ? outputs_begin_ : 0;
-  if (total > staging_base_) {
-    absl::StatusOr<HostStagingPool::Lease> block = pool_.Acquire(total - staging_base_);
+  if (staging_end > staging_base_) {
+    absl::StatusOr<HostStagingPool::Lease> block = pool_.Acquire(staging_end - staging_base_);
     if (!block.ok()) return block.status();
     block_ = std::move(*block);
   }
@@ -175,11 +187,23 @@ absl::Status LaneStaging::Stage() {
 }
 
 absl::Status LaneStaging::EnqueueCopiesBack() {
-  // The outputs' range in one copy (Stage() put them after the inputs).
-  if (outputs_end_ <= outputs_begin_) return absl::OkStatus();
-  enqueued_ = true;
-  return lane_.EnqueueCopyToHost(block_.data() + (outputs_begin_ - staging_base_),
-                                 static_cast<const char*>(device_.data()) + outputs_begin_, outputs_end_ - outputs_begin_);
+  const char* const dev = static_cast<const char*>(device_.data());
+  // The staged outputs' range in one copy (Stage() put them after the inputs).
+  if (outputs_end_ > outputs_begin_) {
+    enqueued_ = true;
+    if (absl::Status s = lane_.EnqueueCopyToHost(block_.data() + (outputs_begin_ - staging_base_), dev + outputs_begin_,
+                                                 outputs_end_ - outputs_begin_);
+        !s.ok()) {
+      return s;
+    }
+  }
+  // Each direct output where it lies.
+  for (const Tensor& t : tensors_) {
+    if (!t.direct) continue;
+    enqueued_ = true;
+    if (absl::Status s = lane_.EnqueueCopyToHost(t.host.data, dev + t.offset, t.bytes); !s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out, StageTimes* times,
@@ -201,7 +225,7 @@ absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out, StageTimes* times,
     // inputs staged in it, if any, go along, never read again).
     std::shared_ptr<const void> lent = lend_to != nullptr && staging != nullptr ? pool_.Lend(block_) : nullptr;
     for (const Tensor& t : tensors_) {
-      if (t.input || t.bytes == 0) continue;
+      if (t.input || t.bytes == 0 || t.direct) continue;
       char* const staged = staging + (t.offset - staging_base_);
       if (lent != nullptr && lend_to->Move(t.host.data, t.bytes, staged, lent)) continue;
       pool_.copier().Copy(t.host.data, staged, t.bytes);

@@ -50,9 +50,12 @@ class DeviceStaging {
 // aligned relative to the first) are not memcpy'd: their span is copied to the device from there
 // in one copy, and the staging block holds only the outputs. When `pinned` is device_only (a
 // client's page-locked shared memory) and the inputs do not lie so, Stage() fails rather than read it.
+// Outputs that lie in `pinned_outputs` (page-locked memory that outlives the call) are copied back
+// by the device each where it lies, one copy per output, and never pass through staging.
 class LaneStaging {
  public:
-  LaneStaging(Lane& lane, HostStagingPool& pool, HostRange pinned = {}) : lane_(lane), pool_(pool), pinned_(pinned) {}
+  LaneStaging(Lane& lane, HostStagingPool& pool, HostRange pinned = {}, HostRange pinned_outputs = {})
+      : lane_(lane), pool_(pool), pinned_(pinned), pinned_outputs_(pinned_outputs) {}
   ~LaneStaging();
 
   // `*dev` is set by Stage() (empty views pass through unchanged).
@@ -76,6 +79,7 @@ class LaneStaging {
     size_t bytes = 0;
     size_t offset = 0;  // in the staging block and in the device block alike
     bool input = false;
+    bool direct = false;  // an output copied back where it lies (pinned_outputs_), device block only
   };
   // Lays the inputs out as they lie in pinned_ (offset = address - the first input's) when they
   // all do, and returns the span's start; null otherwise (nothing laid out).
@@ -84,6 +88,7 @@ class LaneStaging {
   Lane& lane_;
   HostStagingPool& pool_;
   const HostRange pinned_;
+  const HostRange pinned_outputs_;
   std::vector<Tensor> tensors_;
   // Stage()'s layout: inputs in [0, inputs_end_), outputs in [outputs_begin_, outputs_end_).
   size_t inputs_end_ = 0;

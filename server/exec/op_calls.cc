@@ -53,7 +53,7 @@ absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcW
                         {&dev.new_post_mix, &host.new_post_mix}, {&dev.new_comb_mix, &host.new_comb_mix},
                         {&dev.y, &host.y}, {&dev.aux, &host.aux}};
   if (target.lane != nullptr) {
-    LaneStaging staging(*target.lane, *target.staging, target.pinned_inputs);
+    LaneStaging staging(*target.lane, *target.staging, target.pinned_inputs, target.pinned_outputs);
     for (auto [dst, src] : inputs) staging.Input(*src, dst);
     for (auto [dst, src] : outputs) staging.Output(*src, dst);
     return RunOnLane(target, dev, staging,
@@ -82,7 +82,7 @@ absl::StatusOr<RunStats> RunSwaCall(const ExecTarget& target, const PreparedSwaW
   const auto outputs = {std::pair{&dev.q_fp8, &host.q_fp8}, {&dev.q_scale, &host.q_scale}, {&dev.kv, &host.kv},
                         {&dev.q_proj, &host.q_proj}};
   if (target.lane != nullptr) {
-    LaneStaging staging(*target.lane, *target.staging, target.pinned_inputs);
+    LaneStaging staging(*target.lane, *target.staging, target.pinned_inputs, target.pinned_outputs);
     staging.Input(host.qr_kv, &dev.qr_kv);
     for (auto [dst, src] : outputs) staging.Output(*src, dst);
     return RunOnLane(target, dev, staging,

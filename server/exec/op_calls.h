@@ -53,6 +53,10 @@ struct ExecTarget {
   // the device from there, not memcpy'd into staging first (one request's tensor data as
   // ReadWireRequest read it, rpc/wire_messages.h).
   HostRange pinned_inputs;
+  // Page-locked host memory that outlives the run, or empty: outputs viewed inside it are copied
+  // back there by the device, each where it lies, never through staging (a request's outputs in
+  // its page-locked shared-memory region, transport/shared_memory.h).
+  HostRange pinned_outputs;
 };
 
 absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcWeights& weights,

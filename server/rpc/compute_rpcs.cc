@@ -87,7 +87,8 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   // Path choice and run with fallback for `call` (one request's or a batch's); its stage times
   // are added to `times`.
   absl::StatusOr<DispatchOutcome> Execute(const typename Rpc::Call& call, const std::string& what, StageTimes* times,
-                                          OutputBuffers* outputs, HostRange pinned_inputs = {}) const;
+                                          OutputBuffers* outputs, HostRange pinned_inputs = {},
+                                          HostRange pinned_outputs = {}) const;
   // Metrics, report, verify or shadow sampling, response: this request's part after the launch.
   void Finish(const absl::StatusOr<DispatchOutcome>& ran, size_t batch_requests, int64_t batch_tokens);
   // Where this request's inputs were read into page-locked memory: its shared-memory inputs'
@@ -97,6 +98,8 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
     if (transfer_ != nullptr && transfer_->pinned_inputs().begin != nullptr) return transfer_->pinned_inputs();
     return HostRange{wire_->begin(), wire_->end()};
   }
+  // Where the device writes this request's outputs in place (its page-locked shared memory), or empty.
+  HostRange PinnedOutputs() const { return transfer_ != nullptr ? transfer_->pinned_outputs() : HostRange{}; }
   std::string What() const {
     return absl::StrCat("request ", response_->request_id(), " (weight set '", set_->name, "', ",
                         Rpc::kTokensSymbol, " = ", decoded_.args.tokens, ")");
@@ -131,7 +134,8 @@ absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(con
                                                                              const std::string& what,
                                                                              StageTimes* times,
                                                                              OutputBuffers* outputs,
-                                                                             HostRange pinned_inputs) const {
+                                                                             HostRange pinned_inputs,
+                                                                             HostRange pinned_outputs) const {
   const typename Rpc::Prepared& part = *Rpc::Part(*set_);
   Backend& backend = service_.backend_;
   const v1::PathPreference preference = request_->path_preference();
@@ -143,6 +147,7 @@ absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(con
   target.times = times;
   target.outputs = outputs;
   target.pinned_inputs = pinned_inputs;
+  target.pinned_outputs = pinned_outputs;
   return RunWithFallback(Rpc::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what,
                          [&](Path path) { return Rpc::Run(target, part, call, path); });
 }
@@ -197,7 +202,8 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
   for (ComputeTask* task : live) {
     // Alone, its inputs are copied to the device from where they were read (when pinned).
     absl::StatusOr<DispatchOutcome> ran =
-        task->Execute(task->decoded_, task->What(), &task->stages_, task->outputs_, task->PinnedInputs());
+        task->Execute(task->decoded_, task->What(), &task->stages_, task->outputs_, task->PinnedInputs(),
+                      task->PinnedOutputs());
     metrics.RecordBatch(Rpc::kOp, 1, task->decoded_.args.tokens);
     task->Finish(ran, 1, task->decoded_.args.tokens);
   }

@@ -234,13 +234,14 @@ struct ProducedOutput {
   const char* name;
   int field;
   v1::Tensor* tensor;
+  TensorView* view;  // what the run writes
 };
 
 // Output placements: each names one output this call produces, at most once; the transfer records
 // where it goes after the run.
 absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPlacement>& placements,
                           std::initializer_list<ProducedOutput> produced, transport::TensorTransfer* transfer,
-                          const OutputBuffers* external) {
+                          OutputBuffers* external) {
   for (int i = 0; i < placements.size(); ++i) {
     const v1::OutputPlacement& p = placements[i];
     for (int j = 0; j < i; ++j) {
@@ -270,9 +271,14 @@ absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPla
     }
     const OutputBuffers::Buffer* buffer = external != nullptr ? external->Find(found->field) : nullptr;
     const uint64_t bytes = buffer != nullptr ? buffer->bytes : found->tensor->data().size();
-    if (absl::Status s = transfer->PlaceOutput(p.shared_memory(), found->tensor, found->name, found->field, bytes);
-        !s.ok()) {
-      return s;
+    absl::StatusOr<char*> in_place =
+        transfer->PlaceOutput(p.shared_memory(), found->tensor, found->name, found->field, bytes);
+    if (!in_place.ok()) return in_place.status();
+    if (*in_place != nullptr) {
+      // The device writes it where it lies in the client's page-locked region: no buffer here.
+      found->view->data = *in_place;
+      if (external != nullptr) external->Remove(found->field);
+      found->tensor->clear_data();
     }
   }
   return absl::OkStatus();
@@ -415,11 +421,12 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
   a.y = AllocateOutput(resp->mutable_y(), DType::kBF16, {*T, C}, external, R::kYFieldNumber);
   if (a.capture_aux) a.aux = AllocateOutput(resp->mutable_aux(), DType::kBF16, {*T, C}, external, R::kAuxFieldNumber);
   if (req.output_placements_size() > 0) {
-    const ProducedOutput new_residual{"new_residual", R::kNewResidualFieldNumber, resp->mutable_new_residual()},
-        new_pre_mix{"new_pre_mix", R::kNewPreMixFieldNumber, resp->mutable_new_pre_mix()},
-        new_post_mix{"new_post_mix", R::kNewPostMixFieldNumber, resp->mutable_new_post_mix()},
-        new_comb_mix{"new_comb_mix", R::kNewCombMixFieldNumber, resp->mutable_new_comb_mix()},
-        y{"y", R::kYFieldNumber, resp->mutable_y()}, aux{"aux", R::kAuxFieldNumber, resp->mutable_aux()};
+    const ProducedOutput new_residual{"new_residual", R::kNewResidualFieldNumber, resp->mutable_new_residual(),
+                                      &a.new_residual},
+        new_pre_mix{"new_pre_mix", R::kNewPreMixFieldNumber, resp->mutable_new_pre_mix(), &a.new_pre_mix},
+        new_post_mix{"new_post_mix", R::kNewPostMixFieldNumber, resp->mutable_new_post_mix(), &a.new_post_mix},
+        new_comb_mix{"new_comb_mix", R::kNewCombMixFieldNumber, resp->mutable_new_comb_mix(), &a.new_comb_mix},
+        y{"y", R::kYFieldNumber, resp->mutable_y(), &a.y}, aux{"aux", R::kAuxFieldNumber, resp->mutable_aux(), &a.aux};
     absl::Status placed =
         a.stage == MhcStage::kHead
             ? PlaceOutputs(req.output_placements(), {new_residual, y}, transfer, external)
@@ -466,9 +473,10 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
     a.q_proj = AllocateOutput(resp->mutable_q_proj(), DType::kBF16, {*M, p.wq_b_rows}, external, R::kQProjFieldNumber);
   }
   if (req.output_placements_size() > 0) {
-    const ProducedOutput q_fp8{"q_fp8", R::kQFp8FieldNumber, resp->mutable_q_fp8()},
-        q_scale{"q_scale", R::kQScaleFieldNumber, resp->mutable_q_scale()}, kv{"kv", R::kKvFieldNumber, resp->mutable_kv()},
-        q_proj{"q_proj", R::kQProjFieldNumber, resp->mutable_q_proj()};
+    const ProducedOutput q_fp8{"q_fp8", R::kQFp8FieldNumber, resp->mutable_q_fp8(), &a.q_fp8},
+        q_scale{"q_scale", R::kQScaleFieldNumber, resp->mutable_q_scale(), &a.q_scale},
+        kv{"kv", R::kKvFieldNumber, resp->mutable_kv(), &a.kv}, q_proj{"q_proj", R::kQProjFieldNumber,
+                                                                  resp->mutable_q_proj(), &a.q_proj};
     absl::Status placed = p.has_wq_b()
                               ? PlaceOutputs(req.output_placements(), {q_fp8, q_scale, kv, q_proj}, transfer, external)
                               : PlaceOutputs(req.output_placements(), {q_fp8, q_scale, kv}, transfer, external);

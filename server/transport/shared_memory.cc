@@ -466,6 +466,7 @@ bool TensorTransfer::UseInputsInPlace(const std::vector<std::pair<const char*, c
   }
   if (static_cast<uint64_t>(last - first) > 2 * bytes + 4096) return false;
   in_place_ = HostRange{first, last, /*device_only=*/true};
+  region_in_place_ = HostRange{region->device_visible(), region->device_visible() + region->byte_size(), true};
   return true;
 }
 
@@ -524,8 +525,8 @@ absl::StatusOr<char*> TensorTransfer::ReadInput(const v1::SharedMemoryRef& ref, 
   return data;
 }
 
-absl::Status TensorTransfer::PlaceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name,
-                                         int field, uint64_t bytes) {
+absl::StatusOr<char*> TensorTransfer::PlaceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name,
+                                                  int field, uint64_t bytes) {
   if (ref.byte_size() != bytes) {
     return absl::InvalidArgumentError(absl::StrCat("output '", name, "': shared_memory.byte_size ", ref.byte_size(),
                                                    ", but the output is ", bytes, " bytes"));
@@ -542,8 +543,15 @@ absl::Status TensorTransfer::PlaceOutput(const v1::SharedMemoryRef& ref, v1::Ten
                                                      "' overlap in shared memory; outputs must be disjoint"));
     }
   }
-  outputs_.push_back(Output{*std::move(r), ref, tensor, name, field});
-  return absl::OkStatus();
+  // In the region the inputs are used in place from: the device writes it there (after it read the
+  // inputs: one lane, in order, so an output may overlap an input as with pwrite).
+  char* in_place = nullptr;
+  if (region_in_place_.begin != nullptr && r->region->device_visible() == region_in_place_.begin) {
+    in_place = const_cast<char*>(r->region->device_visible() + r->offset);
+    outputs_in_place_ = true;
+  }
+  outputs_.push_back(Output{*std::move(r), ref, tensor, name, field, in_place});
+  return in_place;
 }
 
 absl::Status TensorTransfer::WriteOutputs(OutputBuffers* external) {
@@ -556,6 +564,7 @@ absl::Status TensorTransfer::WriteOutputs(OutputBuffers* external) {
     if (absl::Status s = outputs_[i].ref.region->CheckSize(); !s.ok()) return s;
   }
   for (const Output& o : outputs_) {
+    if (o.in_place != nullptr) continue;  // the device wrote it there (its region checked above)
     // On a GPU lane the call's buffer is the lane's lent page-locked block (exec/output_buffers.h):
     // the output goes from there to the object with no copy in between.
     const OutputBuffers::Buffer* buffer = external != nullptr ? external->Find(o.field) : nullptr;

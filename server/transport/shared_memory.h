@@ -205,8 +205,14 @@ class TensorTransfer {
   // Records that output `tensor` (response field `field`, `bytes` long, its data in the call's
   // OutputBuffers or in the message) goes to `ref` after the run: byte_size must be `bytes`, and it
   // must not overlap another placed output.
-  absl::Status PlaceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name, int field,
-                           uint64_t bytes);
+  // When the request's inputs are used in place (UseInputsInPlace) and `ref` lies in the same
+  // page-locked region, returns the output's device-visible address there: the run's output view
+  // must be pointed at it (the lane's device copies it back there, ExecTarget::pinned_outputs) and
+  // WriteOutputs writes nothing for it. Null otherwise (written with pwrite after the run).
+  absl::StatusOr<char*> PlaceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name, int field,
+                                    uint64_t bytes);
+  // The region the outputs PlaceOutput placed in place lie in (device only), or empty.
+  HostRange pinned_outputs() const { return outputs_in_place_ ? region_in_place_ : HostRange{}; }
   // After a successful run: writes every placed output from where the run left it (`external`,
   // the call's OutputBuffers, when it holds the output's field, else the tensor's message data),
   // then drops it from both and sets the tensor's shared_memory reference, so the response
@@ -225,6 +231,7 @@ class TensorTransfer {
     v1::Tensor* tensor;
     const char* name;
     int field;
+    const char* in_place;  // written by the device where it lies (PlaceOutput), or null
   };
   absl::StatusOr<ResolvedRef> Resolve(const v1::SharedMemoryRef& ref, const char* tensor);
 
@@ -234,6 +241,8 @@ class TensorTransfer {
   std::vector<std::unique_ptr<char[], AlignedDelete>> staging_;
   HostStagingPool::Lease pinned_;  // ReadInputsIntoPinned's block, or none
   HostRange in_place_;             // UseInputsInPlace's span, or none
+  HostRange region_in_place_;      // the whole page-locked region those inputs lie in
+  bool outputs_in_place_ = false;  // some output placed there (PlaceOutput)
   absl::Status deferred_error_;    // a lookup UseInputsInPlace made failed: ReadInput's answer
   size_t pinned_used_ = 0;
   uint64_t staged_bytes_ = 0;

@@ -214,7 +214,8 @@ TEST(SharedMemory, OnLanesInputsAreReadIntoPinnedMemoryAndCopiedFromThereInOneCo
 // Page-locked regions (a device backend with lanes): the inputs are not read at decode; the lane
 // copies them to the device where they lie, in one copy. So bytes the client changes while the
 // request waits at the lane are the ones the kernels see (pread at decode would have read the old
-// ones): the outputs are bitwise TCP's for the new inputs. The region is unlocked once
+// ones): the outputs are bitwise TCP's for the new inputs. Outputs placed in the same region are
+// copied back by the device where they lie, one copy each. The region is unlocked once
 // unregistered. (The lane test backend's "DMA" is a CPU memcpy that accepts only staging or locked
 // memory, so this also checks that nothing else copies from the region.)
 TEST(SharedMemory, OnLanesInputsInAPageLockedRegionAreCopiedWhereTheyLie) {
@@ -244,6 +245,7 @@ TEST(SharedMemory, OnLanesInputsInAPageLockedRegionAreCopiedWhereTheyLie) {
       ASSERT_TRUE((*shm)->Prepare(by_ref, MhcConfigOf(spec)).ok());
       PoisonOutputs(**shm, by_ref.output_placements());
       control->copies_to_device = 0;
+      control->copies_to_host = 0;
       control->Hold();
       absl::StatusOr<v1::MhcSeamResponse> got;
       std::thread caller([&] { got = c->MhcSeam(by_ref); });
@@ -259,6 +261,8 @@ TEST(SharedMemory, OnLanesInputsInAPageLockedRegionAreCopiedWhereTheyLie) {
       caller.join();
       ASSERT_TRUE(got.ok()) << got.status();
       EXPECT_EQ(control->copies_to_device.load(), 1);
+      // Each output copied back by the device where it lies in the region (none through staging).
+      EXPECT_EQ(control->copies_to_host.load(), by_ref.output_placements_size());
       ASSERT_TRUE((*shm)->Fetch(*got).ok());
       ExpectMhcEqual(*got, *tcp);
     }  // unregistered and removed
