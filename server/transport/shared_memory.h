@@ -1,17 +1,19 @@
 // System shared memory transport (same host): the registry of the regions clients register, and
 // the per-request transfer that reads input tensors from them and writes outputs into them.
 //
-// Why the server never maps a region (mmap): the object belongs to the client, and any process
-// holding it can ftruncate it smaller at any time. A mapping of the truncated part raises SIGBUS on
-// the next access (a kernel reading an input, a copy writing an output), which would kill the
-// server, and no check before the access can close that race. A SIGBUS guard (sigsetjmp around
-// every access) would have to cover the CPU backend's worker threads and every kernel, and cannot
-// guard a GPU's DMA. So every byte moves with pread/pwrite on the descriptor opened at registration:
-// a shrunk object makes pread return short, which is a FAILED_PRECONDITION for that request, and
-// no address of the server's memory is ever derived from client-controlled numbers (Triton's
-// CVE-2025-23319 chain ended in read/write access to memory through a registered region). The cost
-// is one copy per direction (page cache <-> the request's staging buffer), against the several
-// copies of serialising, sending and parsing the same bytes over a socket.
+// Why the CPU never touches a mapping of a region: the object belongs to the client, and any
+// process holding it can ftruncate it smaller at any time. A CPU access to a mapping of the
+// truncated part raises SIGBUS (a kernel reading an input, a copy writing an output), which would
+// kill the server, and no check before the access can close that race; a SIGBUS guard (sigsetjmp
+// around every access) would have to cover the CPU backend's worker threads and every kernel. So
+// the CPU moves bytes only with pread/pwrite on the descriptor opened at registration: a shrunk
+// object makes pread return short, a FAILED_PRECONDITION for that request. The one mapping is for a
+// GPU's copy engines (SharedMemoryRegion::LockForDevice): page-locked at registration, read and
+// written only by DMA, which reaches the locked pages even after a truncation and cannot fault.
+// The only server addresses derived from client numbers are a region's own mapping plus a
+// bounds-checked offset (Triton's CVE-2025-23319 chain ended in read/write access to memory
+// through a registered region). The pread path costs one copy per direction (page cache <-> the
+// request's buffers); the locked path none.
 //
 // Ownership: a region belongs to the identity that registered it (auth/caller_identity.h); region
 // names live in a per-identity namespace, so another identity's region is NOT_FOUND, exactly as a
