@@ -240,7 +240,7 @@ struct ProducedOutput {
 // Output placements: each names one output this call produces, at most once; the transfer records
 // where it goes after the run.
 absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPlacement>& placements,
-                          std::initializer_list<ProducedOutput> produced, transport::TensorTransfer* transfer,
+                          const std::vector<ProducedOutput>& produced, transport::TensorTransfer* transfer,
                           OutputBuffers* external) {
   for (int i = 0; i < placements.size(); ++i) {
     const v1::OutputPlacement& p = placements[i];
@@ -421,21 +421,17 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
   a.y = AllocateOutput(resp->mutable_y(), DType::kBF16, {*T, C}, external, R::kYFieldNumber);
   if (a.capture_aux) a.aux = AllocateOutput(resp->mutable_aux(), DType::kBF16, {*T, C}, external, R::kAuxFieldNumber);
   if (req.output_placements_size() > 0) {
-    const ProducedOutput new_residual{"new_residual", R::kNewResidualFieldNumber, resp->mutable_new_residual(),
-                                      &a.new_residual},
-        new_pre_mix{"new_pre_mix", R::kNewPreMixFieldNumber, resp->mutable_new_pre_mix(), &a.new_pre_mix},
-        new_post_mix{"new_post_mix", R::kNewPostMixFieldNumber, resp->mutable_new_post_mix(), &a.new_post_mix},
-        new_comb_mix{"new_comb_mix", R::kNewCombMixFieldNumber, resp->mutable_new_comb_mix(), &a.new_comb_mix},
-        y{"y", R::kYFieldNumber, resp->mutable_y(), &a.y}, aux{"aux", R::kAuxFieldNumber, resp->mutable_aux(), &a.aux};
-    absl::Status placed =
-        a.stage == MhcStage::kHead
-            ? PlaceOutputs(req.output_placements(), {new_residual, y}, transfer, external)
-        : a.capture_aux
-            ? PlaceOutputs(req.output_placements(), {new_residual, new_pre_mix, new_post_mix, new_comb_mix, y, aux},
-                           transfer, external)
-            : PlaceOutputs(req.output_placements(), {new_residual, new_pre_mix, new_post_mix, new_comb_mix, y}, transfer,
-                           external);
-    if (!placed.ok()) return placed;
+    // Only the outputs this call produces (mutable_* would add the others to the response).
+    std::vector<ProducedOutput> produced = {
+        {"new_residual", R::kNewResidualFieldNumber, resp->mutable_new_residual(), &a.new_residual}};
+    if (a.stage != MhcStage::kHead) {
+      produced.push_back({"new_pre_mix", R::kNewPreMixFieldNumber, resp->mutable_new_pre_mix(), &a.new_pre_mix});
+      produced.push_back({"new_post_mix", R::kNewPostMixFieldNumber, resp->mutable_new_post_mix(), &a.new_post_mix});
+      produced.push_back({"new_comb_mix", R::kNewCombMixFieldNumber, resp->mutable_new_comb_mix(), &a.new_comb_mix});
+    }
+    produced.push_back({"y", R::kYFieldNumber, resp->mutable_y(), &a.y});
+    if (a.capture_aux) produced.push_back({"aux", R::kAuxFieldNumber, resp->mutable_aux(), &a.aux});
+    if (absl::Status s = PlaceOutputs(req.output_placements(), produced, transfer, external); !s.ok()) return s;
   }
 
   // The library's own contract check, so nothing invalid reaches the executor.
@@ -473,14 +469,12 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
     a.q_proj = AllocateOutput(resp->mutable_q_proj(), DType::kBF16, {*M, p.wq_b_rows}, external, R::kQProjFieldNumber);
   }
   if (req.output_placements_size() > 0) {
-    const ProducedOutput q_fp8{"q_fp8", R::kQFp8FieldNumber, resp->mutable_q_fp8(), &a.q_fp8},
-        q_scale{"q_scale", R::kQScaleFieldNumber, resp->mutable_q_scale(), &a.q_scale},
-        kv{"kv", R::kKvFieldNumber, resp->mutable_kv(), &a.kv}, q_proj{"q_proj", R::kQProjFieldNumber,
-                                                                  resp->mutable_q_proj(), &a.q_proj};
-    absl::Status placed = p.has_wq_b()
-                              ? PlaceOutputs(req.output_placements(), {q_fp8, q_scale, kv, q_proj}, transfer, external)
-                              : PlaceOutputs(req.output_placements(), {q_fp8, q_scale, kv}, transfer, external);
-    if (!placed.ok()) return placed;
+    // Only the outputs this call produces (mutable_* would add the others to the response).
+    std::vector<ProducedOutput> produced = {{"q_fp8", R::kQFp8FieldNumber, resp->mutable_q_fp8(), &a.q_fp8},
+                                            {"q_scale", R::kQScaleFieldNumber, resp->mutable_q_scale(), &a.q_scale},
+                                            {"kv", R::kKvFieldNumber, resp->mutable_kv(), &a.kv}};
+    if (p.has_wq_b()) produced.push_back({"q_proj", R::kQProjFieldNumber, resp->mutable_q_proj(), &a.q_proj});
+    if (absl::Status s = PlaceOutputs(req.output_placements(), produced, transfer, external); !s.ok()) return s;
   }
 
   if (absl::Status s = ValidateSwaArgs(p, a); !s.ok()) return s;

@@ -113,6 +113,19 @@ void PoisonOutputs(const ClientSharedMemory& shm, const google::protobuf::Repeat
   }
 }
 
+// The same output tensors present as over TCP: an output the call does not produce stays absent
+// (ExpectMhcEqual / ExpectSwaEqual compare bytes, and an absent tensor's are empty too).
+template <typename Response>
+void ExpectSameOutputsPresent(const Response& got, const Response& want) {
+  const google::protobuf::Descriptor* d = Response::descriptor();
+  const google::protobuf::Reflection* r = Response::GetReflection();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = d->field(i);
+    if (f->message_type() != v1::Tensor::descriptor()) continue;
+    EXPECT_EQ(r->HasField(got, f), r->HasField(want, f)) << f->name();
+  }
+}
+
 v1::SharedMemoryRef Ref(const std::string& region, uint64_t offset, uint64_t bytes) {
   v1::SharedMemoryRef r;
   r.set_region(region);
@@ -167,6 +180,7 @@ TEST(SharedMemory, MhcOutputsEqualTcpBitwiseForEveryStageAndPath) {
         EXPECT_EQ(got->report().path(), tcp->report().path());
         ASSERT_TRUE((*shm)->Fetch(*got).ok());
         ExpectMhcEqual(*got, *tcp);
+        ExpectSameOutputsPresent(*got, *tcp);
       }
     }
   }
@@ -208,6 +222,7 @@ TEST(SharedMemory, OnLanesInputsAreReadIntoPinnedMemoryAndCopiedFromThereInOneCo
     EXPECT_EQ(control->copies_to_device.load(), 1);
     ASSERT_TRUE((*shm)->Fetch(*got).ok());
     ExpectMhcEqual(*got, *tcp);
+    ExpectSameOutputsPresent(*got, *tcp);
   }
 }
 
@@ -265,6 +280,7 @@ TEST(SharedMemory, OnLanesInputsInAPageLockedRegionAreCopiedWhereTheyLie) {
       EXPECT_EQ(control->copies_to_host.load(), by_ref.output_placements_size());
       ASSERT_TRUE((*shm)->Fetch(*got).ok());
       ExpectMhcEqual(*got, *tcp);
+      ExpectSameOutputsPresent(*got, *tcp);
     }  // unregistered and removed
     // Unlocked when the last in-flight reference lets go (the call's end, just after its response).
     for (int i = 0; i < 500 && control->page_locks.load() != 0; ++i) {
@@ -321,6 +337,7 @@ TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsAre
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(control->copies_to_device.load(), 1);
     ExpectMhcEqual(*got, *tcp);
+    ExpectSameOutputsPresent(*got, *tcp);
     obj.Truncate(4096);
     absl::Status s = c->MhcSeam(by_ref).status();
     EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
@@ -337,6 +354,7 @@ TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsAre
     absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
     ASSERT_TRUE(got.ok()) << got.status();
     ExpectMhcEqual(*got, *tcp);
+    ExpectSameOutputsPresent(*got, *tcp);
     ASSERT_TRUE(c->UnregisterSystemSharedMemory("r").ok());
   }
   {  // Every input by reference, but far apart in the region: the span is mostly gaps, so pread.
@@ -358,6 +376,7 @@ TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsAre
     absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
     ASSERT_TRUE(got.ok()) << got.status();
     ExpectMhcEqual(*got, *tcp);
+    ExpectSameOutputsPresent(*got, *tcp);
     ASSERT_TRUE(c->UnregisterSystemSharedMemory("r").ok());
   }
   {  // Beyond the locked budget (1 MiB here): registered, not locked, read with pread.
@@ -373,6 +392,7 @@ TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsAre
     absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
     ASSERT_TRUE(got.ok()) << got.status();
     ExpectMhcEqual(*got, *tcp);
+    ExpectSameOutputsPresent(*got, *tcp);
     ASSERT_TRUE(c->UnregisterSystemSharedMemory("big").ok());
   }
   EXPECT_EQ(MetricValue(ScrapeWhenIdle(*ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
@@ -412,6 +432,7 @@ TEST(SharedMemory, SwaOutputsEqualTcpBitwiseForEveryLayout) {
       EXPECT_TRUE(got->q_fp8().has_shared_memory());
       ASSERT_TRUE((*shm)->Fetch(*got).ok());
       ExpectSwaEqual(*got, *tcp);
+      ExpectSameOutputsPresent(*got, *tcp);
     }
   }
 }
@@ -629,6 +650,7 @@ TEST_F(SharedMemoryTokens, ARegionBelongsToTheTokenThatRegisteredIt) {
   absl::StatusOr<v1::MhcSeamResponse> tcp = a->MhcSeam(req);
   ASSERT_TRUE(tcp.ok());
   ExpectMhcEqual(*got, *tcp);
+  ExpectSameOutputsPresent(*got, *tcp);
   listed = a->SystemSharedMemoryStatus();
   ASSERT_TRUE(listed.ok());
   ASSERT_EQ(listed->regions_size(), 1);
