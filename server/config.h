@@ -41,6 +41,9 @@ struct ServerConfig {
   // first request of a batch may wait for compatible ones (0: only those already queued).
   int64_t max_batch_tokens = 0;
   int64_t max_queue_delay_us = 0;
+  // Idle spinning of the executor's workers (server/exec/executor.h, SpinOptions): microseconds a
+  // worker polls its empty queue before sleeping, one worker at a time. 0: never.
+  int64_t executor_spin_us = 0;
   // Device lanes (server/exec/device_lanes.h): streams per GPU, each with its own executor worker,
   // so one request's copies overlap another's kernel. 0 = auto (4 on a GPU); a host-accessible
   // backend (CPU) always has one worker. At most 16.

@@ -29,6 +29,9 @@ ABSL_FLAG(int64_t, max_batch_tokens, 0,
 ABSL_FLAG(int64_t, max_queue_delay_us, 0,
           "dynamic batching: how long (microseconds) a request may wait for compatible ones to join its launch "
           "(0: only requests already queued)");
+ABSL_FLAG(int64_t, executor_spin_us, 0,
+          "how long (microseconds) an idle executor worker polls its queue before it sleeps, so a request that "
+          "arrives meanwhile starts without a thread wake-up (one worker spins at a time, only after work; 0: never)");
 ABSL_FLAG(int32_t, device_lanes, 0,
           "GPU: lanes (streams, each with its own executor worker) per device, so one request's copies overlap "
           "another's kernel; 0 = auto (4), at most 16. The CPU backend always runs one worker");
@@ -142,6 +145,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
   c.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   c.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  c.executor_spin_us = absl::GetFlag(FLAGS_executor_spin_us);
   c.device_lanes = absl::GetFlag(FLAGS_device_lanes);
   c.host_staging_bytes = absl::GetFlag(FLAGS_host_staging_bytes);
   c.host_copy_threads = absl::GetFlag(FLAGS_host_copy_threads);

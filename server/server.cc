@@ -121,7 +121,8 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
             cfg.request_staging_bytes, " bytes (--request_staging_bytes)");
   }
   srv->executor_ =
-      std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching, srv->lanes_->workers());
+      std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching, srv->lanes_->workers(),
+                                 SpinOptions{std::chrono::microseconds(cfg.executor_spin_us)});
   shadow::ShadowOptions shadow_options;
   shadow_options.sample_rate = cfg.shadow_sample_rate;
   shadow_options.queue_size = cfg.shadow_queue_size;

@@ -416,6 +416,39 @@ TEST(Executor, BoundedQueueRejectsButControlTasksPass) {
   EXPECT_TRUE(absl::IsUnavailable(ex.Submit([](double) {})));
 }
 
+// --executor_spin_us: an idle worker polls the queue, so a task submitted meanwhile is taken
+// without a wake-up; Stop() ends a spin at once (this one would last 100 s), and spinning changes
+// nothing about what runs: every task of several workers runs once.
+TEST(Executor, IdleWorkerSpinsAndTakesWorkWithoutAWakeUp) {
+  Executor ex(8, {}, /*workers=*/1, SpinOptions{std::chrono::seconds(100)});
+  // Bounded, so a worker that never spins fails the test instead of hanging it.
+  const auto wait_until = [](auto done) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!done() && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    return done();
+  };
+  std::atomic<int> ran{0};
+  for (int i = 1; i <= 3; ++i) {
+    ASSERT_TRUE(wait_until([&] { return ex.spinning(); }));
+    ASSERT_TRUE(ex.Submit([&](double) { ++ran; }).ok());
+    ASSERT_TRUE(wait_until([&] { return ran.load() == i; }));
+    EXPECT_EQ(ex.taken_while_spinning(), static_cast<uint64_t>(i));
+  }
+  ASSERT_TRUE(wait_until([&] { return ex.spinning(); }));
+  ex.Stop();
+  EXPECT_FALSE(ex.spinning());
+  EXPECT_TRUE(absl::IsUnavailable(ex.Submit([](double) {})));
+
+  Executor many(64, {}, /*workers=*/4, SpinOptions{std::chrono::microseconds(500)});
+  std::atomic<int> count{0};
+  for (int i = 0; i < 200; ++i) {
+    while (absl::IsResourceExhausted(many.Submit([&](double) { ++count; }))) std::this_thread::yield();
+  }
+  ASSERT_TRUE(many.SubmitControl([&](double) { ++count; }).ok());
+  many.Stop();
+  EXPECT_EQ(count.load(), 201);
+}
+
 TEST(Config, DisableFusedAndLimits) {
   ServerConfig c;
   ASSERT_TRUE(ParseDisableFused(" mhc , swa", c).ok());
@@ -458,6 +491,14 @@ TEST(Config, DisableFusedAndLimits) {
   c.max_queue_delay_us = 60'000'000;
   EXPECT_TRUE(c.Validate().ok());
   c.max_queue_delay_us = 0;
+  // Idle spinning: [0, 10 ms].
+  for (const int64_t bad : {int64_t{-1}, int64_t{10'001}}) {
+    c.executor_spin_us = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  c.executor_spin_us = 10'000;
+  EXPECT_TRUE(c.Validate().ok());
+  c.executor_spin_us = 0;
   // The new admission limits.
   c.max_concurrent_streams = 0;
   EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
