@@ -134,6 +134,54 @@ v1::SharedMemoryRef Ref(const std::string& region, uint64_t offset, uint64_t byt
   return r;
 }
 
+// A server on the lane test backend (one lane; device memory apart from the host's, copies only
+// from page-locked blocks) with shared memory on and `set` loaded, its backend's counters and a client.
+struct LaneShmServer {
+  std::unique_ptr<TestServer> ts;
+  std::shared_ptr<LaneTestBackend::Control> control;
+  std::unique_ptr<FusedLayerClient> client;
+};
+LaneShmServer StartLaneShmServer(const PackedWeightSet& set, server::ServerConfig cfg = ShmConfig(),
+                                 bool refuse_page_lock = false) {
+  auto backend = std::make_unique<LaneTestBackend>(8);
+  LaneShmServer s;
+  s.control = backend->control();
+  s.control->refuse_page_lock = refuse_page_lock;
+  cfg.device_lanes = 1;
+  s.ts = TestServer::Start(cfg, std::move(backend), {set});
+  if (s.ts != nullptr) s.client = ClientFor(*s.ts);
+  return s;
+}
+
+// Runs `by_ref` and expects TCP's answer `tcp` bitwise, with the same outputs present (those
+// placed in `shm`, when given, fetched from there first).
+void ExpectSameAsTcp(FusedLayerClient& c, const v1::MhcSeamRequest& by_ref, const v1::MhcSeamResponse& tcp,
+                     ClientSharedMemory* shm = nullptr) {
+  absl::StatusOr<v1::MhcSeamResponse> got = c.MhcSeam(by_ref);
+  ASSERT_TRUE(got.ok()) << got.status();
+  if (shm != nullptr) ASSERT_TRUE(shm->Fetch(*got).ok());
+  ExpectMhcEqual(*got, tcp);
+  ExpectSameOutputsPresent(*got, tcp);
+}
+
+// `req` with each of its mHC inputs written into `obj` and referenced in region `name`: the first
+// at `first`, each next at next_offset(offset, bytes) of the one before.
+template <typename NextOffset>
+v1::MhcSeamRequest InputsByReference(const v1::MhcSeamRequest& req, TestObject& obj, const std::string& name,
+                                     uint64_t first, NextOffset next_offset) {
+  v1::MhcSeamRequest by_ref = req;
+  uint64_t at = first;
+  for (auto [ref, in] : {std::pair{by_ref.mutable_x(), &req.x()}, {by_ref.mutable_residual(), &req.residual()},
+                         {by_ref.mutable_post_mix(), &req.post_mix()}, {by_ref.mutable_comb_mix(), &req.comb_mix()},
+                         {by_ref.mutable_pre_mix(), &req.pre_mix()}}) {
+    std::memcpy(obj.data() + at, in->data().data(), in->data().size());
+    *ref->mutable_shared_memory() = Ref(name, at, in->data().size());
+    ref->clear_data();
+    at = next_offset(at, in->data().size());
+  }
+  return by_ref;
+}
+
 // ---- bitwise equality with TCP ------------------------------------------------------------------
 
 TEST(SharedMemory, MhcOutputsEqualTcpBitwiseForEveryStageAndPath) {
@@ -195,34 +243,23 @@ TEST(SharedMemory, MhcOutputsEqualTcpBitwiseForEveryStageAndPath) {
 TEST(SharedMemory, OnLanesInputsAreReadIntoPinnedMemoryAndCopiedFromThereInOneCopy) {
   std::mt19937_64 rng = MakeRng(43);
   const PackedWeightSet set = MakeWeightSet(rng, "shm/lanes", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
-  auto backend = std::make_unique<LaneTestBackend>(8);
-  const std::shared_ptr<LaneTestBackend::Control> control = backend->control();
-  control->refuse_page_lock = true;
-  server::ServerConfig cfg = ShmConfig();
-  cfg.device_lanes = 1;
-  auto ts = TestServer::Start(cfg, std::move(backend), {set});
-  ASSERT_NE(ts, nullptr);
-  auto c = ClientFor(*ts);
-  ASSERT_NE(c, nullptr);
+  LaneShmServer server = StartLaneShmServer(set, ShmConfig(), /*refuse_page_lock=*/true);
+  ASSERT_NE(server.client, nullptr);
   for (int64_t T : {int64_t{1}, int64_t{7}, int64_t{600}}) {  // 600: R is 1.5 MB, x 0.4 MB
     SCOPED_TRACE(::testing::Message() << "T " << T);
     const MhcRequestSpec spec{.hc_mult = 4, .hidden = 320, .tokens = T};
     v1::MhcSeamRequest req = MakeMhcRequest(rng, "shm/lanes", spec);
-    absl::StatusOr<v1::MhcSeamResponse> tcp = c->MhcSeam(req);
+    absl::StatusOr<v1::MhcSeamResponse> tcp = server.client->MhcSeam(req);
     ASSERT_TRUE(tcp.ok()) << tcp.status();
     absl::StatusOr<std::unique_ptr<ClientSharedMemory>> shm =
-        ClientSharedMemory::Create(*c, client::MhcRequestSharedBytes(req, MhcConfigOf(spec)));
+        ClientSharedMemory::Create(*server.client, client::MhcRequestSharedBytes(req, MhcConfigOf(spec)));
     ASSERT_TRUE(shm.ok()) << shm.status();
     v1::MhcSeamRequest by_ref = req;
     ASSERT_TRUE((*shm)->Prepare(by_ref, MhcConfigOf(spec)).ok());
     PoisonOutputs(**shm, by_ref.output_placements());
-    control->copies_to_device = 0;
-    absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
-    ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(control->copies_to_device.load(), 1);
-    ASSERT_TRUE((*shm)->Fetch(*got).ok());
-    ExpectMhcEqual(*got, *tcp);
-    ExpectSameOutputsPresent(*got, *tcp);
+    server.control->copies_to_device = 0;
+    ExpectSameAsTcp(*server.client, by_ref, *tcp, shm->get());
+    EXPECT_EQ(server.control->copies_to_device.load(), 1);
   }
 }
 
@@ -236,14 +273,10 @@ TEST(SharedMemory, OnLanesInputsAreReadIntoPinnedMemoryAndCopiedFromThereInOneCo
 TEST(SharedMemory, OnLanesInputsInAPageLockedRegionAreCopiedWhereTheyLie) {
   std::mt19937_64 rng = MakeRng(44);
   const PackedWeightSet set = MakeWeightSet(rng, "shm/locked", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
-  auto backend = std::make_unique<LaneTestBackend>(8);
-  const std::shared_ptr<LaneTestBackend::Control> control = backend->control();
-  server::ServerConfig cfg = ShmConfig();
-  cfg.device_lanes = 1;
-  auto ts = TestServer::Start(cfg, std::move(backend), {set});
-  ASSERT_NE(ts, nullptr);
-  auto c = ClientFor(*ts);
-  ASSERT_NE(c, nullptr);
+  LaneShmServer server = StartLaneShmServer(set);
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* const c = server.client.get();
+  LaneTestBackend::Control* const control = server.control.get();
   for (int64_t T : {int64_t{1}, int64_t{7}, int64_t{600}}) {
     SCOPED_TRACE(::testing::Message() << "T " << T);
     const MhcRequestSpec spec{.hc_mult = 4, .hidden = 320, .tokens = T};
@@ -288,7 +321,7 @@ TEST(SharedMemory, OnLanesInputsInAPageLockedRegionAreCopiedWhereTheyLie) {
     }
     EXPECT_EQ(control->page_locks.load(), 0);
   }
-  EXPECT_EQ(MetricValue(ScrapeWhenIdle(*ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
+  EXPECT_EQ(MetricValue(ScrapeWhenIdle(*server.ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
 }
 
 // Page-locked regions: a shrunk or removed object is refused before the device copies anything
@@ -298,46 +331,28 @@ TEST(SharedMemory, OnLanesInputsInAPageLockedRegionAreCopiedWhereTheyLie) {
 TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsArePread) {
   std::mt19937_64 rng = MakeRng(45);
   const PackedWeightSet set = MakeWeightSet(rng, "shm/locked2", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
-  auto backend = std::make_unique<LaneTestBackend>(8);
-  const std::shared_ptr<LaneTestBackend::Control> control = backend->control();
   server::ServerConfig cfg = ShmConfig();
-  cfg.device_lanes = 1;
   cfg.shared_memory_locked_bytes = uint64_t{1} << 20;
-  auto ts = TestServer::Start(cfg, std::move(backend), {set});
-  ASSERT_NE(ts, nullptr);
-  auto c = ClientFor(*ts);
-  ASSERT_NE(c, nullptr);
+  LaneShmServer server = StartLaneShmServer(set, cfg);
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* const c = server.client.get();
+  LaneTestBackend::Control* const control = server.control.get();
   const MhcRequestSpec spec{.hc_mult = 4, .hidden = 320, .tokens = 5};
   const v1::MhcSeamRequest req = MakeMhcRequest(rng, "shm/locked2", spec);
   absl::StatusOr<v1::MhcSeamResponse> tcp = c->MhcSeam(req);
   ASSERT_TRUE(tcp.ok()) << tcp.status();
   const uint64_t x_bytes = req.x().data().size();
-  // Every input by reference at 256-byte steps from `base` of region `name` (object `obj`).
-  auto all_by_ref = [&](TestObject& obj, const std::string& name, uint64_t base) {
-    v1::MhcSeamRequest by_ref = req;
-    uint64_t at = base;
-    for (auto [ref, in] : {std::pair{by_ref.mutable_x(), &req.x()}, {by_ref.mutable_residual(), &req.residual()},
-                           {by_ref.mutable_post_mix(), &req.post_mix()}, {by_ref.mutable_comb_mix(), &req.comb_mix()},
-                           {by_ref.mutable_pre_mix(), &req.pre_mix()}}) {
-      std::memcpy(obj.data() + at, in->data().data(), in->data().size());
-      *ref->mutable_shared_memory() = Ref(name, at, in->data().size());
-      ref->clear_data();
-      at += (in->data().size() + 255) / 256 * 256;
-    }
-    return by_ref;
-  };
   {  // In place; then shrunk after registration: refused before any copy, no crash, still serving.
     SCOPED_TRACE("In place; then shrunk after re");
     TestObject obj(uint64_t{64} << 10);
     ASSERT_TRUE(c->RegisterSystemSharedMemory("r", obj.key(), 0, uint64_t{64} << 10).ok());
     EXPECT_EQ(control->page_locks.load(), 1);
-    const v1::MhcSeamRequest by_ref = all_by_ref(obj, "r", 4096);
+    // Every input by reference at 256-byte steps.
+    const v1::MhcSeamRequest by_ref =
+        InputsByReference(req, obj, "r", 4096, [](uint64_t at, uint64_t bytes) { return at + (bytes + 255) / 256 * 256; });
     control->copies_to_device = 0;
-    absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
-    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectSameAsTcp(*c, by_ref, *tcp);
     EXPECT_EQ(control->copies_to_device.load(), 1);
-    ExpectMhcEqual(*got, *tcp);
-    ExpectSameOutputsPresent(*got, *tcp);
     obj.Truncate(4096);
     absl::Status s = c->MhcSeam(by_ref).status();
     EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
@@ -351,10 +366,7 @@ TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsAre
     v1::MhcSeamRequest by_ref = req;
     *by_ref.mutable_x()->mutable_shared_memory() = Ref("r", 4096, x_bytes);
     by_ref.mutable_x()->clear_data();
-    absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
-    ASSERT_TRUE(got.ok()) << got.status();
-    ExpectMhcEqual(*got, *tcp);
-    ExpectSameOutputsPresent(*got, *tcp);
+    ExpectSameAsTcp(*c, by_ref, *tcp);
     ASSERT_TRUE(c->UnregisterSystemSharedMemory("r").ok());
   }
   {  // Every input by reference, but far apart in the region: the span is mostly gaps, so pread.
@@ -362,21 +374,10 @@ TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsAre
     const uint64_t gap = uint64_t{256} << 10;
     TestObject obj(2 * gap + (uint64_t{1} << 16));
     ASSERT_TRUE(c->RegisterSystemSharedMemory("r", obj.key(), 0, 2 * gap + (uint64_t{1} << 16)).ok());
-    v1::MhcSeamRequest by_ref = req;
-    uint64_t at = 0;
-    for (auto [ref, in] : {std::pair{by_ref.mutable_x(), &req.x()}, {by_ref.mutable_residual(), &req.residual()},
-                           {by_ref.mutable_post_mix(), &req.post_mix()}, {by_ref.mutable_comb_mix(), &req.comb_mix()},
-                           {by_ref.mutable_pre_mix(), &req.pre_mix()}}) {
-      std::memcpy(obj.data() + at, in->data().data(), in->data().size());
-      *ref->mutable_shared_memory() = Ref("r", at, in->data().size());
-      ref->clear_data();
-      at += (at == 0 ? 2 * gap : (in->data().size() + 4095) / 4096 * 4096);
-    }
-    control->copies_to_device = 0;
-    absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
-    ASSERT_TRUE(got.ok()) << got.status();
-    ExpectMhcEqual(*got, *tcp);
-    ExpectSameOutputsPresent(*got, *tcp);
+    const v1::MhcSeamRequest by_ref = InputsByReference(req, obj, "r", 0, [&](uint64_t at, uint64_t bytes) {
+      return at + (at == 0 ? 2 * gap : (bytes + 4095) / 4096 * 4096);
+    });
+    ExpectSameAsTcp(*c, by_ref, *tcp);
     ASSERT_TRUE(c->UnregisterSystemSharedMemory("r").ok());
   }
   {  // Beyond the locked budget (1 MiB here): registered, not locked, read with pread.
@@ -389,13 +390,10 @@ TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsAre
     v1::MhcSeamRequest by_ref = req;
     *by_ref.mutable_x()->mutable_shared_memory() = Ref("big", 0, x_bytes);
     by_ref.mutable_x()->clear_data();
-    absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
-    ASSERT_TRUE(got.ok()) << got.status();
-    ExpectMhcEqual(*got, *tcp);
-    ExpectSameOutputsPresent(*got, *tcp);
+    ExpectSameAsTcp(*c, by_ref, *tcp);
     ASSERT_TRUE(c->UnregisterSystemSharedMemory("big").ok());
   }
-  EXPECT_EQ(MetricValue(ScrapeWhenIdle(*ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
+  EXPECT_EQ(MetricValue(ScrapeWhenIdle(*server.ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
 }
 
 TEST(SharedMemory, SwaOutputsEqualTcpBitwiseForEveryLayout) {
