@@ -84,8 +84,9 @@ absl::Status ServerConfig::Validate() const {
         absl::StrCat("--max_queue_delay_us must be in [0, 60000000], got ", max_queue_delay_us));
   }
   // Spinning longer than 10 ms only burns a core: a request that far apart pays nothing for a wake-up.
-  if (executor_spin_us < 0 || executor_spin_us > 10'000) {
-    return absl::InvalidArgumentError(absl::StrCat("--executor_spin_us must be in [0, 10000], got ", executor_spin_us));
+  if (executor_spin_us < -1 || executor_spin_us > 10'000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--executor_spin_us must be in [0, 10000] or -1 (auto), got ", executor_spin_us));
   }
   if (device_lanes < 0 || device_lanes > 16) {
     return absl::InvalidArgumentError(absl::StrCat("--device_lanes must be in [0, 16] (0: auto), got ", device_lanes));

@@ -23,6 +23,11 @@ ListenKind ListenKindOf(std::string_view address);
 // The filesystem path of a unix: address ("unix:/run/fl.sock" -> "/run/fl.sock"); empty otherwise.
 std::string UnixSocketPath(std::string_view address);
 
+// What --executor_spin_us=-1 means on a device backend with lanes: longer than the ~150-350 us
+// between one response and a closed-loop caller's next request on the H200 host (BENCHMARKS.md,
+// session 12), so a per-layer caller's next request finds a worker awake.
+inline constexpr int64_t kAutoExecutorSpinUs = 500;
+
 struct ServerConfig {
   // host:port, unix:PATH or unix-abstract:NAME (see ListenKind).
   std::string address = "0.0.0.0:50051";
@@ -42,8 +47,10 @@ struct ServerConfig {
   int64_t max_batch_tokens = 0;
   int64_t max_queue_delay_us = 0;
   // Idle spinning of the executor's workers (server/exec/executor.h, SpinOptions): microseconds a
-  // worker polls its empty queue before sleeping, one worker at a time. 0: never.
-  int64_t executor_spin_us = 0;
+  // worker polls its empty queue before sleeping, one worker at a time. 0: never; -1 (default):
+  // kAutoExecutorSpinUs on a device backend with lanes, 0 on a host-accessible backend (the CPU
+  // backend's kernels need every core).
+  int64_t executor_spin_us = -1;
   // Device lanes (server/exec/device_lanes.h): streams per GPU, each with its own executor worker,
   // so one request's copies overlap another's kernel. 0 = auto (4 on a GPU); a host-accessible
   // backend (CPU) always has one worker. At most 16.

@@ -120,9 +120,12 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
             " host copy helper threads (--host_copy_threads), requests read into pinned memory up to ",
             cfg.request_staging_bytes, " bytes (--request_staging_bytes)");
   }
+  const int64_t spin_us =
+      cfg.executor_spin_us >= 0 ? cfg.executor_spin_us : (srv->lanes_->lanes() > 0 ? kAutoExecutorSpinUs : 0);
+  LogInfo("executor: ", srv->lanes_->workers(), " worker(s), idle spin ", spin_us, " us (--executor_spin_us)");
   srv->executor_ =
       std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching, srv->lanes_->workers(),
-                                 SpinOptions{std::chrono::microseconds(cfg.executor_spin_us)});
+                                 SpinOptions{std::chrono::microseconds(spin_us)});
   shadow::ShadowOptions shadow_options;
   shadow_options.sample_rate = cfg.shadow_sample_rate;
   shadow_options.queue_size = cfg.shadow_queue_size;

@@ -60,7 +60,14 @@ if want sanitize; then
   sanitize memcheck-swa_contract_tests memcheck ./swa_contract_tests --gtest_brief=1 --gtest_filter='*cuda*' &
   # Lanes: four streams at once through pinned staging (stream-ordered allocation, async copies,
   # one event wait each): an early reuse of staging or device memory is a memcheck error.
-  [ -x ./gpu_lanes_tests ] && sanitize memcheck-gpu_lanes_tests memcheck ./gpu_lanes_tests --gtest_brief=1 &
+  [ -x ./gpu_lanes_tests ] && sanitize memcheck-gpu_lanes_tests memcheck ./gpu_lanes_tests --gtest_brief=1 \
+    --gtest_filter='-*TruncatedObjectNeverFaults*' &
+  # That test page-locks a mapping that reaches past its object's end, which must fail
+  # (cudaHostRegister: invalid argument, on purpose); memcheck counts a failed API call as an error
+  # (2: the call and the cudaGetLastError that clears it), so it runs apart with API error reports
+  # off. Memory errors of its copies from the truncated object are still reported and fail the run.
+  [ -x ./gpu_lanes_tests ] && sanitize memcheck-gpu_lanes_page_lock memcheck --report-api-errors no ./gpu_lanes_tests \
+    --gtest_brief=1 --gtest_filter='*TruncatedObjectNeverFaults*' &
   # The SWA graph/fused tests run cuBLASLt's wq_b GEMM (nvjet_sm90_qqtst_*: closed source,
   # warp-specialised; its producer and consumer warps are ordered by mbarriers). racecheck reports
   # 32 hazards there (potential WAR on shared memory between those warps; the tests' outputs are
@@ -89,8 +96,8 @@ if want sanitize; then
   racecheck_known_cublaslt racecheck-gpu_swa_tests --error-exitcode 9 ./gpu_swa_tests --gtest_brief=1 \
     --gtest_filter='*Graph*:*Fused*' &
   wait
-  # Every run above passed (six, or five when the bundle has no gpu_lanes_tests).
-  runs=$([ -x ./gpu_lanes_tests ] && echo 6 || echo 5)
+  # Every run above passed (seven, or five when the bundle has no gpu_lanes_tests).
+  runs=$([ -x ./gpu_lanes_tests ] && echo 7 || echo 5)
   [ "$(grep -c -- '-> PASS' "$OUT/sanitizers.log")" -eq "$runs" ] || failed=1
 fi
 if want bench; then

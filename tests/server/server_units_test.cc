@@ -491,14 +491,15 @@ TEST(Config, DisableFusedAndLimits) {
   c.max_queue_delay_us = 60'000'000;
   EXPECT_TRUE(c.Validate().ok());
   c.max_queue_delay_us = 0;
-  // Idle spinning: [0, 10 ms].
-  for (const int64_t bad : {int64_t{-1}, int64_t{10'001}}) {
+  // Idle spinning: [0, 10 ms], or -1 (auto, the default).
+  EXPECT_EQ(c.executor_spin_us, -1);
+  for (const int64_t bad : {int64_t{-2}, int64_t{10'001}}) {
     c.executor_spin_us = bad;
     EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
   }
   c.executor_spin_us = 10'000;
   EXPECT_TRUE(c.Validate().ok());
-  c.executor_spin_us = 0;
+  c.executor_spin_us = -1;
   // The new admission limits.
   c.max_concurrent_streams = 0;
   EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
