@@ -4,6 +4,7 @@
 #include <cstring>
 #include <memory>
 #include <utility>
+#include <vector>
 
 namespace fusedlayer::server {
 
@@ -53,7 +54,6 @@ size_t AlignUp(size_t n) { return (n + kTensorAlign - 1) / kTensorAlign * kTenso
 // Inputs are staged and copied in pieces of this size (see Stage). 1 MiB: ~20-40 us of copy at
 // PCIe rates, long enough that the ~3-5 us per enqueued copy stays small.
 constexpr size_t kStageChunkBytes = size_t{1} << 20;
-constexpr size_t kPinnedInputAlign = 64;
 }  // namespace
 
 LaneStaging::~LaneStaging() {
@@ -73,29 +73,21 @@ void LaneStaging::Output(const TensorView& host, TensorView* dev) {
 
 const char* LaneStaging::LayOutPinnedInputs() {
   if (pinned_.begin == nullptr) return nullptr;
-  const char* first = nullptr;
-  const char* last = nullptr;
+  std::vector<HostPiece> pieces;
   for (const Tensor& t : tensors_) {
     if (!t.input || t.bytes == 0) continue;
     const char* p = static_cast<const char*>(t.host.data);
     if (!pinned_.Contains(p, t.bytes)) return nullptr;
-    if (first == nullptr || p < first) first = p;
-    if (last == nullptr || p + t.bytes > last) last = p + t.bytes;
+    pieces.push_back(HostPiece{p, t.bytes});
   }
-  if (first == nullptr) return nullptr;  // no input bytes: nothing to save
-  // Offsets in the device block as in pinned_: each must keep its alignment there. 64 bytes (a
-  // cache line, 4x the kernels' widest vector load) is what shared-memory clients are held to
-  // (transport/shared_memory.h, kSharedMemoryAlignment); the request pool lays inputs out at 256.
-  for (const Tensor& t : tensors_) {
-    if (t.input && t.bytes > 0 && (static_cast<const char*>(t.host.data) - first) % kPinnedInputAlign != 0) {
-      return nullptr;
-    }
-  }
+  // Offsets in the device block as in pinned_ (no input bytes: nothing to save).
+  const HostRange span = OneCopySpan(pieces);
+  if (span.begin == nullptr) return nullptr;
   for (Tensor& t : tensors_) {
-    if (t.input && t.bytes > 0) t.offset = static_cast<size_t>(static_cast<const char*>(t.host.data) - first);
+    if (t.input && t.bytes > 0) t.offset = static_cast<size_t>(static_cast<const char*>(t.host.data) - span.begin);
   }
-  inputs_end_ = static_cast<size_t>(last - first);
-  return first;
+  inputs_end_ = static_cast<size_t>(span.end - span.begin);
+  return span.begin;
 }
 
 absl::Status LaneStaging::Stage() {

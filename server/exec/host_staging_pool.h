@@ -46,6 +46,40 @@ struct HostRange {
   }
 };
 
+// Inputs that a lane copies to the device as one span keep their offsets from the lowest one in
+// the device block, so each must lie a multiple of this from it: a cache line, 4x the kernels'
+// widest vector load. Shared-memory clients are held to it (transport/shared_memory.h); the
+// request pool lays inputs out at 256.
+inline constexpr size_t kOneCopyAlignment = 64;
+
+// One input's bytes in host memory.
+struct HostPiece {
+  const char* data;
+  size_t bytes;
+};
+
+// The span from the lowest to the end of the highest of `pieces` (those of 0 bytes ignored) when
+// they can go to the device in one copy at their offsets in it, i.e. each lies a multiple of
+// kOneCopyAlignment from the lowest; empty when not, or when there are no bytes. The one rule
+// both LaneStaging (exec/device_staging.h) and the shared-memory transport's in-place check
+// (transport/shared_memory.h, UseInputsInPlace) apply, so the transport never admits a layout
+// the lane would refuse.
+template <typename Pieces>
+HostRange OneCopySpan(const Pieces& pieces) {
+  const char* first = nullptr;
+  const char* last = nullptr;
+  for (const HostPiece& p : pieces) {
+    if (p.bytes == 0) continue;
+    if (first == nullptr || p.data < first) first = p.data;
+    if (last == nullptr || p.data + p.bytes > last) last = p.data + p.bytes;
+  }
+  if (first == nullptr) return {};
+  for (const HostPiece& p : pieces) {
+    if (p.bytes > 0 && static_cast<size_t>(p.data - first) % kOneCopyAlignment != 0) return {};
+  }
+  return HostRange{first, last};
+}
+
 // What a pool's metrics and messages call it: the lanes' pool (the default) or the pool that
 // compute requests are read into (rpc/wire_messages.h, ReadWireRequest).
 struct StagingPoolNames {

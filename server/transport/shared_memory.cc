@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <span>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -258,7 +259,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
   bool lock_wanted = false;
   {
     MutexLock lock(&mu_);
-    lock_wanted = locker_ != nullptr && req.byte_size() <= limits_.max_locked_bytes - locked_bytes_;
+    lock_wanted = locker_ != nullptr && LockFitsLocked(req.byte_size());
   }
   const bool locked = lock_wanted && region->LockForDevice(*locker_);
 
@@ -296,7 +297,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
   held.second += 1;
   total_regions_ += 1;
   total_bytes_ += req.byte_size();
-  if (locked && req.byte_size() <= limits_.max_locked_bytes - locked_bytes_) {
+  if (locked && LockFitsLocked(req.byte_size())) {
     locked_bytes_ += req.byte_size();
   } else if (locked) {
     region->Unlock();  // another registration took the budget meanwhile: this one is read with pread
@@ -430,13 +431,15 @@ void TensorTransfer::ReadInputsIntoPinned(HostStagingPool* pool, uint64_t input_
   if (block.ok()) pinned_ = std::move(*block);
 }
 
+// Clients' offsets are multiples of kSharedMemoryAlignment, so their inputs are always laid out
+// as a lane copies them in one piece (relative offsets multiples of kOneCopyAlignment).
+static_assert(kSharedMemoryAlignment % kOneCopyAlignment == 0);
+
 bool TensorTransfer::UseInputsInPlace(const std::vector<std::pair<const char*, const v1::Tensor*>>& inputs) {
   if (registry_ == nullptr || !registry_->locks_regions() || inputs.size() > kMaxInputs) return false;
   const SharedMemoryRegion* region = nullptr;
-  const char* at[kMaxInputs];
+  HostPiece pieces[kMaxInputs];
   size_t n = 0;
-  const char* first = nullptr;
-  const char* last = nullptr;
   uint64_t bytes = 0;
   for (const auto& [name, t] : inputs) {
     if (!t->has_shared_memory()) {
@@ -452,20 +455,15 @@ bool TensorTransfer::UseInputsInPlace(const std::vector<std::pair<const char*, c
     }
     if (r->region->device_visible() == nullptr || (region != nullptr && r->region.get() != region)) return false;
     region = r->region.get();
-    const char* p = region->device_visible() + r->offset;
-    at[n++] = p;
-    if (first == nullptr || p < first) first = p;
-    if (last == nullptr || p + r->byte_size > last) last = p + r->byte_size;
+    pieces[n++] = HostPiece{region->device_visible() + r->offset, static_cast<size_t>(r->byte_size)};
     bytes += r->byte_size;
   }
   if (region == nullptr || bytes == 0) return false;
   // As the lane lays out inputs it copies in one piece (exec/device_staging.h), and no span
   // that is mostly gaps between the inputs (the device block is the span's size).
-  for (size_t i = 0; i < n; ++i) {
-    if ((at[i] - first) % kSharedMemoryAlignment != 0) return false;
-  }
-  if (static_cast<uint64_t>(last - first) > 2 * bytes + 4096) return false;
-  in_place_ = HostRange{first, last, /*device_only=*/true};
+  const HostRange span = OneCopySpan(std::span<const HostPiece>(pieces, n));
+  if (span.begin == nullptr || static_cast<uint64_t>(span.end - span.begin) > 2 * bytes + 4096) return false;
+  in_place_ = HostRange{span.begin, span.end, /*device_only=*/true};
   region_in_place_ = HostRange{region->device_visible(), region->device_visible() + region->byte_size(), true};
   return true;
 }

@@ -157,6 +157,11 @@ class SharedMemoryRegistry {
   // Drops the identity's regions whose objects were removed (a client that died, then cleanup).
   void PruneVanishedLocked(const std::string& identity) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // True when `bytes` more fit --shared_memory_locked_bytes (asked before locking a region, and
+  // again when it is published, since another registration may have taken the budget meanwhile).
+  bool LockFitsLocked(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return bytes <= limits_.max_locked_bytes - locked_bytes_;
+  }
 
   const SharedMemoryLimits limits_;
   Backend* const locker_;
