@@ -125,6 +125,7 @@ class Executor {
   // Tasks taken by a worker while it was spinning (SpinOptions), i.e. without a wake-up (tests).
   uint64_t taken_while_spinning() const { return taken_while_spinning_.load(std::memory_order_relaxed); }
   bool spinning() const { return spinning_.load(std::memory_order_acquire); }  // a worker polls now (tests)
+  std::chrono::microseconds idle_spin() const { return spin_.idle_spin; }
 
  private:
   struct Item {

@@ -881,6 +881,27 @@ TEST(Pipeline, LaneCountsAndFlagBounds) {
   EXPECT_TRUE(absl::IsInvalidArgument(cfg.Validate()));
 }
 
+// --executor_spin_us=-1 (the default) spins on a device backend with lanes and not on the CPU
+// backend, whose kernels want every core; an explicit value is taken as it is on either.
+TEST(Pipeline, IdleSpinIsAutoOnLanesAndOffOnTheCpu) {
+  struct Case {
+    bool lanes;
+    int64_t flag;
+    int64_t spin_us;
+  };
+  for (const Case& k : {Case{true, -1, server::kAutoExecutorSpinUs}, Case{false, -1, 0}, Case{true, 0, 0},
+                        Case{false, 123, 123}}) {
+    SCOPED_TRACE(::testing::Message() << "lanes " << k.lanes << " flag " << k.flag);
+    server::ServerConfig cfg = TestConfig();
+    EXPECT_EQ(cfg.executor_spin_us, -1);
+    cfg.executor_spin_us = k.flag;
+    cfg.device_lanes = k.lanes ? 2 : 0;
+    auto ts = TestServer::Start(cfg, k.lanes ? std::make_unique<LaneTestBackend>(2) : nullptr);
+    ASSERT_NE(ts, nullptr);
+    EXPECT_EQ(ts->server().executor().idle_spin(), std::chrono::microseconds(k.spin_us));
+  }
+}
+
 // A request whose outputs are outside its response message (exec/output_buffers.h) run alone on
 // a lane: the staging block is lent to its outputs instead of being copied into them, the outputs
 // are bitwise those of the CPU run, and the block goes back to the pool when the last owner of the
