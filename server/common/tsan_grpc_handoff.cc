@@ -73,7 +73,11 @@ extern "C" grpc_call_error grpc_call_start_batch(grpc_call* call, const grpc_op*
   // A callback-queue tag is a grpc_completion_queue_functor whose first member is its run
   // function; any other tag (a C++ object with a vtable, or null) never holds StaticRun's address.
   auto* functor = static_cast<grpc_completion_queue_functor*>(tag);
-  if (functor != nullptr && functor->functor_run == g_static_run) {
+  // A tag already routed through the trampoline is one that a reactor reuses for each operation
+  // of its kind (a streaming reader's read tag is Set once, then every StartRead starts a batch
+  // with it): each start must release again, or every read after the first is unordered with its
+  // completion (TSan then reported CallOpSet's fields in LoadWeights streams of several chunks).
+  if (functor != nullptr && (functor->functor_run == g_static_run || functor->functor_run == &Trampoline)) {
     __tsan_release(functor);
     functor->functor_run = &Trampoline;
   }
