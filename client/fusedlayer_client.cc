@@ -157,6 +157,30 @@ absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> FusedLayerClient::Unreg
   return Unary(*stub_, &v1::FusedLayer::Stub::UnregisterSystemSharedMemory, request, call);
 }
 
+absl::StatusOr<uint64_t> FusedLayerClient::OpenResidualSession(const std::string& name, int64_t tokens, int hc_mult,
+                                                               int64_t hidden, const CallOptions& call) const {
+  v1::OpenResidualSessionRequest request;
+  request.set_name(name);
+  request.set_tokens(tokens);
+  request.set_hc_mult(hc_mult);
+  request.set_hidden(hidden);
+  absl::StatusOr<v1::OpenResidualSessionResponse> r =
+      Unary(*stub_, &v1::FusedLayer::Stub::OpenResidualSession, request, call);
+  if (!r.ok()) return r.status();
+  return r->bytes();
+}
+
+absl::StatusOr<v1::ListResidualSessionsResponse> FusedLayerClient::ListResidualSessions(const CallOptions& call) const {
+  return Unary(*stub_, &v1::FusedLayer::Stub::ListResidualSessions, v1::ListResidualSessionsRequest(), call);
+}
+
+absl::StatusOr<v1::CloseResidualSessionResponse> FusedLayerClient::CloseResidualSession(const std::string& name,
+                                                                                        const CallOptions& call) const {
+  v1::CloseResidualSessionRequest request;
+  request.set_name(name);
+  return Unary(*stub_, &v1::FusedLayer::Stub::CloseResidualSession, request, call);
+}
+
 absl::StatusOr<v1::GetServerInfoResponse> FusedLayerClient::GetServerInfo(const CallOptions& call) const {
   return Unary(*stub_, &v1::FusedLayer::Stub::GetServerInfo, v1::GetServerInfoRequest(), call);
 }

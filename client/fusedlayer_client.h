@@ -113,6 +113,14 @@ class FusedLayerClient {
   absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> UnregisterSystemSharedMemory(
       const std::string& name, const CallOptions& call = {}) const;
 
+  // Residual sessions (MhcSeamRequest.session): the mHC state kept on the server between seams.
+  // OpenResidualSession returns the bytes the session holds; an empty name closes every session.
+  absl::StatusOr<uint64_t> OpenResidualSession(const std::string& name, int64_t tokens, int hc_mult, int64_t hidden,
+                                               const CallOptions& call = {}) const;
+  absl::StatusOr<v1::ListResidualSessionsResponse> ListResidualSessions(const CallOptions& call = {}) const;
+  absl::StatusOr<v1::CloseResidualSessionResponse> CloseResidualSession(const std::string& name,
+                                                                        const CallOptions& call = {}) const;
+
   // Finds one weight set by name in ListWeightSets (NotFound if absent).
   absl::StatusOr<v1::WeightSetInfo> FindWeightSet(const std::string& name, const CallOptions& call = {}) const;
 

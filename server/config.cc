@@ -133,6 +133,15 @@ absl::Status ServerConfig::Validate() const {
         absl::StrCat("--shared_memory_max_regions must be in [1, 4096], got ", shared_memory_max_regions));
   }
   if (shared_memory_max_bytes < 1) return absl::InvalidArgumentError("--shared_memory_max_bytes must be >= 1");
+  if (residual_session_max_sessions < 0 || residual_session_max_sessions > 65536) {
+    return absl::InvalidArgumentError(absl::StrCat("--residual_session_max_sessions must be in [0, 65536], got ",
+                                                   residual_session_max_sessions));
+  }
+  if (residual_session_max_bytes < 1) return absl::InvalidArgumentError("--residual_session_max_bytes must be >= 1");
+  if (!(residual_session_idle_seconds >= 1 && residual_session_idle_seconds <= 86400)) {
+    return absl::InvalidArgumentError(absl::StrCat("--residual_session_idle_seconds must be in [1, 86400], got ",
+                                                   residual_session_idle_seconds));
+  }
   if (malloc_arena_max < 0 || malloc_arena_max > 1024) {
     return absl::InvalidArgumentError(absl::StrCat("--malloc_arena_max must be in [0, 1024], got ", malloc_arena_max));
   }

@@ -127,6 +127,11 @@ struct ServerConfig {
   // On a device backend with lanes: registered bytes (all identities) mapped and page-locked so the
   // device copies inputs from where they lie (transport/shared_memory.h); 0 = never.
   uint64_t shared_memory_locked_bytes = uint64_t{8} << 30;
+  // Residual sessions (transport/residual_sessions.h, docs/operations.md): per identity, sessions
+  // open and backend bytes they hold (0 sessions: off); closed after this long without a call.
+  int64_t residual_session_max_sessions = 64;
+  uint64_t residual_session_max_bytes = uint64_t{4} << 30;
+  double residual_session_idle_seconds = 600;
   // Shadow verification (server/shadow/, docs/shadow.md): the fraction of fused requests re-run
   // unfused off the critical path and compared; its bounded queue; mismatch dumps.
   double shadow_sample_rate = 0;

@@ -108,6 +108,14 @@ ABSL_FLAG(uint64_t, shared_memory_locked_bytes, uint64_t{8} << 30,
           "on a device backend: bytes of registered regions (all identities) the server maps and page-locks so "
           "that the device reads inputs where they lie; regions beyond it are read with pread; 0 = never");
 
+// Residual sessions (server/transport/residual_sessions.h, docs/operations.md).
+ABSL_FLAG(int64_t, residual_session_max_sessions, 64,
+          "residual sessions one identity may hold open (0 to 65536); 0: sessions are off (FAILED_PRECONDITION)");
+ABSL_FLAG(uint64_t, residual_session_max_bytes, uint64_t{4} << 30,
+          "device (backend) bytes the residual sessions of one identity may hold");
+ABSL_FLAG(double, residual_session_idle_seconds, 600,
+          "a residual session without a call for this long is closed and its memory freed (1 to 86400)");
+
 // Shadow verification (server/shadow/, docs/shadow.md).
 ABSL_FLAG(double, shadow_sample_rate, 0,
           "fraction (0 to 1) of requests that ran fused to re-run unfused after the response and compare "
@@ -174,6 +182,9 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.shared_memory_max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
   c.shared_memory_max_bytes = absl::GetFlag(FLAGS_shared_memory_max_bytes);
   c.shared_memory_locked_bytes = absl::GetFlag(FLAGS_shared_memory_locked_bytes);
+  c.residual_session_max_sessions = absl::GetFlag(FLAGS_residual_session_max_sessions);
+  c.residual_session_max_bytes = absl::GetFlag(FLAGS_residual_session_max_bytes);
+  c.residual_session_idle_seconds = absl::GetFlag(FLAGS_residual_session_idle_seconds);
   c.shadow_sample_rate = absl::GetFlag(FLAGS_shadow_sample_rate);
   c.shadow_queue_size = absl::GetFlag(FLAGS_shadow_queue_size);
   c.shadow_queue_max_bytes = absl::GetFlag(FLAGS_shadow_queue_max_bytes);

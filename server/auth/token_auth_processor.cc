@@ -26,10 +26,12 @@ bool RightForMethod(absl::string_view path, uint8_t* right) {
   }
   if (!absl::StartsWith(path, kFusedLayerPrefix)) return false;
   const absl::string_view method = path.substr(kFusedLayerPrefix.size());
-  // The shared-memory RPCs act only on the caller's own regions (auth/caller_identity.h).
+  // The shared-memory and residual-session RPCs act only on the caller's own regions and sessions
+  // (auth/caller_identity.h).
   if (method == "MhcSeam" || method == "SwaNormQuant" || method == "GetServerInfo" || method == "ListWeightSets" ||
       method == "RegisterSystemSharedMemory" || method == "SystemSharedMemoryStatus" ||
-      method == "UnregisterSystemSharedMemory") {
+      method == "UnregisterSystemSharedMemory" || method == "OpenResidualSession" ||
+      method == "ListResidualSessions" || method == "CloseResidualSession") {
     *right = kRightCompute;
     return true;
   }

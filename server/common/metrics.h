@@ -33,8 +33,11 @@ enum class Method : uint8_t {
   kRegisterSystemSharedMemory,
   kSystemSharedMemoryStatus,
   kUnregisterSystemSharedMemory,
+  kOpenResidualSession,
+  kListResidualSessions,
+  kCloseResidualSession,
 };
-inline constexpr int kNumMethods = 9;
+inline constexpr int kNumMethods = 12;
 const char* MethodName(Method m);
 // gRPC code name as the "code" label: "OK", "INVALID_ARGUMENT", ...
 const char* StatusCodeName(grpc::StatusCode code);

@@ -18,6 +18,7 @@ size_t ViewExtentBytes(const TensorView& v) {
 absl::StatusOr<TensorView> DeviceStaging::Mirror(const TensorView& host, bool copy_in) {
   if (direct_ || host.empty_view()) return host;
   const size_t bytes = ViewExtentBytes(host);
+  if (resident_.Contains(host.data, bytes)) return host;  // already in backend memory
   absl::StatusOr<DeviceBuffer> buf = backend_.Allocate(bytes);
   if (!buf.ok()) return buf.status();
   TensorView dev = host;
@@ -33,7 +34,7 @@ absl::StatusOr<TensorView> DeviceStaging::Input(const TensorView& host) { return
 
 absl::StatusOr<TensorView> DeviceStaging::Output(const TensorView& host) {
   absl::StatusOr<TensorView> dev = Mirror(host, /*copy_in=*/false);
-  if (dev.ok() && !direct_ && !host.empty_view()) outputs_.emplace_back(host, *dev);
+  if (dev.ok() && dev->data != host.data) outputs_.emplace_back(host, *dev);
   return dev;
 }
 
@@ -63,12 +64,16 @@ LaneStaging::~LaneStaging() {
 
 void LaneStaging::Input(const TensorView& host, TensorView* dev) {
   *dev = host;
-  if (!host.empty_view()) tensors_.push_back(Tensor{host, dev, ViewExtentBytes(host), 0, true});
+  const size_t bytes = ViewExtentBytes(host);
+  if (!host.empty_view() && !resident_.Contains(host.data, bytes)) tensors_.push_back(Tensor{host, dev, bytes, 0, true});
 }
 
 void LaneStaging::Output(const TensorView& host, TensorView* dev) {
   *dev = host;
-  if (!host.empty_view()) tensors_.push_back(Tensor{host, dev, ViewExtentBytes(host), 0, false});
+  const size_t bytes = ViewExtentBytes(host);
+  if (!host.empty_view() && !resident_.Contains(host.data, bytes)) {
+    tensors_.push_back(Tensor{host, dev, bytes, 0, false});
+  }
 }
 
 const char* LaneStaging::LayOutPinnedInputs() {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "exec/device_range.h"
 #include "exec/host_staging_pool.h"
 #include "exec/output_buffers.h"
 #include "exec/stage_times.h"
@@ -18,7 +19,9 @@ namespace fusedlayer::server {
 
 class DeviceStaging {
  public:
-  explicit DeviceStaging(Backend& backend) : backend_(backend), direct_(backend.host_accessible()) {}
+  // Views inside `resident` (backend memory the server keeps, exec/device_range.h) pass through.
+  explicit DeviceStaging(Backend& backend, DeviceRange resident = {})
+      : backend_(backend), direct_(backend.host_accessible()), resident_(resident) {}
 
   // The view to give the backend for a host input / output view. Empty views (absent optional
   // tensors) pass through. ResourceExhausted when the device is out of memory.
@@ -31,6 +34,7 @@ class DeviceStaging {
 
   Backend& backend_;
   const bool direct_;
+  const DeviceRange resident_;
   std::vector<DeviceBuffer> buffers_;
   std::vector<std::pair<TensorView, TensorView>> outputs_;  // (host, device)
 };
@@ -52,10 +56,13 @@ class DeviceStaging {
 // client's page-locked shared memory) and the inputs do not lie so, Stage() fails rather than read it.
 // Outputs that lie in `pinned_outputs` (page-locked memory that outlives the call) are copied back
 // by the device each where it lies, one copy per output, and never pass through staging.
+// Views that lie in `resident` (device memory the server keeps between calls: a residual session,
+// exec/device_range.h) are the kernels' as they are: neither staged nor copied.
 class LaneStaging {
  public:
-  LaneStaging(Lane& lane, HostStagingPool& pool, HostRange pinned = {}, HostRange pinned_outputs = {})
-      : lane_(lane), pool_(pool), pinned_(pinned), pinned_outputs_(pinned_outputs) {}
+  LaneStaging(Lane& lane, HostStagingPool& pool, HostRange pinned = {}, HostRange pinned_outputs = {},
+              DeviceRange resident = {})
+      : lane_(lane), pool_(pool), pinned_(pinned), pinned_outputs_(pinned_outputs), resident_(resident) {}
   ~LaneStaging();
 
   // `*dev` is set by Stage() (empty views pass through unchanged).
@@ -89,6 +96,7 @@ class LaneStaging {
   HostStagingPool& pool_;
   const HostRange pinned_;
   const HostRange pinned_outputs_;
+  const DeviceRange resident_;
   std::vector<Tensor> tensors_;
   // Stage()'s layout: inputs in [0, inputs_end_), outputs in [outputs_begin_, outputs_end_).
   size_t inputs_end_ = 0;

@@ -53,14 +53,15 @@ absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcW
                         {&dev.new_post_mix, &host.new_post_mix}, {&dev.new_comb_mix, &host.new_comb_mix},
                         {&dev.y, &host.y}, {&dev.aux, &host.aux}};
   if (target.lane != nullptr) {
-    LaneStaging staging(*target.lane, *target.staging, target.pinned_inputs, target.pinned_outputs);
+    LaneStaging staging(*target.lane, *target.staging, target.pinned_inputs, target.pinned_outputs,
+                        target.resident);
     for (auto [dst, src] : inputs) staging.Input(*src, dst);
     for (auto [dst, src] : outputs) staging.Output(*src, dst);
     return RunOnLane(target, dev, staging,
                      [&](const MhcArgs& a) { return target.lane->EnqueueMhc(weights, a, path); });
   }
   StageClock clock(target.times);
-  DeviceStaging staging(target.backend);
+  DeviceStaging staging(target.backend, target.resident);
   for (auto [dst, src] : inputs) {
     FL_ASSIGN_OR_RETURN(*dst, staging.Input(*src));
   }
@@ -82,14 +83,15 @@ absl::StatusOr<RunStats> RunSwaCall(const ExecTarget& target, const PreparedSwaW
   const auto outputs = {std::pair{&dev.q_fp8, &host.q_fp8}, {&dev.q_scale, &host.q_scale}, {&dev.kv, &host.kv},
                         {&dev.q_proj, &host.q_proj}};
   if (target.lane != nullptr) {
-    LaneStaging staging(*target.lane, *target.staging, target.pinned_inputs, target.pinned_outputs);
+    LaneStaging staging(*target.lane, *target.staging, target.pinned_inputs, target.pinned_outputs,
+                        target.resident);
     staging.Input(host.qr_kv, &dev.qr_kv);
     for (auto [dst, src] : outputs) staging.Output(*src, dst);
     return RunOnLane(target, dev, staging,
                      [&](const SwaArgs& a) { return target.lane->EnqueueSwa(weights, a, path); });
   }
   StageClock clock(target.times);
-  DeviceStaging staging(target.backend);
+  DeviceStaging staging(target.backend, target.resident);
   FL_ASSIGN_OR_RETURN(dev.qr_kv, staging.Input(host.qr_kv));
   for (auto [dst, src] : outputs) {
     FL_ASSIGN_OR_RETURN(*dst, staging.Output(*src));

@@ -21,7 +21,10 @@
 //     shadow verification, which are rare and serialised by the executor.
 #pragma once
 
+#include <vector>
+
 #include "absl/status/statusor.h"
+#include "exec/device_range.h"
 #include "exec/host_staging_pool.h"
 #include "exec/stage_times.h"
 #include "fusedlayer/backend.h"
@@ -33,6 +36,14 @@ class OutputBuffers;
 struct MhcCall {
   MhcArgs args;  // host views: inputs over the request, outputs over the response
   MhcShapeQuery query;
+  // Outputs that the run leaves in backend memory the server keeps (a residual session's state,
+  // ExecTarget::resident) and that the response also wants: copied to `host` after the run.
+  struct CopyBack {
+    void* host;
+    const void* device;
+    size_t bytes;
+  };
+  std::vector<CopyBack> copies_after_run;
 };
 
 struct SwaCall {
@@ -57,6 +68,9 @@ struct ExecTarget {
   // back there by the device, each where it lies, never through staging (a request's outputs in
   // its page-locked shared-memory region, transport/shared_memory.h).
   HostRange pinned_outputs;
+  // Backend memory that outlives the run (a residual session's block, transport/
+  // residual_sessions.h), or empty: views inside it are handed to the kernels as they are.
+  DeviceRange resident;
 };
 
 absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcWeights& weights,

@@ -55,7 +55,7 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
               const typename Rpc::Request* request, typename Rpc::Response* response,
               std::shared_ptr<const WeightSet> set, typename Rpc::Call decoded,
               std::unique_ptr<transport::TensorTransfer> transfer, std::unique_ptr<WireTensorData> wire,
-              bool shadow_sampled, double decode_seconds)
+              transport::ResidualSessionStore::Lease session, bool shadow_sampled, double decode_seconds)
       : service_(service),
         call_(call),
         held_(held),
@@ -65,6 +65,7 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
         decoded_(std::move(decoded)),
         transfer_(std::move(transfer)),
         wire_(std::move(wire)),
+        session_(std::move(session)),
         outputs_(call->outputs()->empty() ? nullptr : call->outputs()),
         shadow_sampled_(shadow_sampled),
         decode_seconds_(decode_seconds) {}
@@ -74,8 +75,10 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   // nothing to share.
   // Inputs used where they lie in page-locked shared memory are the device's to read only, and a
   // batch is assembled by memcpy (exec/batch_assembly.h).
+  // A residual session's state is in device memory, which batch assembly cannot gather.
   bool batchable() const override {
-    return !request_->verify() && decoded_.args.tokens > 0 && !(transfer_ != nullptr && transfer_->inputs_in_place());
+    return !request_->verify() && decoded_.args.tokens > 0 && !(transfer_ != nullptr && transfer_->inputs_in_place()) &&
+           !session_.held();
   }
   bool CompatibleWith(const BatchableTask& other) const override {
     const auto* o = dynamic_cast<const ComputeTask*>(&other);
@@ -118,6 +121,9 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   // The request's tensor data when it was read into a pinned block instead of the message
   // (rpc/wire_messages.h): the decoded views point into it. Never null.
   const std::unique_ptr<WireTensorData> wire_;
+  // The residual session this call holds (transport/residual_sessions.h), or none. Released before
+  // the response is sent, so that the client's next call of the session finds it free.
+  transport::ResidualSessionStore::Lease session_;
   // Where the request's output views point when not into the response message (exec/output_buffers.h):
   // run alone on a lane, they may take over its staging block instead of a copy. Null otherwise.
   OutputBuffers* const outputs_;
@@ -148,6 +154,7 @@ absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(con
   target.outputs = outputs;
   target.pinned_inputs = pinned_inputs;
   target.pinned_outputs = pinned_outputs;
+  if (session_.held()) target.resident = session_.memory();
   return RunWithFallback(Rpc::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what,
                          [&](Path path) { return Rpc::Run(target, part, call, path); });
 }
@@ -162,6 +169,7 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
     task->queue_seconds_ = queue_seconds[i];
     metrics.ObserveQueue(queue_seconds[i]);
     if (absl::Status s = task->call_->LaunchCheck(); !s.ok()) {
+      task->session_ = {};
       task->call_->Complete(std::move(s));  // expired or cancelled while queued: not launched
       continue;
     }
@@ -216,6 +224,19 @@ void FusedLayerService::ComputeTask<Rpc>::Finish(const absl::StatusOr<DispatchOu
   Metrics& metrics = service_.metrics_;
   shadow::ShadowVerifier& shadow = service_.shadow_;
   std::unique_ptr<shadow::ShadowVerifier::Job> shadow_job;
+  if (ran.ok() && session_.held()) {
+    // The new state is in the session's other copy: copies for the response (return_state), then
+    // it becomes the session's state. A failed call leaves the session as it was.
+    for (const MhcCall::CopyBack& c : Rpc::CopiesAfterRun(decoded_)) {
+      if (absl::Status s = service_.backend_.CopyToHost(c.host, c.device, c.bytes); !s.ok()) {
+        session_ = {};
+        call_->Complete(std::move(s));
+        return;
+      }
+    }
+    session_.Commit(Rpc::LeavesMixes(decoded_), set_->name);
+  }
+  session_ = {};  // before the response: the client's next call of the session may come at once
   if (ran.ok() && transfer_ != nullptr) {
     // Outputs to their regions before the report: a region that shrank or vanished meanwhile
     // fails this request alone (FAILED_PRECONDITION), the batch it shared a launch with is not affected.
@@ -325,22 +346,30 @@ absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Me
   if (transfer != nullptr && !transfer->UseInputsInPlace(transport::InputTensors(*request))) {
     transfer->ReadInputsIntoPinned(lanes_.request_staging(), staged_bytes);
   }
-  // A request the shadow verifier samples (fused runs only; a shared-memory request is not
-  // sampled: the shadow job re-reads the inline messages) keeps its outputs in the response
+  // A residual session call holds its session from here to its response (one call at a time).
+  transport::ResidualSessionStore::Lease session;
+  if (const std::string& name = Rpc::SessionName(*request); !name.empty()) {
+    absl::StatusOr<transport::ResidualSessionStore::Lease> held =
+        sessions_.Acquire(auth::CallerIdentity(*call->context(), !config_.auth_tokens_file.empty()), name);
+    if (!held.ok()) return held.status();
+    session = std::move(*held);
+  }
+  // A request the shadow verifier samples (fused runs only; a shared-memory or session request is
+  // not sampled: the shadow job re-reads the inline messages) keeps its outputs in the response
   // message for the job to read; every other one has them outside it, sent without copies.
-  const bool shadow_sampled = transfer == nullptr && !request->verify() && shadow_.Sample();
+  const bool shadow_sampled = transfer == nullptr && !session.held() && !request->verify() && shadow_.Sample();
   // Both read the request's tensors from its message.
   if (request->verify() || shadow_sampled) wire->MoveIntoMessages();
   absl::StatusOr<typename Rpc::Call> decoded =
       Rpc::Decode(*request, *Rpc::Part(**set), config_.max_tokens, response, transfer.get(),
-                  shadow_sampled ? nullptr : call->outputs(), wire.get());
+                  shadow_sampled ? nullptr : call->outputs(), wire.get(), session.held() ? &session : nullptr);
   if (!decoded.ok()) return decoded.status();
   response->set_request_id(RequestId(request->request_id()));
   // The decode stage ends here: the queue wait starts inside SubmitBatchable.
   const double decode_seconds = call->elapsed();
   return executor_.SubmitBatchable(std::make_unique<ComputeTask<Rpc>>(
       *this, call, held, request, response, std::move(*set), std::move(*decoded), std::move(transfer), std::move(wire),
-      shadow_sampled, decode_seconds));
+      std::move(session), shadow_sampled, decode_seconds));
 }
 
 }  // namespace fusedlayer::server

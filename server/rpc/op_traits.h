@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "rpc/proto_convert.h"
 #include "shadow/shadow_verifier.h"
 #include "shadow/shared_messages.h"
+#include "transport/residual_sessions.h"
 #include "transport/shared_memory.h"
 #include "weights/weight_set.h"
 
@@ -38,9 +40,15 @@ struct MhcRpc {
   }
   static absl::StatusOr<MhcCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
                                         Response* response, transport::TensorTransfer* transfer,
-                                        OutputBuffers* external, const WireTensorData* wire) {
-    return DecodeMhcRequest(request, w, max_tokens, response, transfer, external, wire);
+                                        OutputBuffers* external, const WireTensorData* wire,
+                                        const transport::ResidualSessionStore::Lease* session) {
+    return DecodeMhcRequest(request, w, max_tokens, response, transfer, external, wire, session);
   }
+  // Residual sessions (transport/residual_sessions.h): the session a request names (empty: none),
+  // whether a call leaves mixes in it, and the state copies its response asked for.
+  static const std::string& SessionName(const Request& request) { return request.session(); }
+  static bool LeavesMixes(const MhcCall& c) { return c.args.stage != MhcStage::kHead; }
+  static const std::vector<MhcCall::CopyBack>& CopiesAfterRun(const MhcCall& c) { return c.copies_after_run; }
   static FusedSupport Support(Backend& backend, const Prepared& w, const MhcCall& c) {
     return backend.MhcFusedSupport(w, c.query);
   }
@@ -88,8 +96,19 @@ struct SwaRpc {
   }
   static absl::StatusOr<SwaCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
                                         Response* response, transport::TensorTransfer* transfer,
-                                        OutputBuffers* external, const WireTensorData* wire) {
+                                        OutputBuffers* external, const WireTensorData* wire,
+                                        const transport::ResidualSessionStore::Lease* /*session: never*/) {
     return DecodeSwaRequest(request, w, max_tokens, response, transfer, external, wire);
+  }
+  // SWA has no state between layers: no residual sessions.
+  static const std::string& SessionName(const Request&) {
+    static const std::string none;
+    return none;
+  }
+  static bool LeavesMixes(const SwaCall&) { return false; }
+  static const std::vector<MhcCall::CopyBack>& CopiesAfterRun(const SwaCall&) {
+    static const std::vector<MhcCall::CopyBack> none;
+    return none;
   }
   static FusedSupport Support(Backend& backend, const Prepared& w, const SwaCall& c) {
     return backend.SwaFusedSupport(w, c.query);

@@ -328,10 +328,13 @@ absl::StatusOr<uint64_t> MhcResponseBytes(const v1::MhcSeamRequest& req, const P
   if (!T.ok()) return T.status();
   if (absl::Status s = CheckTokens(*T, max_tokens, "x"); !s.ok()) return s;
   const int64_t n = weights.params().hc_mult, C = weights.params().hidden;
-  // The same tensors DecodeMhcRequest allocates below.
-  absl::StatusOr<uint64_t> bytes = SumDenseBytes({{DType::kBF16, {*T, n, C}}, {DType::kBF16, {*T, C}}});
+  // The same tensors DecodeMhcRequest allocates below. A residual session call keeps the new
+  // residual and mixes in its session unless it asks for them (return_state).
+  const bool state_in_response = req.session().empty() || req.return_state();
+  absl::StatusOr<uint64_t> bytes =
+      SumDenseBytes({{DType::kBF16, {*T, state_in_response ? n : 0, C}}, {DType::kBF16, {*T, C}}});
   if (!bytes.ok()) return bytes;
-  if (FromProto(req.stage()) != MhcStage::kHead) {
+  if (state_in_response && FromProto(req.stage()) != MhcStage::kHead) {
     absl::StatusOr<uint64_t> mix =
         SumDenseBytes({{DType::kFP32, {*T, n}}, {DType::kFP32, {*T, n}}, {DType::kFP32, {*T, n, n}}});
     if (!mix.ok()) return mix;
@@ -361,12 +364,46 @@ absl::StatusOr<uint64_t> SwaResponseBytes(const v1::SwaNormQuantRequest& req, co
 
 namespace {
 
+// A session call's request against its session (MhcSeamRequest.session): what it may carry and
+// whether the session can serve its stage. The shapes are checked by the caller.
+absl::Status CheckSessionRequest(const v1::MhcSeamRequest& req, const transport::ResidualSessionStore::Lease& session) {
+  if (req.verify()) {
+    return absl::InvalidArgumentError(
+        "verify is not supported with a residual session (the comparison needs every tensor inline)");
+  }
+  if (transport::UsesSharedMemory(req)) {
+    return absl::InvalidArgumentError("a residual session call takes no shared-memory tensors or output placements");
+  }
+  if (FromProto(req.stage()) == MhcStage::kFirst) return absl::OkStatus();
+  const char* why = "with a residual session (the session holds it)";
+  for (auto [present, name] : {std::pair{req.has_residual(), "residual"}, {req.has_post_mix(), "post_mix"},
+                               {req.has_comb_mix(), "comb_mix"}, {req.has_pre_mix(), "pre_mix"}}) {
+    if (absl::Status s = ExpectAbsent(present, name, why); !s.ok()) return s;
+  }
+  if (!session.has_residual()) {
+    return absl::FailedPreconditionError(absl::StrCat("residual session '", session.session().name(),
+                                                      "' has no residual yet: start it with a FIRST-stage call"));
+  }
+  if (!session.has_mixes()) {
+    return absl::FailedPreconditionError(absl::StrCat("residual session '", session.session().name(),
+                                                      "' has no mixes: its last call was the HEAD stage; start the "
+                                                      "stream again with a FIRST-stage call"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
                                              int64_t max_tokens, v1::MhcSeamResponse* resp,
                                              transport::TensorTransfer* transfer, OutputBuffers* external,
-                                             const WireTensorData* wire) {
+                                             const WireTensorData* wire,
+                                             const transport::ResidualSessionStore::Lease* session) {
   if (absl::Status s = CheckStageAndMode(req); !s.ok()) return s;
   if (absl::Status s = CheckVerify(req.verify(), transport::UsesSharedMemory(req)); !s.ok()) return s;
+  if (session != nullptr) {
+    if (absl::Status s = CheckSessionRequest(req, *session); !s.ok()) return s;
+  } else if (req.return_state()) {
+    return absl::InvalidArgumentError("return_state needs a residual session (MhcSeamRequest.session)");
+  }
   const MhcHyperParams& p = weights.params();
   const int64_t n = p.hc_mult, C = p.hidden;
   MhcCall call;
@@ -385,9 +422,30 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
   if (!T.ok()) return T.status();
   if (absl::Status s = CheckTokens(*T, max_tokens, "x"); !s.ok()) return s;
   a.tokens = *T;
+  if (session != nullptr) {
+    const transport::ResidualSessionShape& s = session->session().shape();
+    if (s.hc_mult != n || s.hidden != C) {
+      return absl::InvalidArgumentError(absl::StrCat("residual session '", session->session().name(), "' holds n = ",
+                                                     s.hc_mult, ", C = ", s.hidden, "; weight set '", req.weight_set(),
+                                                     "' has n = ", n, ", C = ", C));
+    }
+    if (*T != s.tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor 'x' has ", *T, " tokens; residual session '",
+                                                     session->session().name(), "' holds ", s.tokens));
+    }
+  }
   FL_ASSIGN_OR_RETURN(a.x, DecodeTensor(req.x(), "x", DType::kBF16, {*T, C}, transfer, wire));
 
-  if (a.stage == MhcStage::kFirst) {
+  if (session != nullptr) {
+    // The state as the session holds it, in backend memory (the lanes pass it through as it is).
+    if (a.stage != MhcStage::kFirst) {
+      const transport::ResidualState& cur = session->current();
+      a.residual = cur.residual;
+      a.post_mix = cur.post_mix;
+      a.comb_mix = cur.comb_mix;
+      if (a.mode == MhcMode::kShifted) a.pre_mix = cur.pre_mix;
+    }
+  } else if (a.stage == MhcStage::kFirst) {
     const char* why = "for stage FIRST (x is the embedding)";
     for (auto [present, name] : {std::pair{req.has_residual(), "residual"}, {req.has_post_mix(), "post_mix"},
                                  {req.has_comb_mix(), "comb_mix"}, {req.has_pre_mix(), "pre_mix"}}) {
@@ -408,15 +466,39 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
 
   using R = v1::MhcSeamResponse;
   external = OutputsOutsideMessage(req, external);
-  a.new_residual = AllocateOutput(resp->mutable_new_residual(), DType::kBF16, {*T, n, C}, external,
-                                  R::kNewResidualFieldNumber);
-  if (a.stage != MhcStage::kHead) {
-    a.new_pre_mix =
-        AllocateOutput(resp->mutable_new_pre_mix(), DType::kFP32, {*T, n}, external, R::kNewPreMixFieldNumber);
-    a.new_post_mix =
-        AllocateOutput(resp->mutable_new_post_mix(), DType::kFP32, {*T, n}, external, R::kNewPostMixFieldNumber);
-    a.new_comb_mix =
-        AllocateOutput(resp->mutable_new_comb_mix(), DType::kFP32, {*T, n, n}, external, R::kNewCombMixFieldNumber);
+  if (session != nullptr) {
+    // The new state goes to the session's other copy, made current when the call succeeds
+    // (Lease::Commit). With return_state the response gets a copy of it after the run.
+    const transport::ResidualState& next = session->next();
+    a.new_residual = next.residual;
+    if (a.stage != MhcStage::kHead) {
+      a.new_pre_mix = next.pre_mix;
+      a.new_post_mix = next.post_mix;
+      a.new_comb_mix = next.comb_mix;
+    }
+    if (req.return_state()) {
+      auto copy_back = [&](v1::Tensor* out, const TensorView& dev, std::initializer_list<int64_t> dims, int field) {
+        const TensorView host = AllocateOutput(out, dev.dtype, dims, external, field);
+        call.copies_after_run.push_back(MhcCall::CopyBack{host.data, dev.data, host.numel() * DTypeSize(dev.dtype)});
+      };
+      copy_back(resp->mutable_new_residual(), a.new_residual, {*T, n, C}, R::kNewResidualFieldNumber);
+      if (a.stage != MhcStage::kHead) {
+        copy_back(resp->mutable_new_pre_mix(), a.new_pre_mix, {*T, n}, R::kNewPreMixFieldNumber);
+        copy_back(resp->mutable_new_post_mix(), a.new_post_mix, {*T, n}, R::kNewPostMixFieldNumber);
+        copy_back(resp->mutable_new_comb_mix(), a.new_comb_mix, {*T, n, n}, R::kNewCombMixFieldNumber);
+      }
+    }
+  } else {
+    a.new_residual = AllocateOutput(resp->mutable_new_residual(), DType::kBF16, {*T, n, C}, external,
+                                    R::kNewResidualFieldNumber);
+    if (a.stage != MhcStage::kHead) {
+      a.new_pre_mix =
+          AllocateOutput(resp->mutable_new_pre_mix(), DType::kFP32, {*T, n}, external, R::kNewPreMixFieldNumber);
+      a.new_post_mix =
+          AllocateOutput(resp->mutable_new_post_mix(), DType::kFP32, {*T, n}, external, R::kNewPostMixFieldNumber);
+      a.new_comb_mix = AllocateOutput(resp->mutable_new_comb_mix(), DType::kFP32, {*T, n, n}, external,
+                                      R::kNewCombMixFieldNumber);
+    }
   }
   a.y = AllocateOutput(resp->mutable_y(), DType::kBF16, {*T, C}, external, R::kYFieldNumber);
   if (a.capture_aux) a.aux = AllocateOutput(resp->mutable_aux(), DType::kBF16, {*T, C}, external, R::kAuxFieldNumber);
@@ -487,9 +569,11 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
 absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
                                          int64_t max_tokens, v1::MhcSeamResponse* resp,
                                          transport::TensorTransfer* transfer, OutputBuffers* external,
-                                         const WireTensorData* wire) {
-  return CatchAllocationFailure(
-      resp, external, [&] { return DecodeMhcRequestImpl(req, weights, max_tokens, resp, transfer, external, wire); });
+                                         const WireTensorData* wire,
+                                         const transport::ResidualSessionStore::Lease* session) {
+  return CatchAllocationFailure(resp, external, [&] {
+    return DecodeMhcRequestImpl(req, weights, max_tokens, resp, transfer, external, wire, session);
+  });
 }
 
 absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,

@@ -23,6 +23,7 @@
 #include "fusedlayer/tensor.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "grpcpp/support/status.h"
+#include "transport/residual_sessions.h"
 #include "transport/shared_memory.h"
 
 namespace fusedlayer::server {
@@ -60,13 +61,18 @@ absl::StatusOr<uint64_t> SwaResponseBytes(const v1::SwaNormQuantRequest& request
 // regions after the run. Without a transfer (null) any shared-memory tensor is FAILED_PRECONDITION;
 // verify with shared-memory tensors is INVALID_ARGUMENT (the comparison reads the inline messages).
 // With `wire`, tensors whose data ReadWireRequest put outside the message are read from there.
+// With `session` (an MhcSeam call of a residual session, held by the caller): the residual and
+// mixes are the session's current state and the new ones go to its other copy, as views of backend
+// memory (transport/residual_sessions.h); with return_state the response also gets them, copied
+// after the run (MhcCall::copies_after_run).
 // With `external`, the output tensors' data is not in the response message but in uninitialised
 // buffers of `external` (exec/output_buffers.h; the message gets their dtype and shape), except for
 // a verify request or one with output placements, whose outputs are read back from the message.
 absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
                                          int64_t max_tokens, v1::MhcSeamResponse* response,
                                          transport::TensorTransfer* transfer = nullptr,
-                                         OutputBuffers* external = nullptr, const WireTensorData* wire = nullptr);
+                                         OutputBuffers* external = nullptr, const WireTensorData* wire = nullptr,
+                                         const transport::ResidualSessionStore::Lease* session = nullptr);
 absl::StatusOr<SwaCall> DecodeSwaRequest(const v1::SwaNormQuantRequest& request, const PreparedSwaWeights& weights,
                                          int64_t max_tokens, v1::SwaNormQuantResponse* response,
                                          transport::TensorTransfer* transfer = nullptr,

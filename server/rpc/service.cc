@@ -30,6 +30,10 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
                      *metrics.registry(),
                      // Page-locked regions are copied from by the lanes only (op_calls.h).
                      lanes.request_staging() != nullptr ? &backend : nullptr),
+      sessions_(transport::ResidualSessionLimits{config.residual_session_max_sessions,
+                                                 config.residual_session_max_bytes, config.max_tokens,
+                                                 config.residual_session_idle_seconds},
+                backend, *metrics.registry()),
       upload_idle_(std::chrono::seconds(config.upload_idle_timeout_seconds)),
       request_id_salt_(std::random_device{}() & 0xffffff) {}
 
@@ -115,7 +119,11 @@ grpc::ServerUnaryReactor* FusedLayerService::UnloadWeightSet(grpc::CallbackServe
   absl::Status submitted = executor_.SubmitControl([this, call, request, response](double queue_seconds) {
     metrics_.ObserveQueue(queue_seconds);
     absl::StatusOr<uint64_t> freed = weights_.UnloadOnWorker(request->name());
-    if (freed.ok()) response->set_freed_bytes(*freed);
+    if (freed.ok()) {
+      response->set_freed_bytes(*freed);
+      // A session's next call through this set would fail anyway; its memory goes now.
+      sessions_.CloseUsing(request->name());
+    }
     call->Complete(freed.status());
   });
   if (!submitted.ok()) call->Complete(std::move(submitted));

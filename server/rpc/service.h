@@ -18,6 +18,7 @@
 #include "fusedlayer/v1/fusedlayer.grpc.pb.h"
 #include "common/metrics.h"
 #include "shadow/shadow_verifier.h"
+#include "transport/residual_sessions.h"
 #include "transport/shared_memory.h"
 #include "exec/weight_manager.h"
 #include "rpc/idle_watch.h"
@@ -69,6 +70,16 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   grpc::ServerUnaryReactor* UnregisterSystemSharedMemory(grpc::CallbackServerContext* ctx,
                                                          const v1::UnregisterSystemSharedMemoryRequest* request,
                                                          v1::UnregisterSystemSharedMemoryResponse* response) override;
+  // Residual sessions (rpc/residual_session_rpcs.cc, server/transport/residual_sessions.h).
+  grpc::ServerUnaryReactor* OpenResidualSession(grpc::CallbackServerContext* ctx,
+                                                const v1::OpenResidualSessionRequest* request,
+                                                v1::OpenResidualSessionResponse* response) override;
+  grpc::ServerUnaryReactor* ListResidualSessions(grpc::CallbackServerContext* ctx,
+                                                 const v1::ListResidualSessionsRequest* request,
+                                                 v1::ListResidualSessionsResponse* response) override;
+  grpc::ServerUnaryReactor* CloseResidualSession(grpc::CallbackServerContext* ctx,
+                                                 const v1::CloseResidualSessionRequest* request,
+                                                 v1::CloseResidualSessionResponse* response) override;
 
   // Graceful drain (FusedLayerServer::Shutdown): from now on compute and UnloadWeightSet calls that
   // reach the service are refused with UNAVAILABLE instead of being queued. gRPC's own Shutdown
@@ -123,6 +134,8 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   // Registered system shared-memory regions (--allow_shared_memory); in-flight requests hold
   // references to the regions they use, so it may go before them.
   transport::SharedMemoryRegistry shared_memory_;
+  // Open residual sessions (MhcSeamRequest.session); in-flight calls hold their session's block.
+  transport::ResidualSessionStore sessions_;
   IdleWatch upload_idle_;             // ends LoadWeights streams idle for --upload_idle_timeout_seconds
   const uint64_t request_id_salt_;
 };

@@ -922,7 +922,8 @@ TEST(IdentityFile, RejectsMalformedLinesNamingTheLine) {
 TEST(TokenAuth, MethodRights) {
   uint8_t r = 0xff;
   for (const char* m : {"MhcSeam", "SwaNormQuant", "GetServerInfo", "ListWeightSets", "RegisterSystemSharedMemory",
-                        "SystemSharedMemoryStatus", "UnregisterSystemSharedMemory"}) {
+                        "SystemSharedMemoryStatus", "UnregisterSystemSharedMemory", "OpenResidualSession",
+                        "ListResidualSessions", "CloseResidualSession"}) {
     ASSERT_TRUE(auth::RightForMethod(std::string("/fusedlayer.v1.FusedLayer/") + m, &r)) << m;
     EXPECT_EQ(r, auth::kRightCompute) << m;
   }

@@ -1,0 +1,66 @@
+// The residual-session RPCs: open, list, close. Each runs inline on the gRPC thread for the
+// caller's identity (auth/caller_identity.h): a map lookup under the store's mutex, plus the
+// session's one backend allocation at open. The store is server/transport/residual_sessions.h.
+#include "auth/caller_identity.h"
+#include "rpc/service.h"
+#include "rpc/unary_call.h"
+
+namespace fusedlayer::server {
+
+grpc::ServerUnaryReactor* FusedLayerService::OpenResidualSession(grpc::CallbackServerContext* ctx,
+                                                                 const v1::OpenResidualSessionRequest* request,
+                                                                 v1::OpenResidualSessionResponse* response) {
+  auto* call =
+      new UnaryCall(metrics_, Method::kOpenResidualSession, config_.max_message_bytes, ctx, request, response);
+  absl::Status s = AdmitDuringDrain();
+  if (s.ok()) {
+    absl::StatusOr<uint64_t> bytes =
+        sessions_.Open(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name(),
+                       transport::ResidualSessionShape{request->tokens(), request->hc_mult(), request->hidden()});
+    if (bytes.ok()) response->set_bytes(*bytes);
+    s = bytes.status();
+  }
+  call->Complete(std::move(s));
+  return call;
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::ListResidualSessions(grpc::CallbackServerContext* ctx,
+                                                                  const v1::ListResidualSessionsRequest* request,
+                                                                  v1::ListResidualSessionsResponse* response) {
+  auto* call =
+      new UnaryCall(metrics_, Method::kListResidualSessions, config_.max_message_bytes, ctx, request, response);
+  for (const transport::ResidualSessionInfo& info :
+       sessions_.List(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()))) {
+    v1::ResidualSessionInfo* out = response->add_sessions();
+    out->set_name(info.name);
+    out->set_tokens(info.shape.tokens);
+    out->set_hc_mult(info.shape.hc_mult);
+    out->set_hidden(info.shape.hidden);
+    out->set_bytes(info.bytes);
+    out->set_has_residual(info.has_residual);
+    out->set_has_mixes(info.has_mixes);
+    out->set_calls(info.calls);
+    out->set_idle_seconds(info.idle_seconds);
+    out->set_last_weight_set(info.last_weight_set);
+  }
+  call->Complete(absl::OkStatus());
+  return call;
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::CloseResidualSession(grpc::CallbackServerContext* ctx,
+                                                                  const v1::CloseResidualSessionRequest* request,
+                                                                  v1::CloseResidualSessionResponse* response) {
+  auto* call =
+      new UnaryCall(metrics_, Method::kCloseResidualSession, config_.max_message_bytes, ctx, request, response);
+  // Allowed while draining: a client cleaning up on its way out must be able to.
+  absl::StatusOr<std::pair<uint32_t, uint64_t>> closed =
+      sessions_.Close(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name());
+  if (closed.ok()) {
+    response->set_closed(closed->first);
+    response->set_freed_bytes(closed->second);
+  }
+  call->Complete(closed.status());
+  return call;
+}
+
+}  // namespace fusedlayer::server

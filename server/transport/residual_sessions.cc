@@ -1,0 +1,341 @@
+#include "transport/residual_sessions.h"
+
+#include <algorithm>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+
+namespace fusedlayer::server::transport {
+namespace {
+
+constexpr size_t kMaxNameLength = 128;
+// Each tensor of a copy starts on this boundary (the kernels' vector loads; cudaMalloc gives 256).
+constexpr size_t kTensorAlign = 256;
+
+size_t AlignUp(size_t n) { return (n + kTensorAlign - 1) / kTensorAlign * kTensorAlign; }
+
+absl::Status CheckName(const std::string& name) {
+  bool ok = !name.empty() && name.size() <= kMaxNameLength;
+  for (char c : name) {
+    ok = ok && (absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
+  }
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session name '", ClientString(name), "' is not 1 to 128 characters of [A-Za-z0-9._-]"));
+  }
+  return absl::OkStatus();
+}
+
+// Bytes of one copy of the state: R, then pre, post and comb, each on its own aligned offset.
+struct CopyLayout {
+  size_t residual = 0, pre = 0, post = 0, comb = 0, total = 0;
+};
+CopyLayout LayOut(const ResidualSessionShape& s) {
+  const size_t T = static_cast<size_t>(s.tokens), n = static_cast<size_t>(s.hc_mult),
+               C = static_cast<size_t>(s.hidden);
+  CopyLayout l;
+  l.residual = 0;
+  l.pre = AlignUp(T * n * C * 2);
+  l.post = l.pre + AlignUp(T * n * 4);
+  l.comb = l.post + AlignUp(T * n * 4);
+  l.total = l.comb + AlignUp(T * n * n * 4);
+  return l;
+}
+
+double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
+
+// ---- ResidualSession ----------------------------------------------------------------------------------
+
+ResidualSession::ResidualSession(std::string identity, std::string name, ResidualSessionShape shape,
+                                 DeviceBuffer block, size_t copy_bytes)
+    : identity_(std::move(identity)),
+      name_(std::move(name)),
+      shape_(shape),
+      block_(std::move(block)),
+      copy_bytes_(copy_bytes),
+      last_used_(std::chrono::steady_clock::now()) {}
+
+ResidualState ResidualSession::State(int which) const {
+  const CopyLayout l = LayOut(shape_);
+  char* base = static_cast<char*>(block_.data()) + static_cast<size_t>(which) * copy_bytes_;
+  const int64_t T = shape_.tokens, n = shape_.hc_mult, C = shape_.hidden;
+  ResidualState s;
+  s.residual = TensorView::Contiguous(base + l.residual, DType::kBF16, {T, n, C});
+  s.pre_mix = TensorView::Contiguous(base + l.pre, DType::kFP32, {T, n});
+  s.post_mix = TensorView::Contiguous(base + l.post, DType::kFP32, {T, n});
+  s.comb_mix = TensorView::Contiguous(base + l.comb, DType::kFP32, {T, n, n});
+  return s;
+}
+
+DeviceRange ResidualSession::memory() const {
+  const char* b = static_cast<const char*>(block_.data());
+  return DeviceRange{b, b + block_.bytes()};
+}
+
+// ---- ResidualSessionStore -----------------------------------------------------------------------------
+
+ResidualSessionStore::ResidualSessionStore(ResidualSessionLimits limits, Backend& backend,
+                                           prometheus::Registry& metrics)
+    : limits_(limits), backend_(backend) {
+  sessions_gauge_ = &prometheus::BuildGauge()
+                         .Name("fusedlayer_residual_sessions")
+                         .Help("Residual sessions open (all identities)")
+                         .Register(metrics)
+                         .Add({});
+  bytes_gauge_ = &prometheus::BuildGauge()
+                      .Name("fusedlayer_residual_session_bytes")
+                      .Help("Backend (device) memory held by the open residual sessions (all identities)")
+                      .Register(metrics)
+                      .Add({});
+  if (enabled()) reaper_ = std::thread([this] { ReaperLoop(); });
+}
+
+ResidualSessionStore::~ResidualSessionStore() {
+  {
+    std::lock_guard<std::mutex> lock(reaper_mu_);
+    stopping_ = true;
+  }
+  reaper_cv_.notify_all();
+  if (reaper_.joinable()) reaper_.join();
+}
+
+void ResidualSessionStore::ReaperLoop() {
+  // Checks a few times per idle period, at most once a second: a session lives at most ~1.25x
+  // the idle time after its last call.
+  const auto period = std::chrono::duration<double>(std::clamp(limits_.idle_seconds / 4, 0.05, 1.0));
+  std::unique_lock<std::mutex> lock(reaper_mu_);
+  while (!reaper_cv_.wait_for(lock, period, [this] { return stopping_; })) {
+    lock.unlock();
+    CloseIdle(std::chrono::steady_clock::now());
+    lock.lock();
+  }
+}
+
+absl::Status ResidualSessionStore::CheckEnabled() const {
+  if (enabled()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "residual sessions are off on this server (--residual_session_max_sessions=0); send the residual and mixes "
+      "inline");
+}
+
+void ResidualSessionStore::UpdateGaugesLocked() {
+  sessions_gauge_->Set(static_cast<double>(total_sessions_));
+  bytes_gauge_->Set(static_cast<double>(total_bytes_));
+}
+
+void ResidualSessionStore::EraseLocked(std::map<Key, std::shared_ptr<ResidualSession>>::iterator it) {
+  ResidualSession& s = *it->second;
+  s.closed_ = true;
+  Usage& u = usage_[it->first.first];
+  u.sessions -= 1;
+  u.bytes -= s.bytes();
+  if (u.sessions == 0) usage_.erase(it->first.first);
+  total_sessions_ -= 1;
+  total_bytes_ -= s.bytes();
+  sessions_.erase(it);
+  UpdateGaugesLocked();
+}
+
+absl::StatusOr<uint64_t> ResidualSessionStore::Open(const std::string& identity, const std::string& name,
+                                                    ResidualSessionShape shape) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  if (absl::Status s = CheckName(name); !s.ok()) return s;
+  if (shape.tokens < 1 || shape.tokens > limits_.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens must be in [1, ", limits_.max_tokens,
+                                                   "] (--max_tokens), got ", shape.tokens));
+  }
+  if (shape.hc_mult < 1 || shape.hc_mult > 8) {
+    return absl::InvalidArgumentError(absl::StrCat("hc_mult must be in [1, 8], got ", shape.hc_mult));
+  }
+  if (shape.hidden < 1 || shape.hidden > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden must be in [1, 1048576], got ", shape.hidden));
+  }
+  // T <= 2^20 (max_tokens), n <= 8, C <= 2^20: the sizes below cannot overflow 64 bits.
+  const CopyLayout layout = LayOut(shape);
+  const uint64_t bytes = 2 * static_cast<uint64_t>(layout.total);
+  {
+    MutexLock lock(&mu_);
+    if (sessions_.count({identity, name}) != 0) {
+      return absl::AlreadyExistsError(absl::StrCat("residual session '", name,
+                                                   "' is already open; close it first or use another name"));
+    }
+    const Usage u = usage_.count(identity) != 0 ? usage_[identity] : Usage{};
+    if (u.sessions + 1 > limits_.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat("this identity already has ", u.sessions,
+                                                       " residual sessions open, the limit "
+                                                       "(--residual_session_max_sessions); close one first"));
+    }
+    if (bytes > limits_.max_bytes || u.bytes > limits_.max_bytes - bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "residual session '", name, "' needs ", bytes, " bytes; this identity holds ", u.bytes, " of its ",
+          limits_.max_bytes, " (--residual_session_max_bytes)"));
+    }
+  }
+  // Outside the mutex: a device allocation may take a while. The limits are checked again below.
+  absl::StatusOr<DeviceBuffer> block = backend_.Allocate(bytes);
+  if (!block.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("residual session '", name, "': ", bytes, " bytes of backend memory: ", block.status().message()));
+  }
+  // A synchronous copy on the backend's default context: on a GPU it returns after the
+  // stream-ordered allocation above is complete, so a lane may use the block from now on.
+  const uint64_t zero[8] = {};
+  if (absl::Status s = backend_.CopyToDevice(block->data(), zero, sizeof(zero)); !s.ok()) return s;
+  auto session = std::make_shared<ResidualSession>(identity, name, shape, std::move(*block), layout.total);
+  MutexLock lock(&mu_);
+  Usage& u = usage_[identity];
+  if (sessions_.count({identity, name}) != 0 || u.sessions + 1 > limits_.max_sessions ||
+      u.bytes > limits_.max_bytes - bytes) {
+    if (u.sessions == 0) usage_.erase(identity);
+    return absl::AbortedError(absl::StrCat("residual session '", name,
+                                           "': another open of this identity took the name or its budget meanwhile"));
+  }
+  sessions_.emplace(Key{identity, name}, std::move(session));
+  u.sessions += 1;
+  u.bytes += bytes;
+  total_sessions_ += 1;
+  total_bytes_ += bytes;
+  UpdateGaugesLocked();
+  return bytes;
+}
+
+std::vector<ResidualSessionInfo> ResidualSessionStore::List(const std::string& identity) {
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<ResidualSessionInfo> out;
+  MutexLock lock(&mu_);
+  for (auto it = sessions_.lower_bound({identity, std::string()}); it != sessions_.end() && it->first.first == identity;
+       ++it) {
+    const ResidualSession& s = *it->second;
+    out.push_back(ResidualSessionInfo{s.name(), s.shape(), s.bytes(), s.has_residual_, s.has_mixes_, s.calls_,
+                                      Seconds(now - s.last_used_), s.last_weight_set_});
+  }
+  return out;
+}
+
+absl::StatusOr<std::pair<uint32_t, uint64_t>> ResidualSessionStore::Close(const std::string& identity,
+                                                                          const std::string& name) {
+  if (!name.empty()) {
+    if (absl::Status s = CheckName(name); !s.ok()) return s;
+  }
+  std::vector<std::shared_ptr<ResidualSession>> freed;  // released after the mutex
+  uint32_t closed = 0;
+  uint64_t bytes = 0;
+  {
+    MutexLock lock(&mu_);
+    for (auto it = sessions_.lower_bound({identity, name.empty() ? std::string() : name});
+         it != sessions_.end() && it->first.first == identity && (name.empty() || it->first.second == name);) {
+      closed += 1;
+      bytes += it->second->bytes();
+      freed.push_back(it->second);
+      EraseLocked(it++);
+    }
+  }
+  if (!name.empty() && closed == 0) {
+    return absl::NotFoundError(absl::StrCat("no residual session '", name, "' is open for this identity"));
+  }
+  return std::pair{closed, bytes};
+}
+
+void ResidualSessionStore::CloseUsing(const std::string& weight_set) {
+  std::vector<std::shared_ptr<ResidualSession>> freed;
+  MutexLock lock(&mu_);
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (it->second->weight_sets_.count(weight_set) != 0) {
+      LogInfo("residual session '", it->first.second, "' closed: weight set '", weight_set, "' was unloaded");
+      freed.push_back(it->second);
+      EraseLocked(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void ResidualSessionStore::CloseIdle(std::chrono::steady_clock::time_point now) {
+  std::vector<std::shared_ptr<ResidualSession>> freed;
+  MutexLock lock(&mu_);
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    const ResidualSession& s = *it->second;
+    if (!s.busy_ && Seconds(now - s.last_used_) >= limits_.idle_seconds) {
+      LogInfo("residual session '", it->first.second, "' closed after ", limits_.idle_seconds,
+              " s without a call (--residual_session_idle_seconds)");
+      freed.push_back(it->second);
+      EraseLocked(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+absl::StatusOr<ResidualSessionStore::Lease> ResidualSessionStore::Acquire(const std::string& identity,
+                                                                          const std::string& name) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  if (absl::Status s = CheckName(name); !s.ok()) return s;
+  MutexLock lock(&mu_);
+  auto it = sessions_.find({identity, name});
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no residual session '", name,
+                                            "' is open for this identity (OpenResidualSession; sessions idle for "
+                                            "--residual_session_idle_seconds are closed)"));
+  }
+  ResidualSession& s = *it->second;
+  if (s.busy_) {
+    return absl::AbortedError(absl::StrCat("residual session '", name,
+                                           "' is in use by another call; calls of one session must be serial"));
+  }
+  s.busy_ = true;
+  s.last_used_ = std::chrono::steady_clock::now();
+  Lease lease;
+  lease.store_ = this;
+  lease.session_ = it->second;
+  lease.has_residual_ = s.has_residual_;
+  lease.has_mixes_ = s.has_mixes_;
+  lease.current_state_ = s.State(s.current_);
+  lease.next_state_ = s.State(1 - s.current_);
+  return lease;
+}
+
+// ---- Lease ----------------------------------------------------------------------------------------------
+
+ResidualSessionStore::Lease& ResidualSessionStore::Lease::operator=(Lease&& o) noexcept {
+  if (this != &o) {
+    Release();
+    store_ = std::exchange(o.store_, nullptr);
+    session_ = std::move(o.session_);
+    has_residual_ = o.has_residual_;
+    has_mixes_ = o.has_mixes_;
+    current_state_ = o.current_state_;
+    next_state_ = o.next_state_;
+  }
+  return *this;
+}
+
+void ResidualSessionStore::Lease::Commit(bool has_mixes, const std::string& weight_set) {
+  if (session_ == nullptr) return;
+  MutexLock lock(&store_->mu_);
+  ResidualSession& s = *session_;
+  if (s.closed_) return;  // closed meanwhile: nobody will read the state
+  s.current_ = 1 - s.current_;
+  s.has_residual_ = true;
+  s.has_mixes_ = has_mixes;
+  s.calls_ += 1;
+  s.last_weight_set_ = weight_set;
+  s.weight_sets_.insert(weight_set);
+}
+
+void ResidualSessionStore::Lease::Release() {
+  if (session_ == nullptr) return;
+  {
+    MutexLock lock(&store_->mu_);
+    session_->busy_ = false;
+    session_->last_used_ = std::chrono::steady_clock::now();
+  }
+  // The last reference of a session closed meanwhile frees its block here, after the call's work
+  // is done (the lane waited before the call's response).
+  session_.reset();
+  store_ = nullptr;
+}
+
+}  // namespace fusedlayer::server::transport
