@@ -107,7 +107,7 @@ const std::vector<CommandInfo>& Commands() {
        "bench --op=mhc|swa --weight_set=NAME --tokens=T --concurrency=N --duration=SECONDS [--path=...] "
        "[--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S] [--echo_floor] "
        "[--copy_requests] "
-       "[--transport=tcp|shm]",
+       "[--transport=tcp|shm|session]",
        0,
        {"op", "weight_set", "tokens", "concurrency", "duration", "path", "mode", "stage", "no_pre_mix", "capture_aux",
         "row_stride", "seed", "echo_floor", "copy_requests", "transport"}},

@@ -99,18 +99,18 @@ class TypedCaller : public Caller {
   mutable std::atomic<uint64_t> last_response_bytes_{0};
 };
 
-// --transport=shm: every caller thread has its own shared-memory object holding the request's
-// inputs (written once, as the TCP caller builds its request once) and its outputs, since one
-// object serves one call at a time. The messages carry only references.
+// Callers that need state of their own per thread: --transport=shm (each thread's shared-memory
+// object holds its request's inputs, written once as the TCP caller builds its request once, and
+// its outputs: one object serves one call at a time) and --transport=session (each thread's
+// residual session: calls of one session are serial). The messages carry references, or x alone.
 template <typename Request, typename Response>
-class SharedMemoryCaller : public Caller {
+class PerThreadCaller : public Caller {
  public:
   struct Slot {
-    std::unique_ptr<ClientSharedMemory> shm;
+    std::shared_ptr<void> held;  // what the slot's request refers to (its object or its session)
     Request request;
   };
-  SharedMemoryCaller(const FusedLayerClient& client, std::vector<Slot> slots, uint64_t inline_request_bytes)
-      : client_(client), slots_(std::move(slots)), inline_request_bytes_(inline_request_bytes) {}
+  PerThreadCaller(const FusedLayerClient& client, std::vector<Slot> slots) : client_(client), slots_(std::move(slots)) {}
 
   CallOutcome Call() const override {
     // One slot per thread for the caller's life (threads call back to back, never two at once).
@@ -134,27 +134,57 @@ class SharedMemoryCaller : public Caller {
   }
   uint64_t RequestBytes() const override { return slots_.front().request.ByteSizeLong(); }
   uint64_t ResponseBytes() const { return last_response_bytes_.load(std::memory_order_relaxed); }
-  uint64_t InlineRequestBytes() const { return inline_request_bytes_; }
 
  private:
   const FusedLayerClient& client_;
   const std::vector<Slot> slots_;
-  const uint64_t inline_request_bytes_;
   mutable std::atomic<size_t> next_{0};
   mutable std::atomic<uint64_t> last_response_bytes_{0};
 };
 
 // The shm callers' slots: `count` objects, each registered and holding a copy of `request`.
 template <typename Request, typename Prepare>
-absl::StatusOr<std::vector<typename SharedMemoryCaller<Request, int>::Slot>> MakeSlots(
+absl::StatusOr<std::vector<typename PerThreadCaller<Request, int>::Slot>> MakeSlots(
     const FusedLayerClient& client, const Request& request, uint64_t bytes, int count, Prepare prepare) {
-  std::vector<typename SharedMemoryCaller<Request, int>::Slot> slots;
+  std::vector<typename PerThreadCaller<Request, int>::Slot> slots;
   for (int i = 0; i < count; ++i) {
     absl::StatusOr<std::unique_ptr<ClientSharedMemory>> shm = ClientSharedMemory::Create(client, bytes);
     if (!shm.ok()) return shm.status();
-    typename SharedMemoryCaller<Request, int>::Slot slot{*std::move(shm), request};
-    if (absl::Status s = prepare(*slot.shm, slot.request); !s.ok()) return s;
-    slots.push_back(std::move(slot));
+    Request r = request;
+    if (absl::Status s = prepare(**shm, r); !s.ok()) return s;
+    slots.push_back({std::shared_ptr<ClientSharedMemory>(std::move(*shm)), std::move(r)});
+  }
+  return slots;
+}
+
+// The session callers' slots: `count` residual sessions of `seam`'s shape, each started with a
+// FIRST-stage call, and `seam` turned into a call of each: x only, the state stays on the server.
+// A session is closed when its slot goes.
+absl::StatusOr<std::vector<PerThreadCaller<v1::MhcSeamRequest, int>::Slot>> MakeSessionSlots(
+    const FusedLayerClient& client, const v1::MhcSeamRequest& seam, const v1::MhcConfig& mhc, int count) {
+  std::vector<PerThreadCaller<v1::MhcSeamRequest, int>::Slot> slots;
+  const int64_t tokens = seam.x().shape(0);
+  for (int i = 0; i < count; ++i) {
+    const std::string name = absl::StrCat("fusedctl-bench-", ::getpid(), "-", i);
+    if (absl::StatusOr<uint64_t> opened = client.OpenResidualSession(name, tokens, mhc.hc_mult(), mhc.hidden());
+        !opened.ok()) {
+      return opened.status();
+    }
+    std::shared_ptr<void> closer(nullptr, [&client, name](void*) { (void)client.CloseResidualSession(name); });
+    v1::MhcSeamRequest first;
+    first.set_weight_set(seam.weight_set());
+    first.set_stage(v1::MHC_STAGE_FIRST);
+    first.set_mode(seam.mode());
+    *first.mutable_x() = seam.x();
+    first.set_session(name);
+    if (absl::StatusOr<v1::MhcSeamResponse> r = client.MhcSeam(first); !r.ok()) return r.status();
+    v1::MhcSeamRequest call = seam;
+    call.clear_residual();
+    call.clear_post_mix();
+    call.clear_comb_mix();
+    call.clear_pre_mix();
+    call.set_session(name);
+    slots.push_back({std::move(closer), std::move(call)});
   }
   return slots;
 }
@@ -294,13 +324,19 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
   const uint64_t seed = cl.seed ? cl.seed : FreshSeed();
   std::mt19937_64 rng(seed);
 
-  absl::StatusOr<bool> shm_parsed = ParseSharedMemoryTransport(cl.transport);
-  if (!shm_parsed.ok()) return shm_parsed.status();
+  const bool session_transport = cl.transport == "session";
+  absl::StatusOr<bool> shm_parsed = session_transport ? false : ParseSharedMemoryTransport(cl.transport);
+  if (!shm_parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--transport=", cl.transport, ": want tcp, shm or session"));
+  }
   const bool shm_transport = *shm_parsed;
+  if (session_transport && *op != BenchOp::kMhc) {
+    return absl::InvalidArgumentError("--transport=session applies to --op=mhc only (SWA has no state between calls)");
+  }
   std::unique_ptr<Caller> caller;
   std::function<uint64_t()> response_bytes;
   uint64_t inline_request_bytes = 0;  // shm: what the request would weigh with its tensors inline
-  // shm: the same request with its tensors inline, measured after the shm row for comparison.
+  // shm, session: the same request with its tensors inline, measured after the row for comparison.
   std::unique_ptr<Caller> tcp_caller;
   std::function<uint64_t()> tcp_response_bytes;
   std::string what;
@@ -315,15 +351,20 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
                         .include_pre_mix = !cl.no_pre_mix, .capture_aux = cl.capture_aux, .path = *path};
     absl::StatusOr<v1::MhcSeamRequest> req = RandomMhcRequest(ws->mhc(), spec, rng);
     if (!req.ok()) return req.status();
-    if (shm_transport) {
+    if (shm_transport || session_transport) {
+      if (session_transport && *stage != v1::MHC_STAGE_SEAM) {
+        return absl::InvalidArgumentError("--transport=session measures SEAM calls (--stage=seam)");
+      }
       const v1::MhcConfig mhc = ws->mhc();
-      auto slots = MakeSlots(client, *req, MhcRequestSharedBytes(*req, mhc), cl.concurrency + 1,
-                             [&](ClientSharedMemory& m, v1::MhcSeamRequest& r) { return m.Prepare(r, mhc); });
+      auto slots = session_transport
+                       ? MakeSessionSlots(client, *req, mhc, cl.concurrency + 1)
+                       : MakeSlots(client, *req, MhcRequestSharedBytes(*req, mhc), cl.concurrency + 1,
+                                   [&](ClientSharedMemory& m, v1::MhcSeamRequest& r) { return m.Prepare(r, mhc); });
       if (!slots.ok()) return slots.status();
-      using C = SharedMemoryCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>;
+      using C = PerThreadCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>;
       std::vector<C::Slot> typed;
-      for (auto& s : *slots) typed.push_back(C::Slot{std::move(s.shm), std::move(s.request)});
-      auto c = std::make_unique<C>(client, std::move(typed), req->ByteSizeLong());
+      for (auto& s : *slots) typed.push_back(C::Slot{std::move(s.held), std::move(s.request)});
+      auto c = std::make_unique<C>(client, std::move(typed));
       tcp_caller = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(
           client, *req, cl.copy_requests);
       auto* tcp_raw = static_cast<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>*>(tcp_caller.get());
@@ -355,10 +396,10 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
           MakeSlots(client, *req, SwaRequestSharedBytes(*req, swa, rows), cl.concurrency + 1,
                     [&](ClientSharedMemory& m, v1::SwaNormQuantRequest& r) { return m.Prepare(r, swa, rows); });
       if (!slots.ok()) return slots.status();
-      using C = SharedMemoryCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>;
+      using C = PerThreadCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>;
       std::vector<C::Slot> typed;
-      for (auto& s : *slots) typed.push_back(C::Slot{std::move(s.shm), std::move(s.request)});
-      auto c = std::make_unique<C>(client, std::move(typed), req->ByteSizeLong());
+      for (auto& s : *slots) typed.push_back(C::Slot{std::move(s.held), std::move(s.request)});
+      auto c = std::make_unique<C>(client, std::move(typed));
       tcp_caller = std::make_unique<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>>(
           client, *req, cl.copy_requests);
       auto* tcp_raw = static_cast<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>*>(tcp_caller.get());
@@ -380,12 +421,16 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
   out << "bench op=" << cl.op << " weight_set=" << cl.weight_set << " tokens=" << cl.tokens << " " << what
       << " path=" << PathPreferenceName(*path) << " concurrency=" << cl.concurrency
       << " duration=" << absl::FormatDuration(cl.duration) << " seed=" << seed
-      << " transport=" << (shm_transport ? "shm" : "tcp")
+      << " transport=" << (shm_transport ? "shm" : session_transport ? "session" : "tcp")
       << " requests=" << (cl.copy_requests ? "serialized" : "shared") << "\n";
   out << "request " << FormatBytes(double(caller->RequestBytes()));
   if (shm_transport) {
     out << " (tensors in " << cl.concurrency + 1 << " shared-memory objects; " << FormatBytes(double(inline_request_bytes))
         << " inline)";
+  }
+  if (session_transport) {
+    out << " (x only: residual and mixes in " << cl.concurrency + 1 << " residual sessions; "
+        << FormatBytes(double(inline_request_bytes)) << " inline)";
   }
   out << "\n";
 
@@ -412,7 +457,8 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
   out.flush();
   uint64_t floor_request_bytes = info.request_bytes, floor_response_bytes = info.response_bytes;
   if (tcp_caller != nullptr) {
-    // The TCP row of the same request, same concurrency and duration: what shm is measured against.
+    // The TCP row of the same request, same concurrency and duration: what shm or the session is
+    // measured against.
     if (CallOutcome probe = tcp_caller->Call(); !probe.status.ok()) {
       return absl::Status(probe.status.code(), absl::StrCat("tcp probe call failed: ", probe.status.message()));
     }
@@ -424,14 +470,20 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
                                  .elapsed_seconds = tcp.elapsed_seconds};
     out << "tcp (the same request, tensors inline)\n" << tcp.stats.Format(tcp_info);
     if (tcp.stats.ok() > 0 && total.ok() > 0) {
-      out << absl::StrFormat("shm vs tcp  p50 %.3fx, req/s %.2fx\n",
+      out << absl::StrFormat("%s vs tcp  p50 %.3fx, req/s %.2fx, bytes per call %.3fx\n",
+                             shm_transport ? "shm" : "session",
                              SummarizeLatencies(total.latencies()).p50 / SummarizeLatencies(tcp.stats.latencies()).p50,
-                             (double(total.ok()) / measured.elapsed_seconds) / (double(tcp.stats.ok()) / tcp.elapsed_seconds));
+                             (double(total.ok()) / measured.elapsed_seconds) / (double(tcp.stats.ok()) / tcp.elapsed_seconds),
+                             double(info.request_bytes + info.response_bytes) /
+                                 double(tcp_info.request_bytes + tcp_info.response_bytes));
     }
     out.flush();
-    // The floor is that of the bytes the tensors would have cost over the socket.
-    floor_request_bytes = tcp_info.request_bytes;
-    floor_response_bytes = tcp_info.response_bytes;
+    // shm: the floor is that of the bytes the tensors would have cost over the socket. A session
+    // call's bytes do cross the socket: its floor is its own.
+    if (shm_transport) {
+      floor_request_bytes = tcp_info.request_bytes;
+      floor_response_bytes = tcp_info.response_bytes;
+    }
   }
   if (cl.echo_floor) {
     if (absl::Status s = RunEchoFloor(client, cl, floor_request_bytes, floor_response_bytes, measured, out); !s.ok()) {

@@ -74,7 +74,8 @@ ABSL_FLAG(bool, copy_requests, false,
           "calls); for comparing the two");
 ABSL_FLAG(std::string, transport, "tcp",
           "seam/swa/bench: tcp (tensors in the messages) or shm (tensors in a POSIX shared-memory object this "
-          "process creates and registers; same host, server started with --allow_shared_memory)");
+          "process creates and registers; same host, server started with --allow_shared_memory); bench --op=mhc "
+          "also: session (x only per call, the residual and mixes kept in a residual session on the server)");
 ABSL_FLAG(int32_t, max_rss_growth_mb, 64, "soak: fail when the server RSS grows by more than this, MiB");
 ABSL_FLAG(bool, churn, false,
           "soak: one more client that loads a demo weight set as soak/churn and unloads it, again and again "
