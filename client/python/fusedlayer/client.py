@@ -86,7 +86,7 @@ class Verification:
 
 @dataclass
 class MhcSeamResult:
-    new_residual: np.ndarray            # uint16 (bf16) [T, n, C]
+    new_residual: Optional[np.ndarray]  # uint16 (bf16) [T, n, C]; None for a session call without return_state
     y: np.ndarray                       # uint16 (bf16) [T, C]
     new_pre_mix: Optional[np.ndarray]   # float32 [T, n] (seam/first; None for head)
     new_post_mix: Optional[np.ndarray]  # float32 [T, n]
@@ -402,17 +402,22 @@ class Client:
     # ---- ops ---------------------------------------------------------------------------------
 
     def mhc_seam(self, weight_set, x, residual=None, post_mix=None, comb_mix=None, pre_mix=None, mode="shifted",
-                 stage="seam", path="auto", capture_aux=False, verify=False, request_id="", timeout=None):
+                 stage="seam", path="auto", capture_aux=False, verify=False, request_id="", timeout=None,
+                 session="", return_state=False):
         """One mHC seam (docs/spec/mhc.md).
 
         stage "seam"/"head": x = sublayer output bf16 [T, C], residual bf16 [T, n, C], post_mix fp32
         [T, n], comb_mix fp32 [T, n, n], pre_mix fp32 [T, n] (shifted mode; None selects stream 0).
         stage "first": x = the embedding bf16 [T, C]; residual and the mixes are not sent.
         path "require_fused" raises FusedUnavailable (with .reason) instead of falling back.
+        session: a residual session of this caller (open_residual_session): residual and the mixes
+        come from it and the new ones stay there, so only x is sent and y returned (new_residual and
+        the mixes are None unless return_state). Sent inline whatever the client's transport.
         """
         req = pb.MhcSeamRequest(weight_set=weight_set, stage=_choice("stage", stage, _STAGES),
                                 mode=_choice("mode", mode, _MODES), path_preference=_choice("path", path, _PATHS),
-                                capture_aux=capture_aux, verify=verify, request_id=request_id)
+                                capture_aux=capture_aux, verify=verify, request_id=request_id, session=session,
+                                return_state=return_state)
         req.x.CopyFrom(_tensor("x", x, pb.DATA_TYPE_BF16))
         for name, value, data_type in (("residual", residual, pb.DATA_TYPE_BF16),
                                        ("post_mix", post_mix, pb.DATA_TYPE_FP32),
@@ -420,7 +425,7 @@ class Client:
                                        ("pre_mix", pre_mix, pb.DATA_TYPE_FP32)):
             if value is not None:
                 getattr(req, name).CopyFrom(_tensor(name, value, data_type))
-        if self._arena is None:
+        if self._arena is None or session:
             start = time.perf_counter()
             r = self._call(self._stub.MhcSeam, req, timeout)
             elapsed = time.perf_counter() - start
@@ -444,7 +449,7 @@ class Client:
                     self._arena.fetch(getattr(r, f))
         report = ExecutionReport._from_proto(r.report, elapsed)
         return MhcSeamResult(
-            new_residual=_array(r.new_residual), y=_array(r.y),
+            new_residual=_array(r.new_residual, r.HasField("new_residual")), y=_array(r.y),
             new_pre_mix=_array(r.new_pre_mix, r.HasField("new_pre_mix")),
             new_post_mix=_array(r.new_post_mix, r.HasField("new_post_mix")),
             new_comb_mix=_array(r.new_comb_mix, r.HasField("new_comb_mix")),
@@ -549,6 +554,25 @@ class Client:
         r = self._call(self._stub.UnregisterSystemSharedMemory, pb.UnregisterSystemSharedMemoryRequest(name=name),
                        timeout)
         return r.unregistered
+
+    # ---- residual sessions (docs/operations.md "Residual sessions") ----------------------------
+
+    def open_residual_session(self, name, tokens, hc_mult, hidden, timeout=None):
+        """Opens a session of T = tokens, n = hc_mult, C = hidden; returns the device bytes it holds."""
+        r = self._call(self._stub.OpenResidualSession, pb.OpenResidualSessionRequest(
+            name=name, tokens=tokens, hc_mult=hc_mult, hidden=hidden), timeout)
+        return r.bytes
+
+    def list_residual_sessions(self, timeout=None):
+        """The caller's sessions as dicts: name, tokens, hc_mult, hidden, bytes, has_residual, has_mixes,
+        calls, idle_seconds, last_weight_set."""
+        r = self._call(self._stub.ListResidualSessions, pb.ListResidualSessionsRequest(), timeout)
+        return [_plain_dict(s) for s in r.sessions]
+
+    def close_residual_session(self, name="", timeout=None):
+        """Closes one session, or every session of the caller (name ""); returns how many."""
+        r = self._call(self._stub.CloseResidualSession, pb.CloseResidualSessionRequest(name=name), timeout)
+        return r.closed
 
     def list_weight_sets(self, timeout=None):
         r = self._call(self._stub.ListWeightSets, pb.ListWeightSetsRequest(), timeout)

@@ -92,6 +92,35 @@ def test_seam_stages_and_options(client, rng):
     assert empty.new_residual.shape == (0, 4, 5120) and empty.y.shape == (0, 5120)
 
 
+def test_residual_session_chain_is_bitwise_the_inline_chain(client, rng):
+    """A layer and a half through two demo sets with the state kept on the server: y bitwise the inline chain's."""
+    T, n, C = 3, 4, 7168
+    assert client.open_residual_session("py-chain", T, n, C) >= 2 * T * n * C * 2
+    try:
+        state = {}
+        for i, stage in enumerate(["first", "seam", "seam", "head"]):
+            x = bf16_random(rng, (T, C))
+            inline = client.mhc_seam("v4-pro/demo", x, stage=stage, **state)
+            kept = client.mhc_seam("v4-pro/demo", x, stage=stage, session="py-chain", return_state=(i == 2))
+            assert np.array_equal(kept.y, inline.y), stage
+            if i == 2:
+                assert np.array_equal(kept.new_residual, inline.new_residual)
+                assert np.array_equal(kept.new_comb_mix, inline.new_comb_mix)
+            else:
+                assert kept.new_residual is None and kept.new_comb_mix is None
+            if inline.new_pre_mix is not None:
+                state = dict(residual=inline.new_residual, post_mix=inline.new_post_mix, comb_mix=inline.new_comb_mix,
+                             pre_mix=inline.new_pre_mix)
+        [info] = client.list_residual_sessions()
+        assert info["name"] == "py-chain" and info["calls"] == 4 and not info["has_mixes"]
+        with pytest.raises(fusedlayer.FailedPrecondition):  # after head: no mixes until a new first
+            client.mhc_seam("v4-pro/demo", bf16_random(rng, (T, C)), session="py-chain")
+    finally:
+        assert client.close_residual_session("py-chain") == 1
+    with pytest.raises(fusedlayer.NotFound):
+        client.mhc_seam("v4-pro/demo", bf16_random(rng, (T, C)), stage="first", session="py-chain")
+
+
 def test_seam_verify(client, rng):
     r = client.mhc_seam("v41-flash/demo", **seam_inputs(rng, 4, 4, 5120), verify=True)
     assert r.verification.compared and not r.verification.mismatch
