@@ -91,6 +91,8 @@ const std::vector<CommandInfo>& Commands() {
       {"load", "load MANIFEST.json [--replace] [--chunk_bytes=N]", 1, {"replace", "chunk_bytes"}},
       {"list", "list", 0, {}},
       {"unload", "unload NAME", 1, {}},
+      {"sessions", "sessions", 0, {}},
+      {"close-session", "close-session NAME", 1, {}},
       {"seam",
        "seam --weight_set=NAME [--tokens=T] [--mode=shifted|normal] [--stage=seam|first|head] [--no_pre_mix] "
        "[--capture_aux] [--path=auto|require_fused|force_unfused] [--input=FILE] [--output=FILE] [--seed=S] [--verify] "

@@ -1,4 +1,4 @@
-// fusedctl info | health | list | unload | load.
+// fusedctl info | health | list | unload | load | sessions | close-session.
 #include <ostream>
 
 #include "absl/strings/str_cat.h"
@@ -110,6 +110,36 @@ absl::Status RunUnload(const FusedLayerClient& client, const CommandLine& cl, st
   if (!r.ok()) return r.status();
   out << "unloaded " << cl.args.at(0) << ", freed " << FormatBytes(double(r->freed_bytes())) << " ("
       << r->freed_bytes() << " bytes)\n";
+  return absl::OkStatus();
+}
+
+absl::Status RunSessions(const FusedLayerClient& client, const CommandLine& /*cl*/, std::ostream& out) {
+  absl::StatusOr<v1::ListResidualSessionsResponse> list = client.ListResidualSessions();
+  if (!list.ok()) return list.status();
+  if (list->sessions().empty()) {
+    out << "no residual sessions open for this identity\n";
+    return absl::OkStatus();
+  }
+  uint64_t total = 0;
+  for (const v1::ResidualSessionInfo& s : list->sessions()) {
+    out << absl::StrFormat("%s  T=%d n=%d C=%d  %s  %s  %d call(s), idle %.1f s%s\n", s.name(), s.tokens(), s.hc_mult(),
+                           s.hidden(), FormatBytes(double(s.bytes())),
+                           !s.has_residual() ? "empty (no FIRST call yet)"
+                           : s.has_mixes()   ? "residual + mixes"
+                                             : "residual only (after HEAD)",
+                           s.calls(), s.idle_seconds(),
+                           s.last_weight_set().empty() ? "" : absl::StrCat(", last '", s.last_weight_set(), "'"));
+    total += s.bytes();
+  }
+  out << list->sessions_size() << " session(s), " << FormatBytes(double(total)) << " held\n";
+  return absl::OkStatus();
+}
+
+absl::Status RunCloseSession(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
+  absl::StatusOr<v1::CloseResidualSessionResponse> r = client.CloseResidualSession(cl.args.at(0));
+  if (!r.ok()) return r.status();
+  out << "closed " << cl.args.at(0) << ", freed " << FormatBytes(double(r->freed_bytes())) << " (" << r->freed_bytes()
+      << " bytes)\n";
   return absl::OkStatus();
 }
 

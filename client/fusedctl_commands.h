@@ -56,6 +56,9 @@ absl::Status RunHealth(const FusedLayerClient& client, const CommandLine& cl, st
 absl::Status RunLoad(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 absl::Status RunList(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 absl::Status RunUnload(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+// The caller's residual sessions (docs/operations.md "Residual sessions"), and closing one.
+absl::Status RunSessions(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
+absl::Status RunCloseSession(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);

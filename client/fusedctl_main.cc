@@ -247,6 +247,8 @@ int main(int argc, char** argv) {
   else if (n == "load") status = RunLoad(**client, cl, std::cout);
   else if (n == "list") status = RunList(**client, cl, std::cout);
   else if (n == "unload") status = RunUnload(**client, cl, std::cout);
+  else if (n == "sessions") status = RunSessions(**client, cl, std::cout);
+  else if (n == "close-session") status = RunCloseSession(**client, cl, std::cout);
   else if (n == "seam") status = RunSeam(**client, cl, std::cout);
   else if (n == "swa") status = RunSwa(**client, cl, std::cout);
   else if (n == "bench") status = RunBench(**client, cl, std::cout);

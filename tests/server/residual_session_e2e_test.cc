@@ -17,7 +17,9 @@
 #include <chrono>
 #include <fstream>
 #include <future>
+#include <iostream>
 #include <random>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,6 +27,7 @@
 #include "client/fusedlayer_client.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
+#include "server_process.h"
 #include "server_test_env.h"
 #include "test_util.h"
 
@@ -60,8 +63,8 @@ struct ChainCall {
   v1::MhcSeamRequest inline_request, session_request;
 };
 ChainCall NextCall(std::mt19937_64& rng, const std::string& set, v1::MhcStage stage, v1::MhcMode mode, int64_t T,
-                   const InlineState& state, const std::string& session) {
-  const MhcRequestSpec spec{kN, kC, T, stage, mode, /*pre_mix=*/false, /*capture_aux=*/false};
+                   const InlineState& state, const std::string& session, int64_t C = kC) {
+  const MhcRequestSpec spec{kN, C, T, stage, mode, /*pre_mix=*/false, /*capture_aux=*/false};
   ChainCall c;
   c.inline_request = MakeMhcRequest(rng, set, spec);  // fresh x (and random state, replaced below)
   if (stage != v1::MHC_STAGE_FIRST) {
@@ -91,13 +94,13 @@ void Advance(const v1::MhcSeamResponse& r, InlineState* state) {
 // half), HEAD in shifted mode: each call inline and as a session call, y compared bitwise at every
 // step, the state (return_state) on every other step. Returns the number of calls.
 int RunChain(FusedLayerClient& c, std::mt19937_64& rng, const std::string& session, v1::MhcMode mode, int64_t T,
-             v1::PathPreference pref, const std::vector<std::string>& sets) {
+             v1::PathPreference pref, const std::vector<std::string>& sets, int64_t C = kC) {
   std::vector<v1::MhcStage> stages = {v1::MHC_STAGE_FIRST, v1::MHC_STAGE_SEAM, v1::MHC_STAGE_SEAM, v1::MHC_STAGE_SEAM};
   if (mode == v1::MHC_MODE_SHIFTED) stages.push_back(v1::MHC_STAGE_HEAD);
   InlineState state;
   for (size_t i = 0; i < stages.size(); ++i) {
     SCOPED_TRACE(::testing::Message() << "call " << i << " stage " << stages[i]);
-    ChainCall call = NextCall(rng, sets[i % sets.size()], stages[i], mode, T, state, session);
+    ChainCall call = NextCall(rng, sets[i % sets.size()], stages[i], mode, T, state, session, C);
     call.inline_request.set_path_preference(pref);
     call.session_request.set_path_preference(pref);
     const bool with_state = i % 2 == 1;
@@ -135,9 +138,9 @@ int RunChain(FusedLayerClient& c, std::mt19937_64& rng, const std::string& sessi
   return static_cast<int>(stages.size());
 }
 
-std::vector<PackedWeightSet> TwoSets(std::mt19937_64& rng) {
-  return {MakeWeightSet(rng, "rs/attn", MhcSetSpec{.hc_mult = kN, .hidden = kC}, std::nullopt),
-          MakeWeightSet(rng, "rs/ffn", MhcSetSpec{.hc_mult = kN, .hidden = kC}, std::nullopt)};
+std::vector<PackedWeightSet> TwoSets(std::mt19937_64& rng, int64_t C = kC) {
+  return {MakeWeightSet(rng, "rs/attn", MhcSetSpec{.hc_mult = kN, .hidden = C}, std::nullopt),
+          MakeWeightSet(rng, "rs/ffn", MhcSetSpec{.hc_mult = kN, .hidden = C}, std::nullopt)};
 }
 
 // ---- bitwise equality with the inline chain -------------------------------------------------------
@@ -166,6 +169,32 @@ TEST(ResidualSession, ChainIsBitwiseTheInlineChainInBothModesAndPaths) {
         ASSERT_TRUE(closed.ok());
         EXPECT_EQ(closed->closed(), 1u);
         EXPECT_EQ(closed->freed_bytes(), *bytes);
+      }
+    }
+  }
+}
+
+// The same on the server's default backend ("auto", with its default lanes): the CPU backend on a
+// machine without a GPU; on a GPU host (the H200 device run bundles this suite) the CUDA backend,
+// whose fused kernel runs at C = 512 (a multiple of its 128-channel tile), with the session's
+// state in device memory and T up to a decode batch.
+TEST(ResidualSession, OnTheDefaultBackendTheChainIsBitwiseTheInlineChain) {
+  constexpr int64_t kDeviceC = 512;
+  std::mt19937_64 rng = MakeRng(81);
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend("auto");
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::cout << "backend: " << (*backend)->kind() << ", " << (*backend)->device_name() << std::endl;
+  auto ts = TestServer::Start(TestConfig(), *std::move(backend), TwoSets(rng, kDeviceC));
+  ASSERT_NE(ts, nullptr);
+  auto c = ClientFor(*ts);
+  ASSERT_NE(c, nullptr);
+  for (auto mode : {v1::MHC_MODE_SHIFTED, v1::MHC_MODE_NORMAL}) {
+    for (auto pref : {v1::PATH_PREFERENCE_REQUIRE_FUSED, v1::PATH_PREFERENCE_FORCE_UNFUSED}) {
+      for (int64_t T : {int64_t{1}, int64_t{64}}) {
+        SCOPED_TRACE(::testing::Message() << "mode " << mode << " pref " << pref << " T " << T);
+        ASSERT_TRUE(c->OpenResidualSession("d", T, kN, kDeviceC).ok());
+        EXPECT_GT(RunChain(*c, rng, "d", mode, T, pref, {"rs/attn", "rs/ffn"}, kDeviceC), 0);
+        ASSERT_TRUE(c->CloseResidualSession("d").ok());
       }
     }
   }
@@ -496,6 +525,52 @@ TEST(ResidualSession, UnloadingAWeightSetClosesTheSessionsThatUsedIt) {
   ASSERT_TRUE(list.ok());
   ASSERT_EQ(list->sessions_size(), 1);
   EXPECT_EQ(list->sessions(0).name(), "uses-ffn");
+}
+
+// ---- fusedctl ---------------------------------------------------------------------------------------
+
+// fusedctl with `args`; its exit status, *out its output.
+int Fusedctl(const std::vector<std::string>& args, std::string* out) {
+  ServerProcess p(FUSEDCTL_BINARY, args);
+  *out = p.ReadAll();
+  return p.Wait();
+}
+
+TEST(ResidualSession, FusedctlBenchSessionsAndCloseSession) {
+  std::mt19937_64 rng = MakeRng(82);
+  auto ts = TestServer::Start(TestConfig(), nullptr, TwoSets(rng));
+  ASSERT_NE(ts, nullptr);
+  const std::string target = "--target=127.0.0.1:" + std::to_string(ts->server().port());
+  std::string out;
+  ASSERT_EQ(Fusedctl({target, "bench", "--op=mhc", "--weight_set=rs/attn", "--tokens=16", "--concurrency=2",
+                      "--duration=0.3", "--transport=session"},
+                     &out),
+            0)
+      << out;
+  EXPECT_NE(out.find(" transport=session "), std::string::npos) << out;
+  EXPECT_NE(out.find("(x only: residual and mixes in 3 residual sessions;"), std::string::npos) << out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(session vs tcp  p50 [0-9.]+x, req/s [0-9.]+x, bytes per call ([0-9.]+)x)")))
+      << out;
+  EXPECT_LT(std::stod(m[1]), 0.25) << out;  // x + y against x + y + 2 (R + mixes)
+  // The bench closed its sessions; these are the test's.
+  EXPECT_EQ(Fusedctl({target, "sessions"}, &out), 0) << out;
+  EXPECT_NE(out.find("no residual sessions open for this identity"), std::string::npos) << out;
+  auto c = ClientFor(*ts);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->OpenResidualSession("cli", 2, kN, kC).ok());
+  EXPECT_EQ(Fusedctl({target, "sessions"}, &out), 0) << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(cli  T=2 n=4 C=320  \S+ \S+  empty \(no FIRST call yet\)  0 call\(s\))")))
+      << out;
+  EXPECT_EQ(Fusedctl({target, "close-session", "cli"}, &out), 0) << out;
+  EXPECT_NE(out.find("closed cli, freed"), std::string::npos) << out;
+  EXPECT_NE(Fusedctl({target, "close-session", "cli"}, &out), 0) << out;
+  EXPECT_NE(out.find("NOT_FOUND"), std::string::npos) << out;
+  EXPECT_NE(Fusedctl({target, "bench", "--op=swa", "--weight_set=rs/attn", "--tokens=4", "--duration=0.1",
+                      "--transport=session"},
+                     &out),
+            0);
+  EXPECT_NE(out.find("--transport=session applies to --op=mhc only"), std::string::npos) << out;
 }
 
 }  // namespace
