@@ -2,12 +2,12 @@
 # Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
 #   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab
-#                                                  samebits abclient)
+#                                                  samebits abclient sessions)
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"tests sanitize bench torch smoke dataplane shadow"}  # and "ab" (needs a baseline server, below)
+STEPS=${STEPS:-"tests sanitize bench torch smoke dataplane sessions shadow"}  # and "ab" (needs a baseline server, below)
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # start_server PORT METRICS_PORT LOG [extra flags...]: a CUDA-backend server with the demo weights in
 # the background (pid in $pid), returning once its health check answers (or after 60 s).
@@ -23,9 +23,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 # Every failing suite or sanitizer run sets `failed`; the script exits non-zero at the end.
 failed=0
 if want tests; then
-  for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests; do
+  # server_residual_session_tests: its OnTheDefaultBackend case runs on the CUDA backend here.
+  for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests server_residual_session_tests; do
     [ -x ./$t ] || { echo "$t not in this bundle"; continue; }
-    echo "== $t" >> "$OUT/tests.log"; timeout 240 ./$t --gtest_brief=1 > /tmp/$t.log 2>&1; rc=$?
+    # (The session suite's fusedctl case runs the build tree's fusedctl, which the bundle does not
+    # have; the bench rows below run the bundled one.)
+    filter=""; [ $t = server_residual_session_tests ] && filter="--gtest_filter=-*Fusedctl*"
+    echo "== $t" >> "$OUT/tests.log"; timeout 240 ./$t --gtest_brief=1 $filter > /tmp/$t.log 2>&1; rc=$?
     cat /tmp/$t.log >> "$OUT/tests.log"; echo "$t rc=$rc"; tail -3 /tmp/$t.log
     [ $rc -eq 0 ] || failed=1
   done
@@ -137,6 +141,21 @@ fi
 # (fusedctl bench --echo_floor: a bare gRPC echo of the same byte counts over the same channel
 # options, from the same run), and dynamic batching on (--max_batch_tokens=64, the default) and off (0) at
 # concurrency 16 with T = 1 decode requests.
+# Residual sessions (issue 13): x only per call, the state in device memory, against the same
+# request inline (TCP row) and the echo floor of the session's own bytes. Target: bytes per mHC
+# call <= 0.25x a plain call, p50 accordingly lower.
+if want sessions; then
+  echo "== residual sessions"
+  start_server 50191 50192 "$OUT/server-sessions.log"
+  { C="--target=127.0.0.1:50191"
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=6s --transport=session --echo_floor
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=6s --transport=session --echo_floor
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=6s --transport=session
+    python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50192/metrics').read().decode())" \
+      | grep -E '^fusedlayer_residual_session'
+  } >> "$OUT/sessions.log" 2>&1
+  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/sessions.log"
+fi
 if want dataplane; then
   echo "== data path: end-to-end rows with their echo floor; batching on/off"
   for batching in 64 0; do
