@@ -11,11 +11,9 @@
 //    session is ABORTED; ownership across two bearer tokens; limits, the idle timeout, unload of a
 //    weight set a session used, the metrics gauges.
 #include <stdlib.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <fstream>
 #include <future>
 #include <iostream>
 #include <random>
@@ -25,32 +23,23 @@
 #include <vector>
 
 #include "client/fusedlayer_client.h"
+#include "client_for.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
 #include "server_process.h"
 #include "server_test_env.h"
 #include "test_util.h"
+#include "two_token_file.h"
 
 namespace fusedlayer::testing {
 namespace {
 
 using absl::StatusCode;
-using client::ClientOptions;
 using client::FusedLayerClient;
 using server::PackedWeightSet;
 
 constexpr int kN = 4;
 constexpr int64_t kC = 320;
-
-std::unique_ptr<FusedLayerClient> ClientFor(TestServer& ts, const std::string& token = "") {
-  ClientOptions o;
-  o.deadline = absl::Seconds(60);
-  o.bearer_token = token;
-  absl::StatusOr<std::unique_ptr<FusedLayerClient>> c =
-      FusedLayerClient::Connect("127.0.0.1:" + std::to_string(ts.server().port()), std::move(o));
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? *std::move(c) : nullptr;
-}
 
 // The state a chain carries from one call to the next, inline.
 struct InlineState {
@@ -143,6 +132,24 @@ std::vector<PackedWeightSet> TwoSets(std::mt19937_64& rng, int64_t C = kC) {
           MakeWeightSet(rng, "rs/ffn", MhcSetSpec{.hc_mult = kN, .hidden = C}, std::nullopt)};
 }
 
+// A server on the lane test backend (device memory apart from the host's, copies only through
+// lanes) with `sets` loaded and `lanes` lanes, its backend's counters and gate, and a client.
+struct LaneServer {
+  std::unique_ptr<TestServer> ts;
+  std::shared_ptr<LaneTestBackend::Control> control;
+  std::unique_ptr<FusedLayerClient> client;
+};
+LaneServer StartOnLanes(std::vector<PackedWeightSet> sets, int lanes) {
+  auto backend = std::make_unique<LaneTestBackend>(8);
+  LaneServer s;
+  s.control = backend->control();
+  server::ServerConfig cfg = TestConfig();
+  cfg.device_lanes = lanes;
+  s.ts = TestServer::Start(cfg, std::move(backend), std::move(sets));
+  if (s.ts != nullptr) s.client = ClientFor(*s.ts);
+  return s;
+}
+
 // ---- bitwise equality with the inline chain -------------------------------------------------------
 
 TEST(ResidualSession, ChainIsBitwiseTheInlineChainInBothModesAndPaths) {
@@ -204,14 +211,10 @@ TEST(ResidualSession, OnTheDefaultBackendTheChainIsBitwiseTheInlineChain) {
 // and y back, one copy each, and its outputs are still bitwise the inline chain's.
 TEST(ResidualSession, OnLanesOnlyXAndYCrossBetweenHostAndDevice) {
   std::mt19937_64 rng = MakeRng(72);
-  auto backend = std::make_unique<LaneTestBackend>(8);
-  std::shared_ptr<LaneTestBackend::Control> control = backend->control();
-  server::ServerConfig cfg = TestConfig();
-  cfg.device_lanes = 2;
-  auto ts = TestServer::Start(cfg, std::move(backend), TwoSets(rng));
-  ASSERT_NE(ts, nullptr);
-  auto c = ClientFor(*ts);
-  ASSERT_NE(c, nullptr);
+  LaneServer server = StartOnLanes(TwoSets(rng), 2);
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* c = server.client.get();
+  LaneTestBackend::Control* control = server.control.get();
   for (auto mode : {v1::MHC_MODE_SHIFTED, v1::MHC_MODE_NORMAL}) {
     SCOPED_TRACE(::testing::Message() << "mode " << mode);
     ASSERT_TRUE(c->OpenResidualSession("lane", 9, kN, kC).ok());
@@ -237,14 +240,10 @@ TEST(ResidualSession, OnLanesOnlyXAndYCrossBetweenHostAndDevice) {
 // call succeeds (reason fused_kernel_error) with the inline chain's bits, and so does the next.
 TEST(ResidualSession, AFailedFusedLaunchReRunsOnTheUnchangedState) {
   std::mt19937_64 rng = MakeRng(73);
-  auto backend = std::make_unique<LaneTestBackend>(8);
-  std::shared_ptr<LaneTestBackend::Control> control = backend->control();
-  server::ServerConfig cfg = TestConfig();
-  cfg.device_lanes = 1;
-  auto ts = TestServer::Start(cfg, std::move(backend), TwoSets(rng));
-  ASSERT_NE(ts, nullptr);
-  auto c = ClientFor(*ts);
-  ASSERT_NE(c, nullptr);
+  LaneServer server = StartOnLanes(TwoSets(rng), 1);
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* c = server.client.get();
+  LaneTestBackend::Control* control = server.control.get();
   const v1::MhcMode mode = v1::MHC_MODE_SHIFTED;
   ASSERT_TRUE(c->OpenResidualSession("f", 5, kN, kC).ok());
   InlineState state;
@@ -367,14 +366,10 @@ TEST(ResidualSession, SessionsOffIsFailedPrecondition) {
 
 TEST(ResidualSession, ASecondCallOfABusySessionIsAbortedAndTheFirstCompletes) {
   std::mt19937_64 rng = MakeRng(76);
-  auto backend = std::make_unique<LaneTestBackend>(8);
-  std::shared_ptr<LaneTestBackend::Control> control = backend->control();
-  server::ServerConfig cfg = TestConfig();
-  cfg.device_lanes = 2;
-  auto ts = TestServer::Start(cfg, std::move(backend), TwoSets(rng));
-  ASSERT_NE(ts, nullptr);
-  auto c = ClientFor(*ts);
-  ASSERT_NE(c, nullptr);
+  LaneServer server = StartOnLanes(TwoSets(rng), 2);
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* c = server.client.get();
+  LaneTestBackend::Control* control = server.control.get();
   ASSERT_TRUE(c->OpenResidualSession("busy", 3, kN, kC).ok());
   InlineState none;
   ASSERT_TRUE(
@@ -394,24 +389,7 @@ TEST(ResidualSession, ASecondCallOfABusySessionIsAbortedAndTheFirstCompletes) {
 
 // ---- ownership, limits, idle timeout, unload --------------------------------------------------------
 
-class ResidualSessionTokens : public ::testing::Test {
- protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/fl-rs-tokens-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    token_a_ = std::string(40, 'a');
-    token_b_ = std::string(40, 'b');
-    file_ = dir_ + "/tokens";
-    std::ofstream(file_) << token_a_ << " compute\n" << token_b_ << " compute\n";
-    ::chmod(file_.c_str(), 0600);
-  }
-  void TearDown() override {
-    ::unlink(file_.c_str());
-    ::rmdir(dir_.c_str());
-  }
-  std::string dir_, file_, token_a_, token_b_;
-};
+class ResidualSessionTokens : public TwoTokenFile {};
 
 TEST_F(ResidualSessionTokens, ASessionBelongsToTheTokenThatOpenedIt) {
   std::mt19937_64 rng = MakeRng(77);

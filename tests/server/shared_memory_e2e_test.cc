@@ -26,17 +26,18 @@
 #include <vector>
 
 #include "client/fusedlayer_client.h"
+#include "client_for.h"
 #include "client/shared_memory.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
 #include "server_test_env.h"
 #include "test_util.h"
+#include "two_token_file.h"
 
 namespace fusedlayer::testing {
 namespace {
 
 using absl::StatusCode;
-using client::ClientOptions;
 using client::ClientSharedMemory;
 using client::FusedLayerClient;
 using server::PackedWeightSet;
@@ -82,16 +83,6 @@ class TestObject {
   int fd_ = -1;
   char* data_ = nullptr;
 };
-
-std::unique_ptr<FusedLayerClient> ClientFor(TestServer& ts, const std::string& token = "") {
-  ClientOptions o;
-  o.deadline = absl::Seconds(60);
-  o.bearer_token = token;
-  absl::StatusOr<std::unique_ptr<FusedLayerClient>> c =
-      FusedLayerClient::Connect("127.0.0.1:" + std::to_string(ts.server().port()), std::move(o));
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? *std::move(c) : nullptr;
-}
 
 server::ServerConfig ShmConfig() {
   server::ServerConfig c = TestConfig();
@@ -591,24 +582,7 @@ TEST(SharedMemory, EverythingIsFailedPreconditionWhileDisabled) {
 
 // ---- identities, limits, metrics ----------------------------------------------------------------------
 
-class SharedMemoryTokens : public ::testing::Test {
- protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/fl-shm-tokens-XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    token_a_ = RandomHex(40);
-    token_b_ = RandomHex(40);
-    file_ = dir_ + "/tokens";
-    std::ofstream(file_) << token_a_ << " compute\n" << token_b_ << " compute\n";
-    ::chmod(file_.c_str(), 0600);
-  }
-  void TearDown() override {
-    ::unlink(file_.c_str());
-    ::rmdir(dir_.c_str());
-  }
-  std::string dir_, file_, token_a_, token_b_;
-};
+class SharedMemoryTokens : public TwoTokenFile {};
 
 TEST_F(SharedMemoryTokens, ARegionBelongsToTheTokenThatRegisteredIt) {
   std::mt19937_64 rng = MakeRng(46);
