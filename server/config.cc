@@ -48,6 +48,10 @@ uint64_t ServerConfig::EffectiveMaxUploadBufferBytes() const {
   return max_upload_buffer_bytes > 0 ? max_upload_buffer_bytes : MemoryForDefaults() / 4;
 }
 
+uint64_t ServerConfig::EffectiveResidualSessionTotalBytes() const {
+  return residual_session_total_bytes > 0 ? residual_session_total_bytes : MemoryForDefaults() / 4;
+}
+
 absl::Status ServerConfig::Validate() const {
   if (address.empty()) return absl::InvalidArgumentError("--address must not be empty");
   if (const ListenKind kind = ListenKindOf(address); kind != ListenKind::kTcp) {

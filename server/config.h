@@ -132,6 +132,8 @@ struct ServerConfig {
   int64_t residual_session_max_sessions = 64;
   uint64_t residual_session_max_bytes = uint64_t{4} << 30;
   double residual_session_idle_seconds = 600;
+  // Bytes the sessions of all identities may hold together; 0: a quarter of memory.
+  uint64_t residual_session_total_bytes = 0;
   // Shadow verification (server/shadow/, docs/shadow.md): the fraction of fused requests re-run
   // unfused off the critical path and compared; its bounded queue; mismatch dumps.
   double shadow_sample_rate = 0;
@@ -154,6 +156,8 @@ struct ServerConfig {
   uint64_t EffectiveGrpcMemoryQuotaBytes() const;
   // max_upload_buffer_bytes, or its memory-derived default.
   uint64_t EffectiveMaxUploadBufferBytes() const;
+  // residual_session_total_bytes, or its memory-derived default.
+  uint64_t EffectiveResidualSessionTotalBytes() const;
   bool fused_disabled(Op op) const { return op == Op::kMhc ? disable_fused_mhc : disable_fused_swa; }
   // InvalidArgument when a limit is out of range (checked once at startup).
   absl::Status Validate() const;

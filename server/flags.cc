@@ -113,6 +113,9 @@ ABSL_FLAG(int64_t, residual_session_max_sessions, 64,
           "residual sessions one identity may hold open (0 to 65536); 0: sessions are off (FAILED_PRECONDITION)");
 ABSL_FLAG(uint64_t, residual_session_max_bytes, uint64_t{4} << 30,
           "device (backend) bytes the residual sessions of one identity may hold");
+ABSL_FLAG(uint64_t, residual_session_total_bytes, 0,
+          "device (backend) bytes the residual sessions of all identities may hold together; 0 = a quarter of the "
+          "host's memory");
 ABSL_FLAG(double, residual_session_idle_seconds, 600,
           "a residual session without a call for this long is closed and its memory freed (1 to 86400)");
 
@@ -185,6 +188,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.residual_session_max_sessions = absl::GetFlag(FLAGS_residual_session_max_sessions);
   c.residual_session_max_bytes = absl::GetFlag(FLAGS_residual_session_max_bytes);
   c.residual_session_idle_seconds = absl::GetFlag(FLAGS_residual_session_idle_seconds);
+  c.residual_session_total_bytes = absl::GetFlag(FLAGS_residual_session_total_bytes);
   c.shadow_sample_rate = absl::GetFlag(FLAGS_shadow_sample_rate);
   c.shadow_queue_size = absl::GetFlag(FLAGS_shadow_queue_size);
   c.shadow_queue_max_bytes = absl::GetFlag(FLAGS_shadow_queue_max_bytes);

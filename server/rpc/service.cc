@@ -31,7 +31,8 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
                      // Page-locked regions are copied from by the lanes only (op_calls.h).
                      lanes.request_staging() != nullptr ? &backend : nullptr),
       sessions_(transport::ResidualSessionLimits{config.residual_session_max_sessions,
-                                                 config.residual_session_max_bytes, config.max_tokens,
+                                                 config.residual_session_max_bytes,
+                                                 config.EffectiveResidualSessionTotalBytes(), config.max_tokens,
                                                  config.residual_session_idle_seconds},
                 backend, *metrics.registry()),
       upload_idle_(std::chrono::seconds(config.upload_idle_timeout_seconds)),

@@ -139,6 +139,13 @@ void ResidualSessionStore::EraseLocked(std::map<Key, std::shared_ptr<ResidualSes
   UpdateGaugesLocked();
 }
 
+absl::Status ResidualSessionStore::TotalExhausted(const std::string& name, uint64_t bytes) const {
+  return absl::ResourceExhaustedError(absl::StrCat("residual session '", name, "' needs ", bytes,
+                                                   " bytes; the server's sessions (all identities) are at their limit (",
+                                                   limits_.total_bytes, " bytes, --residual_session_total_bytes); "
+                                                   "retry later"));
+}
+
 absl::StatusOr<uint64_t> ResidualSessionStore::Open(const std::string& identity, const std::string& name,
                                                     ResidualSessionShape shape) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
@@ -173,6 +180,7 @@ absl::StatusOr<uint64_t> ResidualSessionStore::Open(const std::string& identity,
           "residual session '", name, "' needs ", bytes, " bytes; this identity holds ", u.bytes, " of its ",
           limits_.max_bytes, " (--residual_session_max_bytes)"));
     }
+    if (!FitsTotalLocked(bytes)) return TotalExhausted(name, bytes);
   }
   // Outside the mutex: a device allocation may take a while. The limits are checked again below.
   absl::StatusOr<DeviceBuffer> block = backend_.Allocate(bytes);
@@ -187,9 +195,11 @@ absl::StatusOr<uint64_t> ResidualSessionStore::Open(const std::string& identity,
   auto session = std::make_shared<ResidualSession>(identity, name, shape, std::move(*block), layout.total);
   MutexLock lock(&mu_);
   Usage& u = usage_[identity];
+  const bool fits_total = FitsTotalLocked(bytes);
   if (sessions_.count({identity, name}) != 0 || u.sessions + 1 > limits_.max_sessions ||
-      u.bytes > limits_.max_bytes - bytes) {
+      u.bytes > limits_.max_bytes - bytes || !fits_total) {
     if (u.sessions == 0) usage_.erase(identity);
+    if (!fits_total) return TotalExhausted(name, bytes);  // other identities took it meanwhile
     return absl::AbortedError(absl::StrCat("residual session '", name,
                                            "': another open of this identity took the name or its budget meanwhile"));
   }

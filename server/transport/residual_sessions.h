@@ -15,7 +15,8 @@
 //
 // Ownership and limits as for shared-memory regions (transport/shared_memory.h): a session belongs
 // to the identity that opened it, in a per-identity namespace (another identity's session is
-// NOT_FOUND); per identity at most max_sessions sessions and max_bytes bytes. A session idle for
+// NOT_FOUND); per identity at most max_sessions sessions and max_bytes bytes, and total_bytes for all
+// identities together (so that many identities cannot take the memory requests need). A session idle for
 // idle_seconds is closed by the store's reaper thread; a session is closed when a weight set it
 // used is unloaded (CloseUsing). Closing never waits for a call in flight: that call keeps the
 // block alive until it is done and its commit is dropped.
@@ -47,6 +48,7 @@ namespace fusedlayer::server::transport {
 struct ResidualSessionLimits {
   int64_t max_sessions = 64;                // per identity; 0: sessions are off
   uint64_t max_bytes = uint64_t{4} << 30;   // backend bytes per identity
+  uint64_t total_bytes = uint64_t{16} << 30;  // backend bytes, all identities together
   int64_t max_tokens = int64_t{1} << 16;    // T of a session (the server's --max_tokens)
   double idle_seconds = 600;                // closed after this long without a call
 };
@@ -176,6 +178,10 @@ class ResidualSessionStore {
   // (a call in flight) lets go.
   void EraseLocked(std::map<Key, std::shared_ptr<ResidualSession>>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool FitsTotalLocked(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return bytes <= limits_.total_bytes && total_bytes_ <= limits_.total_bytes - bytes;
+  }
+  absl::Status TotalExhausted(const std::string& name, uint64_t bytes) const;
   void ReaperLoop();
 
   const ResidualSessionLimits limits_;

@@ -433,6 +433,23 @@ TEST_F(ResidualSessionTokens, ASessionBelongsToTheTokenThatOpenedIt) {
   EXPECT_EQ(MetricValue(ScrapeWhenIdle(*ts), "fusedlayer_residual_sessions"), 1);
 }
 
+TEST_F(ResidualSessionTokens, TheTotalLimitHoldsAcrossIdentities) {
+  std::mt19937_64 rng = MakeRng(83);
+  server::ServerConfig cfg = TestConfig();
+  cfg.auth_tokens_file = file_;
+  cfg.residual_session_total_bytes = 5 * (16 * kN * kC * 2 + 4096);  // two and a half sessions of T = 16
+  auto ts = TestServer::Start(cfg, nullptr, TwoSets(rng));
+  ASSERT_NE(ts, nullptr);
+  auto a = ClientFor(*ts, token_a_), b = ClientFor(*ts, token_b_);
+  ASSERT_TRUE(a->OpenResidualSession("a1", 16, kN, kC).ok());
+  ASSERT_TRUE(a->OpenResidualSession("a2", 16, kN, kC).ok());
+  absl::StatusOr<uint64_t> refused = b->OpenResidualSession("b1", 16, kN, kC);
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("--residual_session_total_bytes"), std::string::npos) << refused.status();
+  ASSERT_TRUE(a->CloseResidualSession("a1").ok());
+  EXPECT_TRUE(b->OpenResidualSession("b1", 16, kN, kC).ok());
+}
+
 TEST(ResidualSession, BytePerIdentityLimitIsResourceExhausted) {
   std::mt19937_64 rng = MakeRng(78);
   server::ServerConfig cfg = TestConfig();

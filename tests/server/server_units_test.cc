@@ -515,6 +515,28 @@ TEST(Config, DisableFusedAndLimits) {
   EXPECT_GT(c.EffectiveGrpcMemoryQuotaBytes(), c.EffectiveMaxInflightBytes());
   c.max_inflight_bytes = 12345;
   EXPECT_EQ(c.EffectiveMaxInflightBytes(), 12345u);
+  // Residual sessions: count [0 (off), 65536], bytes >= 1, idle [1, 86400] s; total 0 = a quarter
+  // of memory.
+  for (const int64_t bad : {int64_t{-1}, int64_t{65'537}}) {
+    c.residual_session_max_sessions = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  c.residual_session_max_sessions = 0;
+  EXPECT_TRUE(c.Validate().ok());
+  c.residual_session_max_sessions = 64;
+  c.residual_session_max_bytes = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));
+  c.residual_session_max_bytes = 1;
+  for (const double bad : {0.5, 86'401.0, std::nan("")}) {
+    c.residual_session_idle_seconds = bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+  }
+  c.residual_session_idle_seconds = 1;
+  EXPECT_TRUE(c.Validate().ok());
+  const decltype(c) defaults;  // both a quarter of memory
+  EXPECT_EQ(defaults.EffectiveResidualSessionTotalBytes(), defaults.EffectiveMaxInflightBytes());
+  c.residual_session_total_bytes = 777;
+  EXPECT_EQ(c.EffectiveResidualSessionTotalBytes(), 777u);
 }
 
 // The admission counter never over-commits and gives bytes back exactly once.
