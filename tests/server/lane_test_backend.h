@@ -57,6 +57,20 @@ class LaneTestBackend final : public Backend {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] { return waiting_at_gate >= n; });
     }
+    // Blocks until `n` lane kernels have been enqueued in all (not copies or frees, which an earlier
+    // call may have left queued): the call a kernel belongs to is past decode, and with the gate held
+    // it cannot complete.
+    void WaitForKernelsEnqueued(int64_t n) {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return kernels_enqueued >= n; });
+    }
+    void KernelEnqueued() {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ++kernels_enqueued;
+      }
+      cv.notify_all();
+    }
     void Gate() {
       std::unique_lock<std::mutex> lock(mu);
       ++waiting_at_gate;
@@ -69,6 +83,7 @@ class LaneTestBackend final : public Backend {
     std::condition_variable cv;
     bool held = false;
     int waiting_at_gate = 0;
+    int64_t kernels_enqueued = 0;  // lane kernels enqueued, all lanes (guarded by mu)
 
     std::atomic<int> fail_next_kernels{0};       // the next N lane kernels fail when they execute
     std::atomic<bool> refuse_host_staging{false};  // AllocateHostStaging fails (pinned memory refused)
@@ -349,6 +364,7 @@ class LaneTestBackend final : public Backend {
         kernel_seconds_ = r->kernel_seconds;  // lane thread; read by Wait under mu_ after executed_
         return absl::OkStatus();
       });
+      control_->KernelEnqueued();
       return absl::OkStatus();
     }
 

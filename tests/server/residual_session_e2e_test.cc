@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <future>
+#include <mutex>
 #include <iostream>
 #include <random>
 #include <regex>
@@ -378,8 +379,15 @@ TEST(ResidualSession, ASecondCallOfABusySessionIsAbortedAndTheFirstCompletes) {
   const v1::MhcSeamRequest a =
       NextCall(rng, "rs/attn", v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, 3, none, "busy").session_request;
   control->Hold();
+  int64_t kernels = 0;
+  {
+    std::lock_guard<std::mutex> lock(control->mu);
+    kernels = control->kernels_enqueued;
+  }
   auto first = std::async(std::launch::async, [&] { return c->MhcSeam(a); });
-  control->WaitForHeld(1);  // the first call is on its lane
+  // The first call's kernel is enqueued, so it holds the session and cannot complete (waiting at
+  // the gate alone would not say so: a deferred free the FIRST call left queued may be the one there).
+  control->WaitForKernelsEnqueued(kernels + 1);
   EXPECT_EQ(c->MhcSeam(a).status().code(), StatusCode::kAborted);
   control->Release();
   ASSERT_TRUE(first.get().ok());
