@@ -20,7 +20,7 @@ namespace fusedlayer::server {
 class DeviceStaging {
  public:
   // Views inside `resident` (backend memory the server keeps, exec/device_range.h) pass through.
-  explicit DeviceStaging(Backend& backend, DeviceRange resident = {})
+  explicit DeviceStaging(Backend& backend, DeviceRanges resident = {})
       : backend_(backend), direct_(backend.host_accessible()), resident_(resident) {}
 
   // The view to give the backend for a host input / output view. Empty views (absent optional
@@ -34,7 +34,7 @@ class DeviceStaging {
 
   Backend& backend_;
   const bool direct_;
-  const DeviceRange resident_;
+  const DeviceRanges resident_;
   std::vector<DeviceBuffer> buffers_;
   std::vector<std::pair<TensorView, TensorView>> outputs_;  // (host, device)
 };
@@ -61,7 +61,7 @@ class DeviceStaging {
 class LaneStaging {
  public:
   LaneStaging(Lane& lane, HostStagingPool& pool, HostRange pinned = {}, HostRange pinned_outputs = {},
-              DeviceRange resident = {})
+              DeviceRanges resident = {})
       : lane_(lane), pool_(pool), pinned_(pinned), pinned_outputs_(pinned_outputs), resident_(resident) {}
   ~LaneStaging();
 
@@ -96,7 +96,7 @@ class LaneStaging {
   HostStagingPool& pool_;
   const HostRange pinned_;
   const HostRange pinned_outputs_;
-  const DeviceRange resident_;
+  const DeviceRanges resident_;
   std::vector<Tensor> tensors_;
   // Stage()'s layout: inputs in [0, inputs_end_), outputs in [outputs_begin_, outputs_end_).
   size_t inputs_end_ = 0;

@@ -69,8 +69,9 @@ struct ExecTarget {
   // its page-locked shared-memory region, transport/shared_memory.h).
   HostRange pinned_outputs;
   // Backend memory that outlives the run (a residual session's block, transport/
-  // residual_sessions.h), or empty: views inside it are handed to the kernels as they are.
-  DeviceRange resident;
+  // residual_sessions.h; the client's CUDA shared-memory regions, transport/cuda_shared_memory.h),
+  // or empty: views inside it are handed to the kernels as they are.
+  DeviceRanges resident;
 };
 
 absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcWeights& weights,
