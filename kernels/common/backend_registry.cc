@@ -37,6 +37,14 @@ absl::StatusOr<DeviceBuffer> Backend::PageLockHostMemory(void*, size_t) {
   return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend does not page-lock host memory"));
 }
 
+absl::StatusOr<IpcExportedBuffer> Backend::AllocateIpcExportable(size_t) {
+  return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend has no CUDA IPC"));
+}
+
+absl::StatusOr<DeviceBuffer> Backend::ImportIpcMemory(std::string_view) {
+  return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend has no CUDA IPC"));
+}
+
 absl::StatusOr<std::unique_ptr<Lane>> Backend::CreateLane() {
   return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend has no lanes"));
 }

@@ -1,7 +1,10 @@
 // The GPU backend (CUDA or HIP, one source): device memory, synchronous copies on the backend's
 // stream, and the mHC / SWA launchers timed with events; lanes (backend.h) with their own streams,
 // scratch and events for the server's pipelined serving path; page-locked staging memory.
+#include <dlfcn.h>
+
 #include <algorithm>
+#include <cstring>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -21,6 +24,37 @@ namespace fusedlayer {
 namespace {
 
 using gpu::GpuContext;
+
+static_assert(sizeof(gpuIpcMemHandle_t) == kIpcHandleBytes);
+
+// The device allocation that contains `p` (its first byte and size), from the driver: the bounds of
+// an opened IPC handle are never taken from the client. The runtime API has no such query on CUDA,
+// so the driver's cuMemGetAddressRange is looked up in libcuda (loaded already: the runtime uses it).
+absl::Status AllocationRange(const void* p, const char** base, size_t* bytes) {
+#if FL_HIP
+  hipDeviceptr_t b = nullptr;
+  if (hipError_t err = hipMemGetAddressRange(&b, bytes, const_cast<void*>(p)); err != hipSuccess) {
+    (void)hipGetLastError();
+    return absl::InternalError(absl::StrCat("hipMemGetAddressRange: ", hipGetErrorString(err)));
+  }
+  *base = static_cast<const char*>(b);
+  return absl::OkStatus();
+#else
+  using GetAddressRange = int (*)(unsigned long long*, size_t*, unsigned long long);  // CUresult, CUdeviceptr
+  static const GetAddressRange fn = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    return lib == nullptr ? nullptr : reinterpret_cast<GetAddressRange>(dlsym(lib, "cuMemGetAddressRange_v2"));
+  }();
+  if (fn == nullptr) return absl::InternalError("cuMemGetAddressRange_v2 not found in libcuda.so.1");
+  unsigned long long b = 0;
+  if (int err = fn(&b, bytes, reinterpret_cast<unsigned long long>(p)); err != 0) {
+    return absl::InternalError(absl::StrCat("cuMemGetAddressRange failed (CUresult ", err, ")"));
+  }
+  *base = reinterpret_cast<const char*>(b);
+  return absl::OkStatus();
+#endif
+}
 
 class GpuEvent {
  public:
@@ -261,6 +295,50 @@ class GpuBackend final : public Backend {
           absl::StrCat("page-locking ", bytes, " bytes of host memory: ", gpuGetErrorString(err)));
     }
     return DeviceBuffer(p, bytes, [](void* q) { (void)gpuHostUnregister(q); });
+  }
+
+  int device_index() const override { return ctx_->device; }
+
+  absl::StatusOr<IpcExportedBuffer> AllocateIpcExportable(size_t bytes) override {
+    if (bytes == 0) return absl::InvalidArgumentError("an exportable allocation needs at least one byte");
+    if (gpuError_t err = gpuSetDevice(ctx_->device); err != gpuSuccess) return gpu::GpuStatus(err, "set device");
+    void* p = nullptr;
+    if (gpuError_t err = gpuMalloc(&p, bytes); err != gpuSuccess) {
+      (void)gpuGetLastError();
+      return absl::ResourceExhaustedError(absl::StrCat("device memory: ", bytes, " bytes: ", gpuGetErrorString(err)));
+    }
+    IpcExportedBuffer out{DeviceBuffer(p, bytes, [](void* q) { (void)gpuFree(q); }), std::string()};
+    gpuIpcMemHandle_t h;
+    if (gpuError_t err = gpuIpcGetMemHandle(&h, p); err != gpuSuccess) {
+      (void)gpuGetLastError();
+      return absl::InternalError(absl::StrCat("exporting an IPC handle: ", gpuGetErrorString(err)));
+    }
+    out.handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+    return out;
+  }
+
+  absl::StatusOr<DeviceBuffer> ImportIpcMemory(std::string_view handle) override {
+    if (handle.size() != sizeof(gpuIpcMemHandle_t)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("an IPC handle is ", sizeof(gpuIpcMemHandle_t), " bytes, got ", handle.size()));
+    }
+    if (gpuError_t err = gpuSetDevice(ctx_->device); err != gpuSuccess) return gpu::GpuStatus(err, "set device");
+    gpuIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* p = nullptr;
+    if (gpuError_t err = gpuIpcOpenMemHandle(&p, h); err != gpuSuccess) {
+      (void)gpuGetLastError();  // not sticky: a handle the driver refuses leaves the context usable
+      return absl::InvalidArgumentError(absl::StrCat("the driver refused the IPC handle: ", gpuGetErrorString(err)));
+    }
+    const char* base = nullptr;
+    size_t bytes = 0;
+    absl::Status s = AllocationRange(p, &base, &bytes);
+    if (s.ok() && base != p) s = absl::InternalError("an opened IPC handle does not start its allocation");
+    if (!s.ok()) {
+      (void)gpuIpcCloseMemHandle(p);
+      return s;
+    }
+    return DeviceBuffer(p, bytes, [](void* q) { (void)gpuIpcCloseMemHandle(q); });
   }
 
   int max_lanes() const override { return 16; }

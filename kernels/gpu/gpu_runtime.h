@@ -65,6 +65,12 @@ using gpuMemPool_t = hipMemPool_t;
 inline hipError_t gpuHostAlloc(void** p, size_t bytes) { return hipHostMalloc(p, bytes, hipHostMallocDefault); }
 inline hipError_t gpuHostRegister(void* p, size_t bytes) { return hipHostRegister(p, bytes, hipHostRegisterDefault); }
 #define gpuHostUnregister hipHostUnregister
+using gpuIpcMemHandle_t = hipIpcMemHandle_t;
+#define gpuIpcGetMemHandle hipIpcGetMemHandle
+#define gpuIpcCloseMemHandle hipIpcCloseMemHandle
+inline hipError_t gpuIpcOpenMemHandle(void** p, hipIpcMemHandle_t h) {
+  return hipIpcOpenMemHandle(p, h, hipIpcMemLazyEnablePeerAccess);
+}
 #else
 #include <cuda_runtime.h>
 #define FL_HIP 0
@@ -125,6 +131,12 @@ using gpuMemPool_t = cudaMemPool_t;
 inline cudaError_t gpuHostAlloc(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, cudaHostAllocDefault); }
 inline cudaError_t gpuHostRegister(void* p, size_t bytes) { return cudaHostRegister(p, bytes, cudaHostRegisterDefault); }
 #define gpuHostUnregister cudaHostUnregister
+using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
+#define gpuIpcGetMemHandle cudaIpcGetMemHandle
+#define gpuIpcCloseMemHandle cudaIpcCloseMemHandle
+inline cudaError_t gpuIpcOpenMemHandle(void** p, cudaIpcMemHandle_t h) {
+  return cudaIpcOpenMemHandle(p, h, cudaIpcMemLazyEnablePeerAccess);
+}
 #endif
 
 // cudaGraphInstantiate lost its error-node/log arguments in CUDA 12; HIP 5.x still has them.

@@ -93,6 +93,7 @@ class LaneTestBackend final : public Backend {
     std::atomic<int64_t> host_staging_allocations{0};
     std::atomic<bool> refuse_page_lock{false};  // PageLockHostMemory fails
     std::atomic<int64_t> page_locks{0};          // ranges locked by PageLockHostMemory now
+    std::atomic<int64_t> open_ipc_handles{0};    // ImportIpcMemory openings not closed yet
     std::atomic<int64_t> copies_to_device{0};  // EnqueueCopyToDevice calls on lanes
     std::atomic<int64_t> copies_to_host{0};    // EnqueueCopyToHost calls on lanes
     std::atomic<int> max_concurrent_lane_kernels{0};
@@ -139,6 +140,34 @@ class LaneTestBackend final : public Backend {
       --control_->page_locks;
     });
   }
+  // CUDA IPC, within this process: a handle names a live device block that AllocateIpcExportable
+  // made (a magic, then its address and size); anything else is refused as the driver refuses a
+  // handle it does not know. The server's code under test cannot tell it from another process's.
+  int device_index() const override { return 0; }
+  absl::StatusOr<IpcExportedBuffer> AllocateIpcExportable(size_t bytes) override {
+    absl::StatusOr<DeviceBuffer> b = Allocate(bytes);
+    if (!b.ok()) return b.status();
+    std::string handle(kIpcHandleBytes, '\0');
+    const uint64_t fields[3] = {kIpcMagic, reinterpret_cast<uint64_t>(b->data()), b->bytes()};
+    std::memcpy(handle.data(), fields, sizeof(fields));
+    return IpcExportedBuffer{std::move(*b), std::move(handle)};
+  }
+  absl::StatusOr<DeviceBuffer> ImportIpcMemory(std::string_view handle) override {
+    if (handle.size() != kIpcHandleBytes) return absl::InvalidArgumentError("an IPC handle is 64 bytes");
+    uint64_t fields[3];
+    std::memcpy(fields, handle.data(), sizeof(fields));
+    char* p = reinterpret_cast<char*>(fields[1]);
+    {
+      std::lock_guard<std::mutex> lock(blocks_mu_);
+      auto it = blocks_.find(p);
+      if (fields[0] != kIpcMagic || it == blocks_.end() || !it->second.device || it->second.bytes != fields[2]) {
+        return absl::InvalidArgumentError("the driver refused the IPC handle (test: no such exported block)");
+      }
+    }
+    ++control_->open_ipc_handles;
+    return DeviceBuffer(p, fields[2], [c = control_](void*) { --c->open_ipc_handles; });
+  }
+
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
     std::lock_guard<std::mutex> lock(default_mu_);
     if (!InBlock(dst, bytes, true)) return absl::InternalError("copy to device: destination is not device memory");
@@ -199,6 +228,7 @@ class LaneTestBackend final : public Backend {
 
  private:
   static constexpr uint64_t kAlive = 0x11fe11fe11fe11feULL;
+  static constexpr uint64_t kIpcMagic = 0x1bc0ffee1bc0ffeeULL;
 
   // Prepared weights wrapped to count the live ones and to detect use after release.
   struct TrackedMhc final : PreparedMhcWeights {

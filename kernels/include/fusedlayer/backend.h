@@ -53,6 +53,13 @@ class DeviceBuffer {
   std::function<void(void*)> free_;
 };
 
+// CUDA IPC: the bytes of a cudaIpcMemHandle_t (and hipIpcMemHandle_t).
+inline constexpr size_t kIpcHandleBytes = 64;
+struct IpcExportedBuffer {
+  DeviceBuffer buffer;
+  std::string handle;  // kIpcHandleBytes
+};
+
 // Weights of one weight set, uploaded and laid out the way this backend's kernels want them
 // (e.g. fn split into tensor-core operands on a GPU). Immutable once created.
 class PreparedMhcWeights {
@@ -112,6 +119,19 @@ class Backend {
   // device's copies then reach the locked pages without the CPU touching them. Unimplemented on a
   // host-accessible backend; another error when the system refuses (e.g. locked-memory limits).
   virtual absl::StatusOr<DeviceBuffer> PageLockHostMemory(void* p, size_t bytes);
+  // CUDA IPC (same host, same GPU: server/transport/cuda_shared_memory.h). The GPU this backend
+  // runs on, or -1 (no GPU).
+  virtual int device_index() const { return -1; }
+  // Device memory that another process can open (ImportIpcMemory there): a plain allocation (not
+  // from a stream-ordered pool, which IPC handles cannot name) and its handle, kIpcHandleBytes long.
+  // For clients and tests that hand buffers to a server. Unimplemented without IPC.
+  virtual absl::StatusOr<IpcExportedBuffer> AllocateIpcExportable(size_t bytes);
+  // Opens a handle another process exported: the returned buffer is the whole allocation as this
+  // process sees it (data() its first byte, bytes() its size as the driver reports it, so bounds are
+  // never taken from the client) and closes the handle when destroyed. InvalidArgument for a handle
+  // of the wrong length or one the driver refuses; Unimplemented without IPC. Opening one handle
+  // twice in a process is the caller's to avoid (the registry shares one opening per handle).
+  virtual absl::StatusOr<DeviceBuffer> ImportIpcMemory(std::string_view handle);
   // How many lanes this backend can run concurrently; 0: none (host-accessible backends run on
   // their default context, with their own internal parallelism).
   virtual int max_lanes() const { return 0; }
