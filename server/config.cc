@@ -137,6 +137,13 @@ absl::Status ServerConfig::Validate() const {
         absl::StrCat("--shared_memory_max_regions must be in [1, 4096], got ", shared_memory_max_regions));
   }
   if (shared_memory_max_bytes < 1) return absl::InvalidArgumentError("--shared_memory_max_bytes must be >= 1");
+  if (cuda_shared_memory_max_regions < 1 || cuda_shared_memory_max_regions > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda_shared_memory_max_regions must be in [1, 4096], got ",
+                                                   cuda_shared_memory_max_regions));
+  }
+  if (cuda_shared_memory_max_bytes < 1) {
+    return absl::InvalidArgumentError("--cuda_shared_memory_max_bytes must be >= 1");
+  }
   if (residual_session_max_sessions < 0 || residual_session_max_sessions > 65536) {
     return absl::InvalidArgumentError(absl::StrCat("--residual_session_max_sessions must be in [0, 65536], got ",
                                                    residual_session_max_sessions));

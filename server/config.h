@@ -127,6 +127,11 @@ struct ServerConfig {
   // On a device backend with lanes: registered bytes (all identities) mapped and page-locked so the
   // device copies inputs from where they lie (transport/shared_memory.h); 0 = never.
   uint64_t shared_memory_locked_bytes = uint64_t{8} << 30;
+  // CUDA shared memory (server/transport/cuda_shared_memory.h, docs/operations.md): off unless set,
+  // and only on a GPU backend; per-identity limits.
+  bool allow_cuda_shared_memory = false;
+  int64_t cuda_shared_memory_max_regions = 64;
+  uint64_t cuda_shared_memory_max_bytes = uint64_t{64} << 30;
   // Residual sessions (transport/residual_sessions.h, docs/operations.md): per identity, sessions
   // open and backend bytes they hold (0 sessions: off); closed after this long without a call.
   int64_t residual_session_max_sessions = 64;

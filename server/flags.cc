@@ -108,6 +108,17 @@ ABSL_FLAG(uint64_t, shared_memory_locked_bytes, uint64_t{8} << 30,
           "on a device backend: bytes of registered regions (all identities) the server maps and page-locks so "
           "that the device reads inputs where they lie; regions beyond it are read with pread; 0 = never");
 
+// CUDA shared memory (server/transport/cuda_shared_memory.h, docs/operations.md).
+ABSL_FLAG(bool, allow_cuda_shared_memory, false,
+          "accept RegisterCudaSharedMemory and tensors in clients' device buffers on this GPU (CUDA IPC: clients on "
+          "this host only; the kernels read and write them in place); off, or on a CPU backend: those calls are "
+          "FAILED_PRECONDITION");
+ABSL_FLAG(int64_t, cuda_shared_memory_max_regions, 64,
+          "CUDA shared-memory regions one identity may hold registered (1 to 4096)");
+ABSL_FLAG(uint64_t, cuda_shared_memory_max_bytes, uint64_t{64} << 30,
+          "bytes of CUDA shared-memory regions one identity may hold registered (the memory is the client's; the "
+          "limit bounds what one identity can make the server map)");
+
 // Residual sessions (server/transport/residual_sessions.h, docs/operations.md).
 ABSL_FLAG(int64_t, residual_session_max_sessions, 64,
           "residual sessions one identity may hold open (0 to 65536); 0: sessions are off (FAILED_PRECONDITION)");
@@ -183,6 +194,9 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.allow_unauthenticated_tls = absl::GetFlag(FLAGS_allow_unauthenticated_tls);
   c.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
   c.shared_memory_max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
+  c.allow_cuda_shared_memory = absl::GetFlag(FLAGS_allow_cuda_shared_memory);
+  c.cuda_shared_memory_max_regions = absl::GetFlag(FLAGS_cuda_shared_memory_max_regions);
+  c.cuda_shared_memory_max_bytes = absl::GetFlag(FLAGS_cuda_shared_memory_max_bytes);
   c.shared_memory_max_bytes = absl::GetFlag(FLAGS_shared_memory_max_bytes);
   c.shared_memory_locked_bytes = absl::GetFlag(FLAGS_shared_memory_locked_bytes);
   c.residual_session_max_sessions = absl::GetFlag(FLAGS_residual_session_max_sessions);

@@ -30,7 +30,8 @@ bool RightForMethod(absl::string_view path, uint8_t* right) {
   // (auth/caller_identity.h).
   if (method == "MhcSeam" || method == "SwaNormQuant" || method == "GetServerInfo" || method == "ListWeightSets" ||
       method == "RegisterSystemSharedMemory" || method == "SystemSharedMemoryStatus" ||
-      method == "UnregisterSystemSharedMemory" || method == "OpenResidualSession" ||
+      method == "UnregisterSystemSharedMemory" || method == "RegisterCudaSharedMemory" ||
+      method == "CudaSharedMemoryStatus" || method == "UnregisterCudaSharedMemory" || method == "OpenResidualSession" ||
       method == "ListResidualSessions" || method == "CloseResidualSession") {
     *right = kRightCompute;
     return true;

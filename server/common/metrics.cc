@@ -40,6 +40,9 @@ const char* MethodName(Method m) {
     case Method::kRegisterSystemSharedMemory: return "RegisterSystemSharedMemory";
     case Method::kSystemSharedMemoryStatus: return "SystemSharedMemoryStatus";
     case Method::kUnregisterSystemSharedMemory: return "UnregisterSystemSharedMemory";
+    case Method::kRegisterCudaSharedMemory: return "RegisterCudaSharedMemory";
+    case Method::kCudaSharedMemoryStatus: return "CudaSharedMemoryStatus";
+    case Method::kUnregisterCudaSharedMemory: return "UnregisterCudaSharedMemory";
     case Method::kOpenResidualSession: return "OpenResidualSession";
     case Method::kListResidualSessions: return "ListResidualSessions";
     case Method::kCloseResidualSession: return "CloseResidualSession";

@@ -33,11 +33,14 @@ enum class Method : uint8_t {
   kRegisterSystemSharedMemory,
   kSystemSharedMemoryStatus,
   kUnregisterSystemSharedMemory,
+  kRegisterCudaSharedMemory,
+  kCudaSharedMemoryStatus,
+  kUnregisterCudaSharedMemory,
   kOpenResidualSession,
   kListResidualSessions,
   kCloseResidualSession,
 };
-inline constexpr int kNumMethods = 12;
+inline constexpr int kNumMethods = 15;
 const char* MethodName(Method m);
 // gRPC code name as the "code" label: "OK", "INVALID_ARGUMENT", ...
 const char* StatusCodeName(grpc::StatusCode code);

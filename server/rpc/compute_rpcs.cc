@@ -75,9 +75,11 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
   // nothing to share.
   // Inputs used where they lie in page-locked shared memory are the device's to read only, and a
   // batch is assembled by memcpy (exec/batch_assembly.h).
-  // A residual session's state is in device memory, which batch assembly cannot gather.
+  // A residual session's state, and tensors in CUDA shared memory, are in device memory, which
+  // batch assembly cannot gather.
   bool batchable() const override {
-    return !request_->verify() && decoded_.args.tokens > 0 && !(transfer_ != nullptr && transfer_->inputs_in_place()) &&
+    return !request_->verify() && decoded_.args.tokens > 0 &&
+           !(transfer_ != nullptr && (transfer_->inputs_in_place() || transfer_->uses_device_memory())) &&
            !session_.held();
   }
   bool CompatibleWith(const BatchableTask& other) const override {
@@ -155,6 +157,7 @@ absl::StatusOr<DispatchOutcome> FusedLayerService::ComputeTask<Rpc>::Execute(con
   target.pinned_inputs = pinned_inputs;
   target.pinned_outputs = pinned_outputs;
   if (session_.held()) target.resident = session_.memory();
+  if (transfer_ != nullptr && transfer_->uses_device_memory()) target.resident = transfer_->device_ranges();
   return RunWithFallback(Rpc::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what,
                          [&](Path path) { return Rpc::Run(target, part, call, path); });
 }
@@ -337,7 +340,9 @@ absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Me
   std::unique_ptr<transport::TensorTransfer> transfer;
   uint64_t staged_bytes = 0;
   if (transport::UsesSharedMemory(*request)) {
-    transfer = std::make_unique<transport::TensorTransfer>(&shared_memory_, auth::CallerIdentity(*call->context(), !config_.auth_tokens_file.empty()));
+    transfer = std::make_unique<transport::TensorTransfer>(
+        &shared_memory_, &cuda_shared_memory_,
+        auth::CallerIdentity(*call->context(), !config_.auth_tokens_file.empty()));
     staged_bytes = transport::SharedMemoryInputBytes(*request);
   }
   if (absl::Status s = AdmitComputeBytes(call, *response_bytes, staged_bytes); !s.ok()) return s;

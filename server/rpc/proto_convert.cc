@@ -65,7 +65,8 @@ std::string_view InlineBytes(const v1::Tensor& t, const WireTensorData* wire) {
 absl::Status CheckBytes(const v1::Tensor& t, const char* name, DType dtype, const WireTensorData* wire) {
   auto want = DenseBytes(dtype, t.shape().data(), t.shape_size(), name);
   if (!want.ok()) return want.status();
-  if (t.has_shared_memory()) return absl::OkStatus();  // its byte_size is checked by the transfer
+  // Its byte_size is checked by the transfer.
+  if (t.has_shared_memory() || t.has_cuda_shared_memory()) return absl::OkStatus();
   const size_t got = InlineBytes(t, wire).size();
   if (got != *want) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': ", DTypeName(dtype), ShapeString(t),
@@ -74,17 +75,19 @@ absl::Status CheckBytes(const v1::Tensor& t, const char* name, DType dtype, cons
   return absl::OkStatus();
 }
 
-// The tensor's bytes: inline, or read from shared memory into the transfer's staging.
+// The tensor's bytes: inline, read from shared memory into the transfer's staging, or (CUDA shared
+// memory) its device address where it lies.
 absl::StatusOr<char*> TensorBytes(const v1::Tensor& t, const char* name, DType dtype,
                                   transport::TensorTransfer* transfer, const WireTensorData* wire) {
   // The view is non-const because TensorView is; inputs are only ever read by the kernels.
-  if (!t.has_shared_memory()) return const_cast<char*>(InlineBytes(t, wire).data());
+  if (!t.has_shared_memory() && !t.has_cuda_shared_memory()) return const_cast<char*>(InlineBytes(t, wire).data());
   absl::StatusOr<uint64_t> want = DenseBytes(dtype, t.shape().data(), t.shape_size(), name);
   if (!want.ok()) return want.status();
   if (transfer == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("tensor '", name, "': shared-memory tensors are not accepted here"));
   }
+  if (t.has_cuda_shared_memory()) return transfer->DeviceInput(t.cuda_shared_memory(), *want, name);
   return transfer->ReadInput(t.shared_memory(), *want, name);
 }
 
@@ -261,9 +264,9 @@ absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPla
                                                      "', which this call does not produce (it produces ",
                                                      absl::StrJoin(names, ", "), ")"));
     }
-    if (!p.has_shared_memory()) {
+    if (!p.has_shared_memory() && !p.has_cuda_shared_memory()) {
       return absl::InvalidArgumentError(absl::StrCat("output_placements for '", found->name,
-                                                     "' has no shared_memory reference"));
+                                                     "' has no shared_memory or cuda_shared_memory reference"));
     }
     if (transfer == nullptr) {
       return absl::FailedPreconditionError(
@@ -271,8 +274,11 @@ absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPla
     }
     const OutputBuffers::Buffer* buffer = external != nullptr ? external->Find(found->field) : nullptr;
     const uint64_t bytes = buffer != nullptr ? buffer->bytes : found->tensor->data().size();
+    // CUDA shared memory: always where it lies (the kernels write the client's device buffer).
     absl::StatusOr<char*> in_place =
-        transfer->PlaceOutput(p.shared_memory(), found->tensor, found->name, found->field, bytes);
+        p.has_cuda_shared_memory()
+            ? transfer->PlaceDeviceOutput(p.cuda_shared_memory(), found->tensor, found->name, found->field, bytes)
+            : transfer->PlaceOutput(p.shared_memory(), found->tensor, found->name, found->field, bytes);
     if (!in_place.ok()) return in_place.status();
     if (*in_place != nullptr) {
       // The device writes it where it lies in the client's page-locked region: no buffer here.

@@ -30,6 +30,10 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
                      *metrics.registry(),
                      // Page-locked regions are copied from by the lanes only (op_calls.h).
                      lanes.request_staging() != nullptr ? &backend : nullptr),
+      cuda_shared_memory_(transport::CudaSharedMemoryLimits{config.allow_cuda_shared_memory,
+                                                             config.cuda_shared_memory_max_regions,
+                                                             config.cuda_shared_memory_max_bytes},
+                          *metrics.registry(), &backend),
       sessions_(transport::ResidualSessionLimits{config.residual_session_max_sessions,
                                                  config.residual_session_max_bytes,
                                                  config.EffectiveResidualSessionTotalBytes(), config.max_tokens,
@@ -146,6 +150,8 @@ grpc::ServerUnaryReactor* FusedLayerService::GetServerInfo(grpc::CallbackServerC
   response->set_max_tokens(config_.max_tokens);
   response->set_queue_capacity(config_.queue_capacity);
   response->set_shared_memory_enabled(shared_memory_.enabled());
+  response->set_cuda_shared_memory_enabled(cuda_shared_memory_.enabled());
+  response->set_device_id(cuda_shared_memory_.device_id());
   call->Complete(absl::OkStatus());
   return call;
 }

@@ -19,6 +19,7 @@
 #include "common/metrics.h"
 #include "shadow/shadow_verifier.h"
 #include "transport/residual_sessions.h"
+#include "transport/cuda_shared_memory.h"
 #include "transport/shared_memory.h"
 #include "exec/weight_manager.h"
 #include "rpc/idle_watch.h"
@@ -70,6 +71,16 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   grpc::ServerUnaryReactor* UnregisterSystemSharedMemory(grpc::CallbackServerContext* ctx,
                                                          const v1::UnregisterSystemSharedMemoryRequest* request,
                                                          v1::UnregisterSystemSharedMemoryResponse* response) override;
+  // CUDA shared memory (rpc/shared_memory_rpcs.cc, server/transport/cuda_shared_memory.h).
+  grpc::ServerUnaryReactor* RegisterCudaSharedMemory(grpc::CallbackServerContext* ctx,
+                                                     const v1::RegisterCudaSharedMemoryRequest* request,
+                                                     v1::RegisterCudaSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(grpc::CallbackServerContext* ctx,
+                                                   const v1::CudaSharedMemoryStatusRequest* request,
+                                                   v1::CudaSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterCudaSharedMemory(grpc::CallbackServerContext* ctx,
+                                                       const v1::UnregisterCudaSharedMemoryRequest* request,
+                                                       v1::UnregisterCudaSharedMemoryResponse* response) override;
   // Residual sessions (rpc/residual_session_rpcs.cc, server/transport/residual_sessions.h).
   grpc::ServerUnaryReactor* OpenResidualSession(grpc::CallbackServerContext* ctx,
                                                 const v1::OpenResidualSessionRequest* request,
@@ -134,6 +145,8 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   // Registered system shared-memory regions (--allow_shared_memory); in-flight requests hold
   // references to the regions they use, so it may go before them.
   transport::SharedMemoryRegistry shared_memory_;
+  // Registered CUDA shared-memory regions (--allow_cuda_shared_memory), held the same way.
+  transport::CudaSharedMemoryRegistry cuda_shared_memory_;
   // Open residual sessions (MhcSeamRequest.session); in-flight calls hold their session's block.
   transport::ResidualSessionStore sessions_;
   IdleWatch upload_idle_;             // ends LoadWeights streams idle for --upload_idle_timeout_seconds

@@ -25,6 +25,8 @@ constexpr size_t kMaxKeyLength = 200;  // without the leading '/'
 
 bool NameChar(char c) { return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-'; }
 
+}  // namespace
+
 absl::Status CheckRegionName(const std::string& name) {
   bool ok = !name.empty() && name.size() <= kMaxNameLength;
   for (char c : name) ok = ok && NameChar(c);
@@ -34,6 +36,25 @@ absl::Status CheckRegionName(const std::string& name) {
   }
   return absl::OkStatus();
 }
+
+absl::Status CheckRefInRegion(const v1::SharedMemoryRef& ref, uint64_t region_offset, uint64_t region_bytes,
+                              const char* tensor, const char* kind) {
+  // Overflow-free: offset <= size, then byte_size <= size - offset.
+  if (ref.offset() > region_bytes || ref.byte_size() > region_bytes - ref.offset()) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': bytes [", ref.offset(), ", +", ref.byte_size(),
+                                                   ") lie outside ", kind, " region '", ref.region(), "' of ",
+                                                   region_bytes, " bytes"));
+  }
+  if ((region_offset + ref.offset()) % kSharedMemoryAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': offset ", ref.offset(), " in ", kind,
+                                                   " region '", ref.region(),
+                                                   "' is not aligned: the object offset must be a multiple of ",
+                                                   kSharedMemoryAlignment));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
 
 // One path component under /dev/shm: a leading '/', no other '/', and no leading '.' (which
 // rules out "/." and "/..", the directory itself and its parent).
@@ -386,17 +407,8 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::
 
 absl::StatusOr<ResolvedRef> CheckRange(std::shared_ptr<const SharedMemoryRegion> region, const v1::SharedMemoryRef& ref,
                                        const char* tensor) {
-  // Overflow-free: offset <= size, then byte_size <= size - offset.
-  if (ref.offset() > region->byte_size() || ref.byte_size() > region->byte_size() - ref.offset()) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': bytes [", ref.offset(), ", +", ref.byte_size(),
-                                                   ") lie outside shared-memory region '", ref.region(), "' of ",
-                                                   region->byte_size(), " bytes"));
-  }
-  if ((region->offset() + ref.offset()) % kSharedMemoryAlignment != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': offset ", ref.offset(),
-                                                   " in shared-memory region '", ref.region(),
-                                                   "' is not aligned: the object offset must be a multiple of ",
-                                                   kSharedMemoryAlignment));
+  if (absl::Status s = CheckRefInRegion(ref, region->offset(), region->byte_size(), tensor, "shared-memory"); !s.ok()) {
+    return s;
   }
   return ResolvedRef{std::move(region), ref.offset(), ref.byte_size()};
 }
@@ -414,8 +426,78 @@ void TensorTransfer::AlignedDelete::operator()(char* p) const {
   ::operator delete[](p, std::align_val_t{kSharedMemoryAlignment});
 }
 
-TensorTransfer::TensorTransfer(SharedMemoryRegistry* registry, std::string identity)
-    : registry_(registry), identity_(std::move(identity)) {}
+TensorTransfer::TensorTransfer(SharedMemoryRegistry* registry, CudaSharedMemoryRegistry* cuda, std::string identity)
+    : registry_(registry), cuda_(cuda), identity_(std::move(identity)) {}
+
+absl::StatusOr<TensorTransfer::DeviceTensor> TensorTransfer::ResolveDevice(const v1::SharedMemoryRef& ref,
+                                                                           uint64_t bytes, const char* tensor,
+                                                                           const char* role) {
+  if (ref.byte_size() != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(role, " '", tensor, "': cuda_shared_memory.byte_size ",
+                                                   ref.byte_size(), ", but its dtype and shape need ", bytes, " bytes"));
+  }
+  if (cuda_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(role, " '", tensor, "': CUDA shared-memory tensors are not accepted here"));
+  }
+  std::shared_ptr<const CudaSharedMemoryRegion> region;
+  for (const auto& r : device_regions_) {
+    if (r->name() == ref.region()) region = r;
+  }
+  if (region == nullptr) {
+    absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> found = cuda_->Lookup(identity_, ref.region(), tensor);
+    if (!found.ok()) return found.status();
+    // One range per region: a request has at most DeviceRanges::kMax tensors.
+    if (!device_ranges_.Add(DeviceRange{(*found)->device_data(), (*found)->device_data() + (*found)->byte_size()})) {
+      return absl::InvalidArgumentError("a request may reference at most 16 CUDA shared-memory regions");
+    }
+    region = *std::move(found);
+    device_regions_.push_back(region);
+  }
+  if (absl::Status s = CheckRefInRegion(ref, region->offset(), region->byte_size(), tensor, "CUDA shared-memory");
+      !s.ok()) {
+    return s;
+  }
+  const char* begin = region->device_data() + ref.offset();
+  return DeviceTensor{region->allocation(), begin, begin + bytes, tensor, ref, nullptr};
+}
+
+namespace {
+bool Overlap(const char* b1, const char* e1, const char* b2, const char* e2) { return b1 < e2 && b2 < e1; }
+}  // namespace
+
+absl::StatusOr<char*> TensorTransfer::DeviceInput(const v1::SharedMemoryRef& ref, uint64_t bytes, const char* tensor) {
+  absl::StatusOr<DeviceTensor> t = ResolveDevice(ref, bytes, tensor, "tensor");
+  if (!t.ok()) return t.status();
+  for (const DeviceTensor& o : device_outputs_) {
+    if (o.allocation == t->allocation && Overlap(o.begin, o.end, t->begin, t->end)) {
+      return absl::InvalidArgumentError(absl::StrCat("input '", tensor, "' overlaps output '", o.name,
+                                                     "' in CUDA shared memory; the kernels write outputs while they "
+                                                     "read inputs, so they must be disjoint"));
+    }
+  }
+  device_inputs_.push_back(*t);
+  return const_cast<char*>(t->begin);
+}
+
+absl::StatusOr<char*> TensorTransfer::PlaceDeviceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor,
+                                                        const char* name, int /*field*/, uint64_t bytes) {
+  absl::StatusOr<DeviceTensor> t = ResolveDevice(ref, bytes, name, "output");
+  if (!t.ok()) return t.status();
+  for (const std::vector<DeviceTensor>* others : {&device_inputs_, &device_outputs_}) {
+    for (const DeviceTensor& o : *others) {
+      if (o.allocation == t->allocation && Overlap(o.begin, o.end, t->begin, t->end)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("output '", name, "' overlaps ", others == &device_inputs_ ? "input" : "output", " '",
+                         o.name, "' in CUDA shared memory; the kernels write outputs while they read inputs, so "
+                         "they must be disjoint"));
+      }
+    }
+  }
+  t->tensor = tensor;
+  device_outputs_.push_back(*t);
+  return const_cast<char*>(t->begin);
+}
 
 namespace {
 // Each input starts on this boundary in the pinned block, as the lanes lay out their staging
@@ -580,6 +662,8 @@ absl::Status TensorTransfer::WriteOutputs(OutputBuffers* external) {
     o.tensor->clear_data();
     *o.tensor->mutable_shared_memory() = o.proto;
   }
+  // The kernels wrote them where they lie (the lane's Wait() returned before this).
+  for (DeviceTensor& o : device_outputs_) *o.tensor->mutable_cuda_shared_memory() = o.proto;
   return absl::OkStatus();
 }
 
@@ -607,12 +691,16 @@ uint64_t InputBytes(std::initializer_list<const v1::Tensor*> ts) {
 }
 }  // namespace
 
+namespace {
+bool OutsideMessage(const v1::Tensor& t) { return t.has_shared_memory() || t.has_cuda_shared_memory(); }
+}  // namespace
+
 bool UsesSharedMemory(const v1::MhcSeamRequest& r) {
-  return r.output_placements_size() > 0 || r.x().has_shared_memory() || r.residual().has_shared_memory() ||
-         r.post_mix().has_shared_memory() || r.comb_mix().has_shared_memory() || r.pre_mix().has_shared_memory();
+  return r.output_placements_size() > 0 || OutsideMessage(r.x()) || OutsideMessage(r.residual()) ||
+         OutsideMessage(r.post_mix()) || OutsideMessage(r.comb_mix()) || OutsideMessage(r.pre_mix());
 }
 bool UsesSharedMemory(const v1::SwaNormQuantRequest& r) {
-  return r.output_placements_size() > 0 || r.qr_kv().has_shared_memory();
+  return r.output_placements_size() > 0 || OutsideMessage(r.qr_kv());
 }
 uint64_t SharedMemoryInputBytes(const v1::MhcSeamRequest& r) {
   return InputBytes({&r.x(), &r.residual(), &r.post_mix(), &r.comb_mix(), &r.pre_mix()});

@@ -40,11 +40,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/annotated_mutex.h"
+#include "exec/device_range.h"
 #include "exec/host_staging_pool.h"
 #include "exec/output_buffers.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
+#include "transport/cuda_shared_memory.h"
 
 namespace fusedlayer::server::transport {
 
@@ -52,6 +54,16 @@ namespace fusedlayer::server::transport {
 // widest vector load of the kernels and a cache line, so a later zero-copy path (a mapping the
 // kernels read, a page-locked region a GPU copies from) needs no new rule.
 inline constexpr uint64_t kSharedMemoryAlignment = 64;
+
+// A region name: 1 to 128 characters of [A-Za-z0-9._-] (INVALID_ARGUMENT otherwise). System and
+// CUDA shared memory alike.
+absl::Status CheckRegionName(const std::string& name);
+// `ref` against a region that starts `region_offset` bytes into its object (or allocation) and is
+// `region_bytes` long: INVALID_ARGUMENT when [offset, offset + byte_size) is not inside the region
+// (overflow included) or the object offset is not a multiple of kSharedMemoryAlignment. `kind`
+// names the region's kind in the message ("shared-memory", "CUDA shared-memory").
+absl::Status CheckRefInRegion(const v1::SharedMemoryRef& ref, uint64_t region_offset, uint64_t region_bytes,
+                              const char* tensor, const char* kind);
 
 struct SharedMemoryLimits {
   bool enabled = false;              // --allow_shared_memory
@@ -180,11 +192,29 @@ class SharedMemoryRegistry {
 
 // One compute request's shared-memory tensors: inputs read into owned, aligned staging buffers at
 // decode (reactor thread), outputs written from the call's output buffers after the run (executor),
-// then replaced in the response by their references. Not thread-safe; one per request.
+// then replaced in the response by their references. Tensors in CUDA shared memory
+// (transport/cuda_shared_memory.h) are neither read nor written here: the kernels use them where
+// they lie (DeviceInput, PlaceDeviceOutput, device_ranges()). Not thread-safe; one per request.
 class TensorTransfer {
  public:
-  // `registry` may be null: every reference is then FAILED_PRECONDITION (no shared memory here).
-  TensorTransfer(SharedMemoryRegistry* registry, std::string identity);
+  // Either registry may be null: its references are then FAILED_PRECONDITION (none accepted here).
+  TensorTransfer(SharedMemoryRegistry* registry, CudaSharedMemoryRegistry* cuda, std::string identity);
+
+  // ---- CUDA shared memory ----
+  // The device address of input `ref` (`bytes` long, checked against ref.byte_size) in the caller's
+  // CUDA shared-memory region: the kernels read it there. Its region joins device_ranges().
+  absl::StatusOr<char*> DeviceInput(const v1::SharedMemoryRef& ref, uint64_t bytes, const char* tensor);
+  // The device address where output `tensor` (response field `field`, `bytes` long) is written by
+  // the kernels: it must not overlap another output or an input in CUDA shared memory (the kernels
+  // read the inputs while they write; a fused launch that fails is re-run unfused on them).
+  // WriteOutputs replaces the tensor's data in the response by the reference.
+  absl::StatusOr<char*> PlaceDeviceOutput(const v1::SharedMemoryRef& ref, v1::Tensor* tensor, const char* name,
+                                          int field, uint64_t bytes);
+  // Whether any tensor lies in CUDA shared memory (such a request is not batched: batch assembly
+  // memcpy's inputs and outputs on the host).
+  bool uses_device_memory() const { return !device_regions_.empty(); }
+  // The CUDA shared-memory regions the request's tensors lie in (ExecTarget::resident).
+  const DeviceRanges& device_ranges() const { return device_ranges_; }
 
   // On a device backend: read the inputs (at most `input_bytes` in all, SharedMemoryInputBytes)
   // into one page-locked block of `pool` instead of ordinary memory, so that the lane copies them
@@ -241,8 +271,21 @@ class TensorTransfer {
     const char* in_place;  // written by the device where it lies (PlaceOutput), or null
   };
   absl::StatusOr<ResolvedRef> Resolve(const v1::SharedMemoryRef& ref, const char* tensor);
+  // A CUDA shared-memory tensor: [begin, end) of one client allocation, in device addresses.
+  struct DeviceTensor {
+    const DeviceBuffer* allocation;
+    const char* begin;
+    const char* end;
+    const char* name;
+    v1::SharedMemoryRef proto;  // outputs: what the response carries
+    v1::Tensor* tensor;         // outputs: the response's tensor
+  };
+  // `ref` resolved and range-checked in the caller's CUDA shared memory, `bytes` long.
+  absl::StatusOr<DeviceTensor> ResolveDevice(const v1::SharedMemoryRef& ref, uint64_t bytes, const char* tensor,
+                                             const char* role);
 
   SharedMemoryRegistry* const registry_;
+  CudaSharedMemoryRegistry* const cuda_;
   const std::string identity_;
   std::vector<std::pair<std::string, std::shared_ptr<const SharedMemoryRegion>>> regions_;  // looked up
   std::vector<std::unique_ptr<char[], AlignedDelete>> staging_;
@@ -254,9 +297,14 @@ class TensorTransfer {
   size_t pinned_used_ = 0;
   uint64_t staged_bytes_ = 0;
   std::vector<Output> outputs_;
+  // CUDA shared memory: the regions looked up (held until the request is done), their device ranges,
+  // and the tensors in them.
+  std::vector<std::shared_ptr<const CudaSharedMemoryRegion>> device_regions_;
+  DeviceRanges device_ranges_;
+  std::vector<DeviceTensor> device_inputs_, device_outputs_;
 };
 
-// True when the request names any shared-memory tensor (input or output placement).
+// True when the request names any shared-memory tensor, system or CUDA (input or output placement).
 bool UsesSharedMemory(const v1::MhcSeamRequest& request);
 bool UsesSharedMemory(const v1::SwaNormQuantRequest& request);
 // At least the bytes the request's shared-memory inputs will be staged in (admission, before reading),

@@ -288,7 +288,7 @@ TEST(SharedMemoryTransfer, PlacedOutputsAreWrittenFromTheCallsBuffersAndLeaveThe
   ref.set_region("r");
   ref.set_offset(128);
   ref.set_byte_size(42);
-  transport::TensorTransfer transfer(&registry, "id");
+  transport::TensorTransfer transfer(&registry, nullptr, "id");
   const absl::Status wrong = transfer.PlaceOutput(ref, resp.mutable_y(), "y", R::kYFieldNumber, 40).status();
   EXPECT_EQ(wrong.code(), absl::StatusCode::kInvalidArgument) << wrong;
   ASSERT_TRUE(transfer.PlaceOutput(ref, resp.mutable_y(), "y", R::kYFieldNumber, 42).ok());

@@ -1,0 +1,223 @@
+#include "transport/cuda_shared_memory.h"
+
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "prometheus/family.h"
+#include "transport/shared_memory.h"
+
+namespace fusedlayer::server::transport {
+
+CudaSharedMemoryRegistry::CudaSharedMemoryRegistry(CudaSharedMemoryLimits limits, prometheus::Registry& metrics,
+                                                   Backend* importer)
+    : limits_(limits), importer_(importer) {
+  regions_gauge_ = &prometheus::BuildGauge()
+                        .Name("fusedlayer_cuda_shared_memory_regions")
+                        .Help("CUDA shared-memory regions registered (all identities)")
+                        .Register(metrics)
+                        .Add({});
+  bytes_gauge_ = &prometheus::BuildGauge()
+                      .Name("fusedlayer_cuda_shared_memory_registered_bytes")
+                      .Help("Bytes of the registered CUDA shared-memory regions (all identities)")
+                      .Register(metrics)
+                      .Add({});
+}
+
+absl::Status CudaSharedMemoryRegistry::CheckEnabled() const {
+  if (!limits_.enabled) {
+    return absl::FailedPreconditionError(
+        "CUDA shared memory is off on this server: start it with --allow_cuda_shared_memory (same host and GPU "
+        "only), or send the tensors inline");
+  }
+  if (importer_ == nullptr || importer_->device_index() < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA shared memory needs a GPU backend; this server runs the ",
+                     importer_ != nullptr ? std::string(importer_->kind()) : std::string("no"), " backend"));
+  }
+  return absl::OkStatus();
+}
+
+void CudaSharedMemoryRegistry::UpdateGaugesLocked() {
+  regions_gauge_->Set(static_cast<double>(regions_.size()));
+  bytes_gauge_->Set(static_cast<double>(total_bytes_));
+}
+
+absl::Status CudaSharedMemoryRegistry::CheckRegisterLocked(const std::string& identity,
+                                                           const v1::RegisterCudaSharedMemoryRequest& req) {
+  if (regions_.count({identity, req.name()}) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("a CUDA shared-memory region named '", req.name(),
+                                                 "' is already registered; unregister it first"));
+  }
+  auto opened = handles_.find(req.raw_handle());
+  if (opened != handles_.end() && opened->second.regions > 0 && opened->second.identity != identity) {
+    // Says nothing about who: only that the allocation is taken.
+    return absl::PermissionDeniedError("this CUDA IPC handle is registered by another identity");
+  }
+  auto u = usage_.find(identity);
+  const Usage have = u != usage_.end() ? u->second : Usage{};
+  if (have.regions + 1 > limits_.max_regions) {
+    return absl::ResourceExhaustedError(absl::StrCat("this identity already has ", have.regions,
+                                                     " CUDA shared-memory regions, the most allowed "
+                                                     "(--cuda_shared_memory_max_regions); unregister some first"));
+  }
+  if (req.byte_size() > limits_.max_bytes - have.bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "registering ", req.byte_size(), " bytes would bring this identity to more than ", limits_.max_bytes,
+        " registered CUDA shared-memory bytes (--cuda_shared_memory_max_bytes; it has ", have.bytes, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaSharedMemoryRegistry::Register(const std::string& identity,
+                                                const v1::RegisterCudaSharedMemoryRequest& req) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  if (absl::Status s = CheckRegionName(req.name()); !s.ok()) return s;
+  if (req.raw_handle().size() != kIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("raw_handle is ", req.raw_handle().size(),
+                                                   " bytes; a cudaIpcMemHandle_t is ", kIpcHandleBytes));
+  }
+  if (req.device_id() != importer_->device_index()) {
+    return absl::InvalidArgumentError(absl::StrCat("device_id ", req.device_id(), ": this server runs on GPU ",
+                                                   importer_->device_index(),
+                                                   " and uses memory of that GPU only (GetServerInfo.device_id)"));
+  }
+  if (req.byte_size() == 0) return absl::InvalidArgumentError("byte_size must be > 0");
+  uint64_t end = 0;
+  if (__builtin_add_overflow(req.offset(), req.byte_size(), &end)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("offset ", req.offset(), " + byte_size ", req.byte_size(), " overflows"));
+  }
+  if (req.offset() % kSharedMemoryAlignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("offset ", req.offset(), " is not a multiple of ", kSharedMemoryAlignment));
+  }
+
+  MutexLock registering(&register_mu_);
+  std::shared_ptr<const DeviceBuffer> allocation;
+  {
+    MutexLock lock(&mu_);
+    if (absl::Status s = CheckRegisterLocked(identity, req); !s.ok()) return s;
+    auto opened = handles_.find(req.raw_handle());
+    if (opened != handles_.end()) allocation = opened->second.allocation.lock();
+  }
+  if (allocation == nullptr) {
+    // Outside mu_ (compute requests look regions up meanwhile); registrations wait on register_mu_,
+    // so no other one opens this handle or takes this name before it is published below.
+    absl::StatusOr<DeviceBuffer> imported = importer_->ImportIpcMemory(req.raw_handle());
+    if (!imported.ok()) {
+      if (absl::IsUnimplemented(imported.status())) return absl::FailedPreconditionError(imported.status().message());
+      return absl::InvalidArgumentError(absl::StrCat("raw_handle: ", imported.status().message()));
+    }
+    allocation = std::make_shared<const DeviceBuffer>(*std::move(imported));
+  }
+  if (end > allocation->bytes()) {
+    // (A handle opened just now is closed again when `allocation` goes.)
+    return absl::InvalidArgumentError(absl::StrCat("the region [", req.offset(), ", ", end,
+                                                   ") lies outside the allocation, which is ", allocation->bytes(),
+                                                   " bytes"));
+  }
+
+  MutexLock lock(&mu_);
+  // Unregisters may have run meanwhile (they only free); checked again all the same.
+  if (absl::Status s = CheckRegisterLocked(identity, req); !s.ok()) return s;
+  Opened& opened = handles_[req.raw_handle()];
+  opened.allocation = allocation;
+  opened.identity = identity;
+  opened.regions += 1;
+  Usage& u = usage_[identity];
+  u.regions += 1;
+  u.bytes += req.byte_size();
+  total_bytes_ += req.byte_size();
+  regions_.emplace(Key{identity, req.name()},
+                   std::make_shared<const CudaSharedMemoryRegion>(req.name(), std::move(allocation), req.device_id(),
+                                                                  req.offset(), req.byte_size()));
+  // Handles whose regions are all gone and whose last request completed: forget them.
+  for (auto it = handles_.begin(); it != handles_.end();) {
+    it = it->second.regions == 0 && it->second.allocation.expired() ? handles_.erase(it) : std::next(it);
+  }
+  UpdateGaugesLocked();
+  return absl::OkStatus();
+}
+
+void CudaSharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<const CudaSharedMemoryRegion>>::iterator it) {
+  const CudaSharedMemoryRegion& r = *it->second;
+  Usage& u = usage_[it->first.first];
+  u.regions -= 1;
+  u.bytes -= r.byte_size();
+  if (u.regions == 0) usage_.erase(it->first.first);
+  for (auto& [handle, opened] : handles_) {
+    if (opened.allocation.lock().get() == r.allocation()) opened.regions -= 1;
+  }
+  total_bytes_ -= r.byte_size();
+  regions_.erase(it);  // the handle closes when its last region and in-flight request let go
+  UpdateGaugesLocked();
+}
+
+absl::StatusOr<v1::CudaSharedMemoryStatusResponse> CudaSharedMemoryRegistry::Status(const std::string& identity,
+                                                                                   const std::string& name) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  if (!name.empty()) {
+    if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
+  }
+  MutexLock lock(&mu_);
+  v1::CudaSharedMemoryStatusResponse out;
+  for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity; ++it) {
+    if (!name.empty() && it->first.second != name) continue;
+    const CudaSharedMemoryRegion& r = *it->second;
+    v1::CudaSharedMemoryRegion* info = out.add_regions();
+    info->set_name(r.name());
+    info->set_device_id(r.device_id());
+    info->set_offset(r.offset());
+    info->set_byte_size(r.byte_size());
+  }
+  if (!name.empty() && out.regions_size() == 0) {
+    return absl::NotFoundError(absl::StrCat("no CUDA shared-memory region named '", name, "' is registered"));
+  }
+  return out;
+}
+
+absl::StatusOr<v1::UnregisterCudaSharedMemoryResponse> CudaSharedMemoryRegistry::Unregister(
+    const std::string& identity, const std::string& name) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  v1::UnregisterCudaSharedMemoryResponse out;
+  MutexLock lock(&mu_);
+  if (name.empty()) {
+    for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity;) {
+      auto next = std::next(it);
+      out.set_unregistered(out.unregistered() + 1);
+      out.set_freed_bytes(out.freed_bytes() + it->second->byte_size());
+      EraseLocked(it);
+      it = next;
+    }
+    return out;
+  }
+  if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
+  auto it = regions_.find({identity, name});
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no CUDA shared-memory region named '", name, "' is registered"));
+  }
+  out.set_unregistered(1);
+  out.set_freed_bytes(it->second->byte_size());
+  EraseLocked(it);
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> CudaSharedMemoryRegistry::Lookup(
+    const std::string& identity, const std::string& name, const char* tensor) {
+  if (absl::Status s = CheckEnabled(); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor '", tensor, "': ", s.message()));
+  }
+  if (absl::Status s = CheckRegionName(name); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': ", s.message()));
+  }
+  MutexLock lock(&mu_);
+  auto it = regions_.find({identity, name});
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor '", tensor, "': no CUDA shared-memory region named '", name,
+                                            "' is registered (by this identity)"));
+  }
+  return it->second;
+}
+
+}  // namespace fusedlayer::server::transport

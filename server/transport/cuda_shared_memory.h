@@ -1,0 +1,131 @@
+// CUDA shared memory (same host, same GPU): the registry of device buffers that clients export
+// from their own process with cudaIpcGetMemHandle, which the kernels then read and write in place.
+// A request that references them moves no tensor byte through the socket or the host: its views
+// point into the client's allocation and the lanes hand them to the kernels untouched
+// (exec/device_range.h, ExecTarget::resident).
+//
+// What the server trusts and what it does not:
+//   - The bounds come from the driver, never the client: an opened handle is the whole allocation
+//     as Backend::ImportIpcMemory reports it, and every region and every reference is checked
+//     against it (overflow included) before anything is launched. A kernel that ran past a client's
+//     allocation would fault the server's device context for every client.
+//   - A handle is opened once per process (cudaIpcOpenMemHandle), at registration, and shared by the
+//     regions registered on it; it is closed when its last region is unregistered and the last
+//     request that references it completed (requests hold the region).
+//   - Ownership as for system shared memory (transport/shared_memory.h): a region belongs to the
+//     identity that registered it, names are per identity, another identity's region is NOT_FOUND,
+//     and a handle registered by one identity cannot be registered by another (PERMISSION_DENIED).
+//   - Synchronisation (the contract in the proto): the client completes its inputs before it sends
+//     the request; the response is sent after the lane's Wait(), so after the kernels that wrote the
+//     client's outputs completed.
+//   - The server knows nothing about CUDA: it opens handles through its Backend, and a backend
+//     without IPC (the CPU backend) makes every registration FAILED_PRECONDITION.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/annotated_mutex.h"
+#include "exec/device_range.h"
+#include "fusedlayer/backend.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
+
+namespace fusedlayer::server::transport {
+
+struct CudaSharedMemoryLimits {
+  bool enabled = false;                     // --allow_cuda_shared_memory
+  int64_t max_regions = 64;                 // per identity (--cuda_shared_memory_max_regions)
+  uint64_t max_bytes = uint64_t{64} << 30;  // registered bytes per identity (--cuda_shared_memory_max_bytes)
+};
+
+// One registered region: a byte range of a client's device allocation, opened in this process.
+class CudaSharedMemoryRegion {
+ public:
+  CudaSharedMemoryRegion(std::string name, std::shared_ptr<const DeviceBuffer> allocation, int device_id,
+                         uint64_t offset, uint64_t byte_size)
+      : name_(std::move(name)),
+        allocation_(std::move(allocation)),
+        device_id_(device_id),
+        offset_(offset),
+        byte_size_(byte_size) {}
+
+  const std::string& name() const { return name_; }
+  int device_id() const { return device_id_; }
+  uint64_t offset() const { return offset_; }  // in the allocation
+  uint64_t byte_size() const { return byte_size_; }
+  // The allocation the region lies in (two references overlap only within one allocation).
+  const DeviceBuffer* allocation() const { return allocation_.get(); }
+  // The region's first byte, a DEVICE address: for the kernels only, never read by the CPU.
+  const char* device_data() const { return static_cast<const char*>(allocation_->data()) + offset_; }
+
+ private:
+  const std::string name_;
+  const std::shared_ptr<const DeviceBuffer> allocation_;  // closes the handle when the last holder lets go
+  const int device_id_;
+  const uint64_t offset_, byte_size_;
+};
+
+class CudaSharedMemoryRegistry {
+ public:
+  // `importer`: the backend whose kernels use the regions (it opens the handles), or null when
+  // registration is refused.
+  CudaSharedMemoryRegistry(CudaSharedMemoryLimits limits, prometheus::Registry& metrics, Backend* importer);
+
+  // --allow_cuda_shared_memory and a backend that opens IPC handles.
+  bool enabled() const { return limits_.enabled && importer_ != nullptr && importer_->device_index() >= 0; }
+  int device_id() const { return importer_ != nullptr ? importer_->device_index() : -1; }
+
+  // The RPCs (rpc/shared_memory_rpcs.cc); `identity` is the caller's (auth/caller_identity.h).
+  absl::Status Register(const std::string& identity, const v1::RegisterCudaSharedMemoryRequest& request);
+  absl::StatusOr<v1::CudaSharedMemoryStatusResponse> Status(const std::string& identity, const std::string& name);
+  absl::StatusOr<v1::UnregisterCudaSharedMemoryResponse> Unregister(const std::string& identity,
+                                                                   const std::string& name);
+
+  // The region `name` of `identity`, for tensor `tensor` (error messages): NOT_FOUND for a name the
+  // identity has not registered, FAILED_PRECONDITION when CUDA shared memory is off.
+  absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> Lookup(const std::string& identity,
+                                                                      const std::string& name, const char* tensor);
+
+ private:
+  using Key = std::pair<std::string, std::string>;  // (identity, region name)
+  struct Usage {
+    int64_t regions = 0;
+    uint64_t bytes = 0;
+  };
+  // One opened handle: shared by the regions registered on it, kept (weakly) after its last region
+  // went while a request still holds it, so the handle is never opened twice in this process.
+  struct Opened {
+    std::weak_ptr<const DeviceBuffer> allocation;
+    std::string identity;  // who holds it while regions > 0
+    int regions = 0;
+  };
+  absl::Status CheckEnabled() const;
+  // Name free, handle not another identity's, the identity's limits: before and after the opening.
+  absl::Status CheckRegisterLocked(const std::string& identity, const v1::RegisterCudaSharedMemoryRequest& req)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseLocked(std::map<Key, std::shared_ptr<const CudaSharedMemoryRegion>>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const CudaSharedMemoryLimits limits_;
+  Backend* const importer_;
+  prometheus::Gauge* regions_gauge_;
+  prometheus::Gauge* bytes_gauge_;
+  // Registrations one at a time (opening a handle takes milliseconds; it is done outside mu_, so
+  // compute requests' lookups never wait for it).
+  Mutex register_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  Mutex mu_;
+  std::map<Key, std::shared_ptr<const CudaSharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Opened> handles_ ABSL_GUARDED_BY(mu_);  // by the handle's bytes
+  uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace fusedlayer::server::transport
