@@ -142,17 +142,23 @@ class PerThreadCaller : public Caller {
   mutable std::atomic<uint64_t> last_response_bytes_{0};
 };
 
-// The shm callers' slots: `count` objects, each registered and holding a copy of `request`.
+// Makes one registered region of `bytes` bytes: a shared-memory object (shm) or a device
+// allocation exported over CUDA IPC (cuda_ipc).
+using RegionMaker = std::function<absl::StatusOr<std::unique_ptr<ClientRegion>>(uint64_t bytes)>;
+
+// The shm and cuda_ipc callers' slots: `count` regions, each registered and holding a copy of `request`.
 template <typename Request, typename Prepare>
-absl::StatusOr<std::vector<typename PerThreadCaller<Request, int>::Slot>> MakeSlots(
-    const FusedLayerClient& client, const Request& request, uint64_t bytes, int count, Prepare prepare) {
+absl::StatusOr<std::vector<typename PerThreadCaller<Request, int>::Slot>> MakeSlots(const RegionMaker& make,
+                                                                                    const Request& request,
+                                                                                    uint64_t bytes, int count,
+                                                                                    Prepare prepare) {
   std::vector<typename PerThreadCaller<Request, int>::Slot> slots;
   for (int i = 0; i < count; ++i) {
-    absl::StatusOr<std::unique_ptr<ClientSharedMemory>> shm = ClientSharedMemory::Create(client, bytes);
-    if (!shm.ok()) return shm.status();
+    absl::StatusOr<std::unique_ptr<ClientRegion>> region = make(bytes);
+    if (!region.ok()) return region.status();
     Request r = request;
-    if (absl::Status s = prepare(**shm, r); !s.ok()) return s;
-    slots.push_back({std::shared_ptr<ClientSharedMemory>(std::move(*shm)), std::move(r)});
+    if (absl::Status s = prepare(**region, r); !s.ok()) return s;
+    slots.push_back({std::shared_ptr<ClientRegion>(std::move(*region)), std::move(r)});
   }
   return slots;
 }
@@ -325,11 +331,19 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
   std::mt19937_64 rng(seed);
 
   const bool session_transport = cl.transport == "session";
-  absl::StatusOr<bool> shm_parsed = session_transport ? false : ParseSharedMemoryTransport(cl.transport);
-  if (!shm_parsed.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--transport=", cl.transport, ": want tcp, shm or session"));
+  const bool cuda_transport = cl.transport == "cuda_ipc";
+  // shm and cuda_ipc: every tensor in a region of the caller's (the same code, another memory).
+  absl::StatusOr<bool> region_parsed = session_transport ? false : ParseRegionTransport(cl.transport);
+  if (!region_parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--transport=", cl.transport, ": want tcp, shm, cuda_ipc or session"));
   }
-  const bool shm_transport = *shm_parsed;
+  if (cuda_transport && !cl.cuda_regions) {
+    return absl::FailedPreconditionError("--transport=cuda_ipc needs a fusedctl built with a GPU backend");
+  }
+  const bool region_transport = *region_parsed;
+  const std::string transport_name = cl.transport.empty() ? "tcp" : cl.transport;
+  const RegionMaker make_region = [&](uint64_t bytes) { return MakeRegion(client, cl, bytes); };
   if (session_transport && *op != BenchOp::kMhc) {
     return absl::InvalidArgumentError("--transport=session applies to --op=mhc only (SWA has no state between calls)");
   }
@@ -351,15 +365,15 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
                         .include_pre_mix = !cl.no_pre_mix, .capture_aux = cl.capture_aux, .path = *path};
     absl::StatusOr<v1::MhcSeamRequest> req = RandomMhcRequest(ws->mhc(), spec, rng);
     if (!req.ok()) return req.status();
-    if (shm_transport || session_transport) {
+    if (region_transport || session_transport) {
       if (session_transport && *stage != v1::MHC_STAGE_SEAM) {
         return absl::InvalidArgumentError("--transport=session measures SEAM calls (--stage=seam)");
       }
       const v1::MhcConfig mhc = ws->mhc();
       auto slots = session_transport
                        ? MakeSessionSlots(client, *req, mhc, cl.concurrency + 1)
-                       : MakeSlots(client, *req, MhcRequestSharedBytes(*req, mhc), cl.concurrency + 1,
-                                   [&](ClientSharedMemory& m, v1::MhcSeamRequest& r) { return m.Prepare(r, mhc); });
+                       : MakeSlots(make_region, *req, MhcRequestSharedBytes(*req, mhc), cl.concurrency + 1,
+                                   [&](ClientRegion& m, v1::MhcSeamRequest& r) { return m.Prepare(r, mhc); });
       if (!slots.ok()) return slots.status();
       using C = PerThreadCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>;
       std::vector<C::Slot> typed;
@@ -389,12 +403,12 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
     SwaRequestSpec spec{.weight_set = cl.weight_set, .tokens = cl.tokens, .row_stride = cl.row_stride, .path = *path};
     absl::StatusOr<v1::SwaNormQuantRequest> req = RandomSwaRequest(ws->swa(), spec, rng);
     if (!req.ok()) return req.status();
-    if (shm_transport) {
+    if (region_transport) {
       const v1::SwaConfig swa = ws->swa();
       const int64_t rows = ws->wq_b_rows();
       auto slots =
-          MakeSlots(client, *req, SwaRequestSharedBytes(*req, swa, rows), cl.concurrency + 1,
-                    [&](ClientSharedMemory& m, v1::SwaNormQuantRequest& r) { return m.Prepare(r, swa, rows); });
+          MakeSlots(make_region, *req, SwaRequestSharedBytes(*req, swa, rows), cl.concurrency + 1,
+                    [&](ClientRegion& m, v1::SwaNormQuantRequest& r) { return m.Prepare(r, swa, rows); });
       if (!slots.ok()) return slots.status();
       using C = PerThreadCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>;
       std::vector<C::Slot> typed;
@@ -421,12 +435,12 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
   out << "bench op=" << cl.op << " weight_set=" << cl.weight_set << " tokens=" << cl.tokens << " " << what
       << " path=" << PathPreferenceName(*path) << " concurrency=" << cl.concurrency
       << " duration=" << absl::FormatDuration(cl.duration) << " seed=" << seed
-      << " transport=" << (shm_transport ? "shm" : session_transport ? "session" : "tcp")
+      << " transport=" << transport_name
       << " requests=" << (cl.copy_requests ? "serialized" : "shared") << "\n";
   out << "request " << FormatBytes(double(caller->RequestBytes()));
-  if (shm_transport) {
-    out << " (tensors in " << cl.concurrency + 1 << " shared-memory objects; " << FormatBytes(double(inline_request_bytes))
-        << " inline)";
+  if (region_transport) {
+    out << " (tensors in " << cl.concurrency + 1 << (cuda_transport ? " CUDA shared-memory allocations; " : " shared-memory objects; ")
+        << FormatBytes(double(inline_request_bytes)) << " inline)";
   }
   if (session_transport) {
     out << " (x only: residual and mixes in " << cl.concurrency + 1 << " residual sessions; "
@@ -471,21 +485,30 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
     out << "tcp (the same request, tensors inline)\n" << tcp.stats.Format(tcp_info);
     if (tcp.stats.ok() > 0 && total.ok() > 0) {
       out << absl::StrFormat("%s vs tcp  p50 %.3fx, req/s %.2fx, bytes per call %.3fx\n",
-                             shm_transport ? "shm" : "session",
+                             transport_name.c_str(),
                              SummarizeLatencies(total.latencies()).p50 / SummarizeLatencies(tcp.stats.latencies()).p50,
                              (double(total.ok()) / measured.elapsed_seconds) / (double(tcp.stats.ok()) / tcp.elapsed_seconds),
                              double(info.request_bytes + info.response_bytes) /
                                  double(tcp_info.request_bytes + tcp_info.response_bytes));
     }
     out.flush();
-    // shm: the floor is that of the bytes the tensors would have cost over the socket. A session
-    // call's bytes do cross the socket: its floor is its own.
-    if (shm_transport) {
+    // shm, cuda_ipc: the floor is that of the bytes the tensors would have cost over the socket. A
+    // session call's bytes do cross the socket: its floor is its own.
+    if (region_transport) {
       floor_request_bytes = tcp_info.request_bytes;
       floor_response_bytes = tcp_info.response_bytes;
     }
   }
   if (cl.echo_floor) {
+    if (region_transport) {
+      // First the floor of the bytes this call itself sends (names, shapes and the report: what no
+      // way of moving the tensors goes below), then that of the bytes the tensors cost inline.
+      out << "echo of this call's own bytes\n";
+      if (absl::Status s = RunEchoFloor(client, cl, info.request_bytes, info.response_bytes, measured, out); !s.ok()) {
+        return s;
+      }
+      out << "echo of the bytes inline\n";
+    }
     if (absl::Status s = RunEchoFloor(client, cl, floor_request_bytes, floor_response_bytes, measured, out); !s.ok()) {
       return s;
     }

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -13,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/fusedlayer_client.h"
+#include "client/shared_memory.h"
 
 namespace fusedlayer::client {
 
@@ -45,10 +48,19 @@ struct CommandLine {
   bool echo_floor = false;                   // bench: also measure a bare gRPC echo of the same sizes
   bool copy_requests = false;                // bench: protobuf-serialize every request (no shared request)
   std::string transport = "tcp";             // seam, swa, bench: tcp | shm (client/shared_memory.h)
+  // bench --transport=cuda_ipc: makes a registered CUDA shared-memory region of `bytes` bytes
+  // (client/cuda_shared_memory.h). Set by main, which links the compute library's GPU backend; null
+  // where there is none (the transport is then FAILED_PRECONDITION).
+  std::function<absl::StatusOr<std::unique_ptr<ClientRegion>>(const FusedLayerClient&, uint64_t bytes)> cuda_regions;
 };
 
-// --transport: true for shm, false for tcp; InvalidArgument otherwise.
-absl::StatusOr<bool> ParseSharedMemoryTransport(const std::string& transport);
+// --transport of seam and swa: true for shm and cuda_ipc (the tensors in a region of the caller's),
+// false for tcp; InvalidArgument otherwise.
+absl::StatusOr<bool> ParseRegionTransport(const std::string& transport);
+// A registered region of `bytes` bytes for --transport=shm (a POSIX shared-memory object) or
+// cuda_ipc (a device allocation of this process, cl.cuda_regions; FailedPrecondition without one).
+absl::StatusOr<std::unique_ptr<ClientRegion>> MakeRegion(const FusedLayerClient& client, const CommandLine& cl,
+                                                         uint64_t bytes);
 
 absl::Status RunInfo(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out);
 // OK with *serving set; the caller exits 0 only when serving.

@@ -76,11 +76,32 @@ absl::StatusOr<v1::PathPreference> PathOf(const CommandLine& cl) {
 
 }  // namespace
 
-absl::StatusOr<bool> ParseSharedMemoryTransport(const std::string& transport) {
+absl::StatusOr<bool> ParseRegionTransport(const std::string& transport) {
   if (transport == "tcp" || transport.empty()) return false;
-  if (transport == "shm") return true;
-  return absl::InvalidArgumentError(absl::StrCat("--transport=", transport, ": want tcp or shm"));
+  if (transport == "shm" || transport == "cuda_ipc") return true;
+  return absl::InvalidArgumentError(absl::StrCat("--transport=", transport, ": want tcp, shm or cuda_ipc"));
 }
+
+absl::StatusOr<std::unique_ptr<ClientRegion>> MakeRegion(const FusedLayerClient& client, const CommandLine& cl,
+                                                         uint64_t bytes) {
+  if (cl.transport == "cuda_ipc") {
+    if (!cl.cuda_regions) {
+      return absl::FailedPreconditionError("--transport=cuda_ipc needs a fusedctl built with a GPU backend");
+    }
+    return cl.cuda_regions(client, bytes);
+  }
+  absl::StatusOr<std::unique_ptr<ClientSharedMemory>> shm = ClientSharedMemory::Create(client, bytes);
+  if (!shm.ok()) return shm.status();
+  return std::unique_ptr<ClientRegion>(std::move(*shm));
+}
+
+namespace {
+std::string RegionLine(const CommandLine& cl, const ClientRegion& region) {
+  const auto* shm = dynamic_cast<const ClientSharedMemory*>(&region);
+  return absl::StrCat("transport ", cl.transport, ":", shm != nullptr ? absl::StrCat(" object ", shm->key(), ",") : "",
+                      " region ", region.region_name(), ", ", FormatBytes(double(region.byte_size())), "\n");
+}
+}  // namespace
 
 std::string FormatReport(const v1::ExecutionReport& r, double round_trip_seconds) {
   std::string s = "report\n";
@@ -166,20 +187,18 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
       << origin << ")\n";
 
   req.set_verify(cl.verify);
-  absl::StatusOr<bool> shm_transport = ParseSharedMemoryTransport(cl.transport);
-  if (!shm_transport.ok()) return shm_transport.status();
-  std::unique_ptr<ClientSharedMemory> shm;
-  if (*shm_transport) {
+  absl::StatusOr<bool> region_transport = ParseRegionTransport(cl.transport);
+  if (!region_transport.ok()) return region_transport.status();
+  std::unique_ptr<ClientRegion> shm;
+  if (*region_transport) {
     absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
     if (!ws.ok()) return ws.status();
     if (!ws->has_mhc()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
-    absl::StatusOr<std::unique_ptr<ClientSharedMemory>> created =
-        ClientSharedMemory::Create(client, MhcRequestSharedBytes(req, ws->mhc()));
+    absl::StatusOr<std::unique_ptr<ClientRegion>> created = MakeRegion(client, cl, MhcRequestSharedBytes(req, ws->mhc()));
     if (!created.ok()) return created.status();
     shm = *std::move(created);
     if (absl::Status s = shm->Prepare(req, ws->mhc()); !s.ok()) return s;
-    out << "transport shm: object " << shm->key() << ", region " << shm->region_name() << ", "
-        << FormatBytes(double(shm->byte_size())) << "\n";
+    out << RegionLine(cl, *shm);
   }
   const Clock::time_point t0 = Clock::now();
   absl::StatusOr<v1::MhcSeamResponse> resp = client.MhcSeam(req);
@@ -256,17 +275,16 @@ absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::
       << ShapeString(in_shape) << " path=" << PathPreferenceName(*path) << " (" << origin << ")\n";
 
   req.set_verify(cl.verify);
-  absl::StatusOr<bool> shm_transport = ParseSharedMemoryTransport(cl.transport);
-  if (!shm_transport.ok()) return shm_transport.status();
-  std::unique_ptr<ClientSharedMemory> shm;
-  if (*shm_transport) {
-    absl::StatusOr<std::unique_ptr<ClientSharedMemory>> created =
-        ClientSharedMemory::Create(client, SwaRequestSharedBytes(req, ws->swa(), ws->wq_b_rows()));
+  absl::StatusOr<bool> region_transport = ParseRegionTransport(cl.transport);
+  if (!region_transport.ok()) return region_transport.status();
+  std::unique_ptr<ClientRegion> shm;
+  if (*region_transport) {
+    absl::StatusOr<std::unique_ptr<ClientRegion>> created =
+        MakeRegion(client, cl, SwaRequestSharedBytes(req, ws->swa(), ws->wq_b_rows()));
     if (!created.ok()) return created.status();
     shm = *std::move(created);
     if (absl::Status s = shm->Prepare(req, ws->swa(), ws->wq_b_rows()); !s.ok()) return s;
-    out << "transport shm: object " << shm->key() << ", region " << shm->region_name() << ", "
-        << FormatBytes(double(shm->byte_size())) << "\n";
+    out << RegionLine(cl, *shm);
   }
   const Clock::time_point t0 = Clock::now();
   absl::StatusOr<v1::SwaNormQuantResponse> resp = client.SwaNormQuant(req);

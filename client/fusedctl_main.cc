@@ -20,9 +20,11 @@
 #include "absl/time/time.h"
 #include "client/checkpoint_import.h"
 #include "client/cli_options.h"
+#include "client/cuda_shared_memory.h"
 #include "client/fusedctl_commands.h"
 #include "client/fusedlayer_client.h"
 #include "client/transport_credentials.h"
+#include "fusedlayer/backend.h"
 #include "weights/demo_weights.h"
 
 // Global flags.
@@ -75,7 +77,9 @@ ABSL_FLAG(bool, copy_requests, false,
 ABSL_FLAG(std::string, transport, "tcp",
           "seam/swa/bench: tcp (tensors in the messages) or shm (tensors in a POSIX shared-memory object this "
           "process creates and registers; same host, server started with --allow_shared_memory); bench --op=mhc "
-          "also: session (x only per call, the residual and mixes kept in a residual session on the server)");
+          "also: session (x only per call, the residual and mixes kept in a residual session on the server); bench "
+          "also: cuda_ipc (tensors in device memory of this process on the server's GPU, used by the server's "
+          "kernels in place; server started with --allow_cuda_shared_memory)");
 ABSL_FLAG(int32_t, max_rss_growth_mb, 64, "soak: fail when the server RSS grows by more than this, MiB");
 ABSL_FLAG(bool, churn, false,
           "soak: one more client that loads a demo weight set as soak/churn and unloads it, again and again "
@@ -213,6 +217,24 @@ int main(int argc, char** argv) {
   cl.echo_floor = absl::GetFlag(FLAGS_echo_floor);
   cl.copy_requests = absl::GetFlag(FLAGS_copy_requests);
   cl.transport = absl::GetFlag(FLAGS_transport);
+  // --transport=cuda_ipc: this process's GPU (the compute library's backend, created at first use),
+  // whose exportable allocations the server opens by their IPC handles.
+  cl.cuda_regions = [](const fusedlayer::client::FusedLayerClient& client,
+                       uint64_t bytes) -> absl::StatusOr<std::unique_ptr<fusedlayer::client::ClientRegion>> {
+    static absl::StatusOr<std::unique_ptr<fusedlayer::Backend>>* const gpu = [] {
+      auto* b = new absl::StatusOr<std::unique_ptr<fusedlayer::Backend>>(fusedlayer::CreateBackend("cuda", {}));
+      if (!b->ok()) *b = fusedlayer::CreateBackend("hip", {});
+      return b;
+    }();
+    if (!gpu->ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--transport=cuda_ipc needs a GPU on this host: ", gpu->status().message()));
+    }
+    absl::StatusOr<std::unique_ptr<fusedlayer::client::ClientCudaSharedMemory>> region =
+        fusedlayer::client::ClientCudaSharedMemory::Create(client, ***gpu, bytes);
+    if (!region.ok()) return region.status();
+    return std::unique_ptr<fusedlayer::client::ClientRegion>(std::move(*region));
+  };
   if (cl.chunk_bytes <= 0) return UsageError("--chunk_bytes must be positive");
   if (cl.tokens < 0) return UsageError("--tokens must be >= 0");
   if (cl.row_stride < 0) return UsageError("--row_stride must be >= 0");

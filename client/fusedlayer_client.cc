@@ -157,6 +157,32 @@ absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> FusedLayerClient::Unreg
   return Unary(*stub_, &v1::FusedLayer::Stub::UnregisterSystemSharedMemory, request, call);
 }
 
+absl::Status FusedLayerClient::RegisterCudaSharedMemory(const std::string& name, const std::string& raw_handle,
+                                                        int device_id, uint64_t offset, uint64_t byte_size,
+                                                        const CallOptions& call) const {
+  v1::RegisterCudaSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_raw_handle(raw_handle);
+  request.set_device_id(device_id);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  return Unary(*stub_, &v1::FusedLayer::Stub::RegisterCudaSharedMemory, request, call).status();
+}
+
+absl::StatusOr<v1::CudaSharedMemoryStatusResponse> FusedLayerClient::CudaSharedMemoryStatus(
+    const std::string& name, const CallOptions& call) const {
+  v1::CudaSharedMemoryStatusRequest request;
+  request.set_name(name);
+  return Unary(*stub_, &v1::FusedLayer::Stub::CudaSharedMemoryStatus, request, call);
+}
+
+absl::StatusOr<v1::UnregisterCudaSharedMemoryResponse> FusedLayerClient::UnregisterCudaSharedMemory(
+    const std::string& name, const CallOptions& call) const {
+  v1::UnregisterCudaSharedMemoryRequest request;
+  request.set_name(name);
+  return Unary(*stub_, &v1::FusedLayer::Stub::UnregisterCudaSharedMemory, request, call);
+}
+
 absl::StatusOr<uint64_t> FusedLayerClient::OpenResidualSession(const std::string& name, int64_t tokens, int hc_mult,
                                                                int64_t hidden, const CallOptions& call) const {
   v1::OpenResidualSessionRequest request;

@@ -113,6 +113,18 @@ class FusedLayerClient {
   absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> UnregisterSystemSharedMemory(
       const std::string& name, const CallOptions& call = {}) const;
 
+  // CUDA shared memory (same host, same GPU): `raw_handle` is the cudaIpcMemHandle_t (64 bytes) of
+  // a device allocation of this process (cudaIpcGetMemHandle; Backend::AllocateIpcExportable makes
+  // one). Tensors then reference [offset, + byte_size) of it by name (Tensor.cuda_shared_memory,
+  // OutputPlacement.cuda_shared_memory); the kernels use them where they lie.
+  absl::Status RegisterCudaSharedMemory(const std::string& name, const std::string& raw_handle, int device_id,
+                                        uint64_t offset, uint64_t byte_size, const CallOptions& call = {}) const;
+  absl::StatusOr<v1::CudaSharedMemoryStatusResponse> CudaSharedMemoryStatus(const std::string& name = "",
+                                                                          const CallOptions& call = {}) const;
+  // Empty name: every region of the caller's identity.
+  absl::StatusOr<v1::UnregisterCudaSharedMemoryResponse> UnregisterCudaSharedMemory(
+      const std::string& name, const CallOptions& call = {}) const;
+
   // Residual sessions (MhcSeamRequest.session): the mHC state kept on the server between seams.
   // OpenResidualSession returns the bytes the session holds; an empty name closes every session.
   absl::StatusOr<uint64_t> OpenResidualSession(const std::string& name, int64_t tokens, int hc_mult, int64_t hidden,

@@ -108,50 +108,65 @@ absl::StatusOr<std::unique_ptr<ClientSharedMemory>> ClientSharedMemory::Create(c
 
 ClientSharedMemory::ClientSharedMemory(const FusedLayerClient& client, std::string name, std::string key, char* data,
                                        uint64_t bytes)
-    : client_(client), name_(std::move(name)), key_(std::move(key)), data_(data), bytes_(bytes) {}
+    : ClientRegion(std::move(name), bytes, /*cuda=*/false), client_(client), key_(std::move(key)), data_(data) {}
 
 ClientSharedMemory::~ClientSharedMemory() {
-  if (registered_) (void)client_.UnregisterSystemSharedMemory(name_);
-  ::munmap(data_, bytes_);
+  if (registered_) (void)client_.UnregisterSystemSharedMemory(region_name());
+  ::munmap(data_, byte_size());
   ::shm_unlink(key_.c_str());
 }
 
-absl::StatusOr<uint64_t> ClientSharedMemory::Take(uint64_t bytes) {
+absl::Status ClientSharedMemory::Write(uint64_t at, const char* src, uint64_t n) {
+  std::memcpy(data_ + at, src, n);
+  return absl::OkStatus();
+}
+
+absl::Status ClientSharedMemory::Read(uint64_t at, char* dst, uint64_t n) const {
+  std::memcpy(dst, data_ + at, n);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> ClientRegion::Take(uint64_t bytes) {
   const uint64_t at = used_;
   if (AlignUp(bytes) > bytes_ - used_) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("shared-memory object ", key_, " of ", bytes_, " bytes is too small for this request"));
+        absl::StrCat("region ", name_, " of ", bytes_, " bytes is too small for this request"));
   }
   used_ += AlignUp(bytes);
   return at;
 }
 
-absl::Status ClientSharedMemory::PlaceInput(v1::Tensor* t) {
+v1::SharedMemoryRef* ClientRegion::MutableRef(v1::Tensor* t) const {
+  return cuda_ ? t->mutable_cuda_shared_memory() : t->mutable_shared_memory();  // clears inline data (oneof)
+}
+
+absl::Status ClientRegion::PlaceInput(v1::Tensor* t) {
   if (t->storage_case() != v1::Tensor::kData) return absl::OkStatus();
   const uint64_t n = t->data().size();
   absl::StatusOr<uint64_t> at = Take(n);
   if (!at.ok()) return at.status();
-  std::memcpy(data_ + *at, t->data().data(), n);
-  v1::SharedMemoryRef* ref = t->mutable_shared_memory();  // clears the inline data (oneof)
+  if (absl::Status s = Write(*at, t->data().data(), n); !s.ok()) return s;
+  v1::SharedMemoryRef* ref = MutableRef(t);
   ref->set_region(name_);
   ref->set_offset(*at);
   ref->set_byte_size(n);
   return absl::OkStatus();
 }
 
-absl::Status ClientSharedMemory::PlaceOutput(const char* name, uint64_t bytes,
-                                             google::protobuf::RepeatedPtrField<v1::OutputPlacement>* out) {
+absl::Status ClientRegion::PlaceOutput(const char* name, uint64_t bytes,
+                                       google::protobuf::RepeatedPtrField<v1::OutputPlacement>* out) {
   absl::StatusOr<uint64_t> at = Take(bytes);
   if (!at.ok()) return at.status();
   v1::OutputPlacement* p = out->Add();
   p->set_output(name);
-  p->mutable_shared_memory()->set_region(name_);
-  p->mutable_shared_memory()->set_offset(*at);
-  p->mutable_shared_memory()->set_byte_size(bytes);
+  v1::SharedMemoryRef* ref = cuda_ ? p->mutable_cuda_shared_memory() : p->mutable_shared_memory();
+  ref->set_region(name_);
+  ref->set_offset(*at);
+  ref->set_byte_size(bytes);
   return absl::OkStatus();
 }
 
-absl::Status ClientSharedMemory::Prepare(v1::MhcSeamRequest& r, const v1::MhcConfig& mhc) {
+absl::Status ClientRegion::Prepare(v1::MhcSeamRequest& r, const v1::MhcConfig& mhc) {
   used_ = 0;
   r.clear_output_placements();
   for (v1::Tensor* t : {r.mutable_x(), r.mutable_residual(), r.mutable_post_mix(), r.mutable_comb_mix()}) {
@@ -171,7 +186,7 @@ absl::Status ClientSharedMemory::Prepare(v1::MhcSeamRequest& r, const v1::MhcCon
   return absl::OkStatus();
 }
 
-absl::Status ClientSharedMemory::Prepare(v1::SwaNormQuantRequest& r, const v1::SwaConfig& swa, int64_t wq_b_rows) {
+absl::Status ClientRegion::Prepare(v1::SwaNormQuantRequest& r, const v1::SwaConfig& swa, int64_t wq_b_rows) {
   used_ = 0;
   r.clear_output_placements();
   if (absl::Status s = PlaceInput(r.mutable_qr_kv()); !s.ok()) return s;
@@ -181,17 +196,18 @@ absl::Status ClientSharedMemory::Prepare(v1::SwaNormQuantRequest& r, const v1::S
   return absl::OkStatus();
 }
 
-absl::Status ClientSharedMemory::FetchTensor(v1::Tensor* t) const {
-  if (!t->has_shared_memory()) return absl::OkStatus();
-  const v1::SharedMemoryRef ref = t->shared_memory();
+absl::Status ClientRegion::FetchTensor(v1::Tensor* t) const {
+  if (cuda_ ? !t->has_cuda_shared_memory() : !t->has_shared_memory()) return absl::OkStatus();
+  const v1::SharedMemoryRef ref = cuda_ ? t->cuda_shared_memory() : t->shared_memory();
   if (ref.region() != name_ || ref.offset() > bytes_ || ref.byte_size() > bytes_ - ref.offset()) {
     return absl::InternalError(absl::StrCat("the server placed an output outside region ", name_));
   }
-  t->set_data(data_ + ref.offset(), ref.byte_size());
-  return absl::OkStatus();
+  std::string* data = t->mutable_data();  // clears the reference (oneof)
+  data->resize(ref.byte_size());
+  return Read(ref.offset(), data->data(), ref.byte_size());
 }
 
-absl::Status ClientSharedMemory::Fetch(v1::MhcSeamResponse& r) const {
+absl::Status ClientRegion::Fetch(v1::MhcSeamResponse& r) const {
   for (v1::Tensor* t : {r.mutable_new_residual(), r.mutable_new_pre_mix(), r.mutable_new_post_mix(),
                         r.mutable_new_comb_mix(), r.mutable_y(), r.mutable_aux()}) {
     if (absl::Status s = FetchTensor(t); !s.ok()) return s;
@@ -206,7 +222,7 @@ absl::Status ClientSharedMemory::Fetch(v1::MhcSeamResponse& r) const {
   return absl::OkStatus();
 }
 
-absl::Status ClientSharedMemory::Fetch(v1::SwaNormQuantResponse& r) const {
+absl::Status ClientRegion::Fetch(v1::SwaNormQuantResponse& r) const {
   for (v1::Tensor* t : {r.mutable_q_fp8(), r.mutable_q_scale(), r.mutable_kv(), r.mutable_q_proj()}) {
     if (absl::Status s = FetchTensor(t); !s.ok()) return s;
   }

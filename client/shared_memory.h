@@ -1,16 +1,6 @@
-// Client side of the system shared-memory transport (proto: RegisterSystemSharedMemory, Tensor
-// .shared_memory, OutputPlacement; server: server/transport/shared_memory.h).
-//
-// A ClientSharedMemory is one POSIX shared-memory object that this process creates (a random,
-// unguessable name, mode 0600, O_EXCL), maps, and registers as one region. A request is moved into
-// it: every inline input is copied into the mapping and replaced by its reference, and every output
-// the call produces gets a placement, so neither travels in the messages. After the call the
-// outputs are read from the mapping. On destruction it unregisters the region, unmaps and unlinks
-// the object (a process that dies without that leaves the region registered until its identity
-// unregisters it or the object is removed; docs/operations.md).
-//
-// One request at a time per object (Prepare resets the layout); callers running several requests
-// concurrently use one object each.
+// Client side of the shared-memory transports (proto: RegisterSystemSharedMemory,
+// RegisterCudaSharedMemory, Tensor.shared_memory / .cuda_shared_memory, OutputPlacement; server:
+// server/transport/shared_memory.h, server/transport/cuda_shared_memory.h).
 #pragma once
 
 #include <cstdint>
@@ -29,13 +19,16 @@ inline constexpr uint64_t kSharedMemoryAlignment = 64;  // the server's rule for
 uint64_t MhcRequestSharedBytes(const v1::MhcSeamRequest& request, const v1::MhcConfig& mhc);
 uint64_t SwaRequestSharedBytes(const v1::SwaNormQuantRequest& request, const v1::SwaConfig& swa, int64_t wq_b_rows);
 
-class ClientSharedMemory {
+// One registered region that requests are moved into: every inline input is written into the
+// region and replaced by its reference, and every output the call produces gets a placement there,
+// so neither travels in the messages; Fetch reads the outputs back into the response. What the
+// region is (a POSIX shared-memory object, ClientSharedMemory; a device allocation exported over
+// CUDA IPC, client/cuda_shared_memory.h) is the subclass's: it moves the bytes.
+class ClientRegion {
  public:
-  // Creates, maps and registers an object of `bytes` bytes (rounded up to the alignment).
-  static absl::StatusOr<std::unique_ptr<ClientSharedMemory>> Create(const FusedLayerClient& client, uint64_t bytes);
-  ~ClientSharedMemory();
-  ClientSharedMemory(const ClientSharedMemory&) = delete;
-  ClientSharedMemory& operator=(const ClientSharedMemory&) = delete;
+  virtual ~ClientRegion() = default;
+  ClientRegion(const ClientRegion&) = delete;
+  ClientRegion& operator=(const ClientRegion&) = delete;
 
   // Moves the request's inline inputs into the region and places its outputs there.
   absl::Status Prepare(v1::MhcSeamRequest& request, const v1::MhcConfig& mhc);
@@ -46,23 +39,53 @@ class ClientSharedMemory {
   absl::Status Fetch(v1::SwaNormQuantResponse& response) const;
 
   const std::string& region_name() const { return name_; }
-  const std::string& key() const { return key_; }
   uint64_t byte_size() const { return bytes_; }
-  char* data() const { return data_; }
+
+ protected:
+  // `cuda`: references go in the cuda_shared_memory fields, else in shared_memory.
+  ClientRegion(std::string name, uint64_t bytes, bool cuda) : name_(std::move(name)), bytes_(bytes), cuda_(cuda) {}
+  // [at, at + n) of the region (bounds checked by the caller) from / to this process's memory.
+  virtual absl::Status Write(uint64_t at, const char* src, uint64_t n) = 0;
+  virtual absl::Status Read(uint64_t at, char* dst, uint64_t n) const = 0;
 
  private:
-  ClientSharedMemory(const FusedLayerClient& client, std::string name, std::string key, char* data, uint64_t bytes);
-  // The next aligned range of `bytes` bytes (ResourceExhausted when the object is too small).
+  // The next aligned range of `bytes` bytes (ResourceExhausted when the region is too small).
   absl::StatusOr<uint64_t> Take(uint64_t bytes);
   absl::Status PlaceInput(v1::Tensor* t);
   absl::Status PlaceOutput(const char* name, uint64_t bytes, google::protobuf::RepeatedPtrField<v1::OutputPlacement>* out);
   absl::Status FetchTensor(v1::Tensor* t) const;
+  v1::SharedMemoryRef* MutableRef(v1::Tensor* t) const;
+
+  const std::string name_;
+  const uint64_t bytes_;
+  const bool cuda_;
+  uint64_t used_ = 0;
+};
+
+// A POSIX shared-memory object that this process creates (a random, unguessable name, mode 0600,
+// O_EXCL), maps, and registers as one region. On destruction it unregisters the region, unmaps and
+// unlinks the object (a process that dies without that leaves the region registered until its
+// identity unregisters it or the object is removed; docs/operations.md).
+//
+// One request at a time per object (Prepare resets the layout); callers running several requests
+// concurrently use one object each.
+class ClientSharedMemory final : public ClientRegion {
+ public:
+  // Creates, maps and registers an object of `bytes` bytes (rounded up to the alignment).
+  static absl::StatusOr<std::unique_ptr<ClientSharedMemory>> Create(const FusedLayerClient& client, uint64_t bytes);
+  ~ClientSharedMemory() override;
+
+  const std::string& key() const { return key_; }
+  char* data() const { return data_; }
+
+ private:
+  ClientSharedMemory(const FusedLayerClient& client, std::string name, std::string key, char* data, uint64_t bytes);
+  absl::Status Write(uint64_t at, const char* src, uint64_t n) override;
+  absl::Status Read(uint64_t at, char* dst, uint64_t n) const override;
 
   const FusedLayerClient& client_;
-  const std::string name_, key_;
+  const std::string key_;
   char* const data_;
-  const uint64_t bytes_;
-  uint64_t used_ = 0;
   bool registered_ = true;
 };
 
