@@ -22,7 +22,7 @@ if [ ! -f "$build/build.ninja" ]; then
     -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST
 fi
 targets=(mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests bench_mhc_gpu bench_swa_gpu
-         fusedlayer_server fusedctl server_residual_session_tests)
+         fusedlayer_server fusedctl server_residual_session_tests gpu_cuda_ipc_tests)
 [ -n "${GPU_TARGETS:-}" ] && read -r -a targets <<< "$GPU_TARGETS"
 stage=$root/${GPU_STAGE:-.gpu}
 pack=$root/${GPU_PACK:-.gpu-pack}

@@ -2,12 +2,12 @@
 # Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
 #   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab
-#                                                  samebits abclient sessions)
+#                                                  samebits abclient sessions cudaipc)
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"tests sanitize bench torch smoke dataplane sessions shadow"}  # and "ab" (needs a baseline server, below)
+STEPS=${STEPS:-"tests sanitize bench torch smoke dataplane sessions cudaipc shadow"}  # and "ab" (needs a baseline server, below)
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # start_server PORT METRICS_PORT LOG [extra flags...]: a CUDA-backend server with the demo weights in
 # the background (pid in $pid), returning once its health check answers (or after 60 s).
@@ -24,7 +24,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 failed=0
 if want tests; then
   # server_residual_session_tests: its OnTheDefaultBackend case runs on the CUDA backend here.
-  for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests server_residual_session_tests; do
+  # gpu_cuda_ipc_tests: two processes, itself the client and the bundled fusedlayer_server.
+  for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests server_residual_session_tests \
+           gpu_cuda_ipc_tests; do
     [ -x ./$t ] || { echo "$t not in this bundle"; continue; }
     # (The session suite's fusedctl case runs the build tree's fusedctl, which the bundle does not
     # have; the bench rows below run the bundled one.)
@@ -155,6 +157,25 @@ if want sessions; then
       | grep -E '^fusedlayer_residual_session'
   } >> "$OUT/sessions.log" 2>&1
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/sessions.log"
+fi
+# CUDA shared memory (issue 13): the tensors in this host's device memory, used by the server's
+# kernels in place, against the same request inline (TCP row) and the echo floor of its bytes.
+# Targets: mHC C = 7168 T = 64 p50 <= 80 us, T = 1 <= 40 us, SWA M = 64 <= 40 us.
+if want cudaipc; then
+  echo "== CUDA shared memory"
+  start_server 50195 50196 "$OUT/server-cudaipc.log" --allow_cuda_shared_memory
+  { C="--target=127.0.0.1:50195"
+    for pass in 1 2; do
+      echo "---- pass $pass"
+      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=cuda_ipc --echo_floor
+      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=5s --transport=cuda_ipc
+      ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=cuda_ipc
+    done
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=5s --transport=cuda_ipc
+    python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50196/metrics').read().decode())" \
+      | grep -E '^fusedlayer_cuda_shared_memory'
+  } >> "$OUT/cudaipc.log" 2>&1
+  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/cudaipc.log"
 fi
 if want dataplane; then
   echo "== data path: end-to-end rows with their echo floor; batching on/off"

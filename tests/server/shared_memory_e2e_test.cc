@@ -104,19 +104,6 @@ void PoisonOutputs(const ClientSharedMemory& shm, const google::protobuf::Repeat
   }
 }
 
-// The same output tensors present as over TCP: an output the call does not produce stays absent
-// (ExpectMhcEqual / ExpectSwaEqual compare bytes, and an absent tensor's are empty too).
-template <typename Response>
-void ExpectSameOutputsPresent(const Response& got, const Response& want) {
-  const google::protobuf::Descriptor* d = Response::descriptor();
-  const google::protobuf::Reflection* r = Response::GetReflection();
-  for (int i = 0; i < d->field_count(); ++i) {
-    const google::protobuf::FieldDescriptor* f = d->field(i);
-    if (f->message_type() != v1::Tensor::descriptor()) continue;
-    EXPECT_EQ(r->HasField(got, f), r->HasField(want, f)) << f->name();
-  }
-}
-
 v1::SharedMemoryRef Ref(const std::string& region, uint64_t offset, uint64_t bytes) {
   v1::SharedMemoryRef r;
   r.set_region(region);
