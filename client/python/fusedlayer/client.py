@@ -145,6 +145,9 @@ class ServerInfo:
     fused_max_tokens: int
     max_tokens: int
     queue_capacity: int
+    shared_memory_enabled: bool = False       # --allow_shared_memory
+    cuda_shared_memory_enabled: bool = False  # --allow_cuda_shared_memory on a GPU backend
+    device_id: int = -1                       # the GPU a CUDA shared-memory region must be on (-1: none)
 
 
 @dataclass(frozen=True)
@@ -555,6 +558,29 @@ class Client:
                        timeout)
         return r.unregistered
 
+    # ---- CUDA shared memory (same host and GPU; docs/operations.md) ----------------------------
+
+    def register_cuda_shared_memory(self, name, raw_handle, device_id, offset, byte_size, timeout=None):
+        """Registers [offset, offset + byte_size) of a device allocation of this process by its CUDA IPC
+        handle (the 64 bytes of a cudaIpcMemHandle_t, e.g. from cudaIpcGetMemHandle). Tensors in it are then
+        referenced by name in Tensor.cuda_shared_memory; the server's kernels use them in place, and the
+        response comes after they completed. The caller unregisters before it frees the allocation."""
+        self._call(self._stub.RegisterCudaSharedMemory, pb.RegisterCudaSharedMemoryRequest(
+            name=name, raw_handle=bytes(raw_handle), device_id=device_id, offset=offset, byte_size=byte_size),
+            timeout)
+
+    def cuda_shared_memory_status(self, name="", timeout=None):
+        """The caller's CUDA shared-memory regions (all, or the one named) as dicts: name, device_id,
+        offset, byte_size."""
+        r = self._call(self._stub.CudaSharedMemoryStatus, pb.CudaSharedMemoryStatusRequest(name=name), timeout)
+        return [_plain_dict(x) for x in r.regions]
+
+    def unregister_cuda_shared_memory(self, name="", timeout=None):
+        """Unregisters one CUDA shared-memory region, or every one of the caller (name ""); returns how many."""
+        r = self._call(self._stub.UnregisterCudaSharedMemory, pb.UnregisterCudaSharedMemoryRequest(name=name),
+                       timeout)
+        return r.unregistered
+
     # ---- residual sessions (docs/operations.md "Residual sessions") ----------------------------
 
     def open_residual_session(self, name, tokens, hc_mult, hidden, timeout=None):
@@ -586,7 +612,9 @@ class Client:
                           ops={c.op: _capability(c) for c in r.ops},
                           max_receive_message_bytes=r.max_receive_message_bytes,
                           max_send_message_bytes=r.max_send_message_bytes, fused_max_tokens=r.fused_max_tokens,
-                          max_tokens=r.max_tokens, queue_capacity=r.queue_capacity)
+                          max_tokens=r.max_tokens, queue_capacity=r.queue_capacity,
+                          shared_memory_enabled=r.shared_memory_enabled,
+                          cuda_shared_memory_enabled=r.cuda_shared_memory_enabled, device_id=r.device_id)
 
     def health(self, service="", timeout=None):
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... Services: "", "fusedlayer.v1.FusedLayer",

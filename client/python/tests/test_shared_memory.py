@@ -65,3 +65,23 @@ def test_shm_is_failed_precondition_without_the_server_flag(server, rng):
             shm.swa_norm_quant("v41-flash/demo", bf16_random(rng, (2, 1280 + 512)))
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "--allow_shared_memory" in e.value.message
+
+
+def test_cuda_shared_memory_is_failed_precondition_on_the_cpu_backend(rng):
+    """The CPU backend has no GPU to open a CUDA IPC handle on: with the flag on, registering is
+    FailedPrecondition (and without the flag too); status and unregister likewise. The two-process flow
+    on a GPU is tests/gpu/cuda_ipc_e2e_test.cc."""
+    for flags in (["--allow_cuda_shared_memory"], []):
+        s = ServerProcess(extra_args=flags)
+        try:
+            with fusedlayer.Client(s.target) as c:
+                info = c.server_info()
+                assert info.cuda_shared_memory_enabled is False and info.device_id == -1
+                with pytest.raises(fusedlayer.FailedPrecondition):
+                    c.register_cuda_shared_memory("r", rng.bytes(64), 0, 0, 4096)
+                with pytest.raises(fusedlayer.FailedPrecondition):
+                    c.cuda_shared_memory_status()
+                with pytest.raises(fusedlayer.FailedPrecondition):
+                    c.unregister_cuda_shared_memory()
+        finally:
+            s.stop()
