@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "prometheus/family.h"
+#include "transport/region_map.h"
 #include "transport/shared_memory.h"
 
 namespace fusedlayer::server::transport {
@@ -161,46 +162,21 @@ absl::StatusOr<v1::CudaSharedMemoryStatusResponse> CudaSharedMemoryRegistry::Sta
     if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
   }
   MutexLock lock(&mu_);
-  v1::CudaSharedMemoryStatusResponse out;
-  for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity; ++it) {
-    if (!name.empty() && it->first.second != name) continue;
-    const CudaSharedMemoryRegion& r = *it->second;
-    v1::CudaSharedMemoryRegion* info = out.add_regions();
-    info->set_name(r.name());
-    info->set_device_id(r.device_id());
-    info->set_offset(r.offset());
-    info->set_byte_size(r.byte_size());
-  }
-  if (!name.empty() && out.regions_size() == 0) {
-    return absl::NotFoundError(absl::StrCat("no CUDA shared-memory region named '", name, "' is registered"));
-  }
-  return out;
+  return ListRegions<v1::CudaSharedMemoryStatusResponse>(
+      regions_, identity, name, "CUDA shared-memory", [](const CudaSharedMemoryRegion& r, v1::CudaSharedMemoryRegion* info) {
+        info->set_name(r.name());
+        info->set_device_id(r.device_id());
+        info->set_offset(r.offset());
+        info->set_byte_size(r.byte_size());
+      });
 }
 
 absl::StatusOr<v1::UnregisterCudaSharedMemoryResponse> CudaSharedMemoryRegistry::Unregister(
     const std::string& identity, const std::string& name) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
-  v1::UnregisterCudaSharedMemoryResponse out;
   MutexLock lock(&mu_);
-  if (name.empty()) {
-    for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity;) {
-      auto next = std::next(it);
-      out.set_unregistered(out.unregistered() + 1);
-      out.set_freed_bytes(out.freed_bytes() + it->second->byte_size());
-      EraseLocked(it);
-      it = next;
-    }
-    return out;
-  }
-  if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
-  auto it = regions_.find({identity, name});
-  if (it == regions_.end()) {
-    return absl::NotFoundError(absl::StrCat("no CUDA shared-memory region named '", name, "' is registered"));
-  }
-  out.set_unregistered(1);
-  out.set_freed_bytes(it->second->byte_size());
-  EraseLocked(it);
-  return out;
+  return UnregisterRegions<v1::UnregisterCudaSharedMemoryResponse>(
+      regions_, identity, name, "CUDA shared-memory", [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS { EraseLocked(it); });
 }
 
 absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> CudaSharedMemoryRegistry::Lookup(

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "prometheus/family.h"
+#include "transport/region_map.h"
 
 namespace fusedlayer::server::transport {
 namespace {
@@ -336,46 +337,21 @@ absl::StatusOr<v1::SystemSharedMemoryStatusResponse> SharedMemoryRegistry::Statu
   }
   MutexLock lock(&mu_);
   PruneVanishedLocked(identity);
-  v1::SystemSharedMemoryStatusResponse out;
-  for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity; ++it) {
-    if (!name.empty() && it->first.second != name) continue;
-    const SharedMemoryRegion& r = *it->second;
-    v1::SystemSharedMemoryRegion* info = out.add_regions();
-    info->set_name(r.name());
-    info->set_key(r.key());
-    info->set_offset(r.offset());
-    info->set_byte_size(r.byte_size());
-  }
-  if (!name.empty() && out.regions_size() == 0) {
-    return absl::NotFoundError(absl::StrCat("no shared-memory region named '", name, "' is registered"));
-  }
-  return out;
+  return ListRegions<v1::SystemSharedMemoryStatusResponse>(
+      regions_, identity, name, "shared-memory", [](const SharedMemoryRegion& r, v1::SystemSharedMemoryRegion* info) {
+        info->set_name(r.name());
+        info->set_key(r.key());
+        info->set_offset(r.offset());
+        info->set_byte_size(r.byte_size());
+      });
 }
 
 absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> SharedMemoryRegistry::Unregister(const std::string& identity,
                                                                                          const std::string& name) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
-  v1::UnregisterSystemSharedMemoryResponse out;
   MutexLock lock(&mu_);
-  if (name.empty()) {
-    for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity;) {
-      auto next = std::next(it);
-      out.set_unregistered(out.unregistered() + 1);
-      out.set_freed_bytes(out.freed_bytes() + it->second->byte_size());
-      EraseLocked(it);
-      it = next;
-    }
-    return out;
-  }
-  if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
-  auto it = regions_.find({identity, name});
-  if (it == regions_.end()) {
-    return absl::NotFoundError(absl::StrCat("no shared-memory region named '", name, "' is registered"));
-  }
-  out.set_unregistered(1);
-  out.set_freed_bytes(it->second->byte_size());
-  EraseLocked(it);
-  return out;
+  return UnregisterRegions<v1::UnregisterSystemSharedMemoryResponse>(
+      regions_, identity, name, "shared-memory", [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS { EraseLocked(it); });
 }
 
 absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::Lookup(const std::string& identity,

@@ -92,17 +92,7 @@ TEST(CudaSharedMemory, MhcOutputsEqualTcpBitwiseAndNoTensorByteIsCopied) {
   const PackedWeightSet set = MakeWeightSet(rng, "ipc/mhc", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
   IpcServer s = StartIpcServer({set});
   ASSERT_NE(s.client, nullptr);
-  struct Case {
-    v1::MhcStage stage;
-    v1::MhcMode mode;
-    bool pre_mix, aux;
-  };
-  const Case cases[] = {{v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, true, false},
-                        {v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, false, true},
-                        {v1::MHC_STAGE_SEAM, v1::MHC_MODE_NORMAL, false, false},
-                        {v1::MHC_STAGE_FIRST, v1::MHC_MODE_SHIFTED, false, false},
-                        {v1::MHC_STAGE_HEAD, v1::MHC_MODE_SHIFTED, true, false}};
-  for (const Case& k : cases) {
+  for (const MhcVariant& k : kMhcVariants) {
     for (int64_t T : {int64_t{1}, int64_t{7}, int64_t{300}}) {
       for (auto pref : {v1::PATH_PREFERENCE_AUTO, v1::PATH_PREFERENCE_FORCE_UNFUSED}) {
         SCOPED_TRACE(::testing::Message() << "stage " << k.stage << " mode " << k.mode << " aux " << k.aux << " T "
@@ -147,12 +137,7 @@ TEST(CudaSharedMemory, MhcOutputsEqualTcpBitwiseAndNoTensorByteIsCopied) {
 
 TEST(CudaSharedMemory, SwaOutputsEqualTcpBitwiseForEveryLayout) {
   std::mt19937_64 rng = MakeRng(92);
-  const std::pair<SwaSetSpec, int64_t> cases[] = {
-      {{.q_rank = 256, .head_dim = 128, .wq_b_rows = 128}, 0},
-      {{.q_rank = 384, .head_dim = 64, .scale = v1::SCALE_FORMAT_UE8M0, .layout = v1::SCALE_LAYOUT_COLUMN_MAJOR_TMA},
-       37},
-      {{.q_rank = 128, .head_dim = 192, .fp8 = v1::FP8_FORMAT_E4M3FNUZ}, 5},
-  };
+  const auto& cases = kSwaLayoutVariants;
   std::vector<PackedWeightSet> sets;
   for (size_t k = 0; k < std::size(cases); ++k) {
     sets.push_back(MakeWeightSet(rng, "ipc/swa" + std::to_string(k), std::nullopt, cases[k].first));

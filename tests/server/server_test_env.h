@@ -146,6 +146,28 @@ class Reference {
 void ExpectMhcEqual(const v1::MhcSeamResponse& got, const v1::MhcSeamResponse& want);
 void ExpectSwaEqual(const v1::SwaNormQuantResponse& got, const v1::SwaNormQuantResponse& want);
 
+// The mHC request variants a transport is checked with against TCP: each stage, both modes, with
+// and without pre_mix, with aux.
+struct MhcVariant {
+  v1::MhcStage stage;
+  v1::MhcMode mode;
+  bool pre_mix, aux;
+};
+inline constexpr MhcVariant kMhcVariants[] = {{v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, true, false},
+                                              {v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, false, true},
+                                              {v1::MHC_STAGE_SEAM, v1::MHC_MODE_NORMAL, false, false},
+                                              {v1::MHC_STAGE_FIRST, v1::MHC_MODE_SHIFTED, false, false},
+                                              {v1::MHC_STAGE_HEAD, v1::MHC_MODE_SHIFTED, true, false}};
+
+// The SWA weight-set layouts a transport is checked with against TCP (with wq_b, UE8M0 scales in the
+// TMA layout, e4m3fnuz), each with the extra qr_kv columns (row stride beyond Q + D) of its requests.
+inline const std::pair<SwaSetSpec, int64_t> kSwaLayoutVariants[] = {
+    {{.q_rank = 256, .head_dim = 128, .wq_b_rows = 128}, 0},
+    {{.q_rank = 384, .head_dim = 64, .scale = v1::SCALE_FORMAT_UE8M0, .layout = v1::SCALE_LAYOUT_COLUMN_MAJOR_TMA},
+     37},
+    {{.q_rank = 128, .head_dim = 192, .fp8 = v1::FP8_FORMAT_E4M3FNUZ}, 5},
+};
+
 // The same output tensors present as over TCP: an output the call does not produce stays absent
 // (ExpectMhcEqual / ExpectSwaEqual compare bytes, and an absent tensor's are empty too).
 template <typename Response>

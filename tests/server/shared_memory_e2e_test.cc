@@ -169,17 +169,7 @@ TEST(SharedMemory, MhcOutputsEqualTcpBitwiseForEveryStageAndPath) {
   ASSERT_NE(ts, nullptr);
   auto c = ClientFor(*ts);
   ASSERT_NE(c, nullptr);
-  struct Case {
-    v1::MhcStage stage;
-    v1::MhcMode mode;
-    bool pre_mix, aux;
-  };
-  const Case cases[] = {{v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, true, false},
-                        {v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, false, true},
-                        {v1::MHC_STAGE_SEAM, v1::MHC_MODE_NORMAL, false, false},
-                        {v1::MHC_STAGE_FIRST, v1::MHC_MODE_SHIFTED, false, false},
-                        {v1::MHC_STAGE_HEAD, v1::MHC_MODE_SHIFTED, true, false}};
-  for (const Case& k : cases) {
+  for (const MhcVariant& k : kMhcVariants) {
     for (int64_t T : {int64_t{0}, int64_t{1}, int64_t{7}}) {
       for (auto pref : {v1::PATH_PREFERENCE_AUTO, v1::PATH_PREFERENCE_FORCE_UNFUSED}) {
         SCOPED_TRACE(::testing::Message() << "stage " << k.stage << " mode " << k.mode << " aux " << k.aux << " T "
@@ -380,12 +370,7 @@ TEST(SharedMemory, SwaOutputsEqualTcpBitwiseForEveryLayout) {
   ASSERT_NE(ts, nullptr);
   auto c = ClientFor(*ts);
   ASSERT_NE(c, nullptr);
-  const std::pair<SwaSetSpec, int64_t> cases[] = {
-      {{.q_rank = 256, .head_dim = 128, .wq_b_rows = 128}, 0},
-      {{.q_rank = 384, .head_dim = 64, .scale = v1::SCALE_FORMAT_UE8M0, .layout = v1::SCALE_LAYOUT_COLUMN_MAJOR_TMA},
-       37},
-      {{.q_rank = 128, .head_dim = 192, .fp8 = v1::FP8_FORMAT_E4M3FNUZ}, 5},
-  };
+  const auto& cases = kSwaLayoutVariants;
   int k = 0;
   for (const auto& [spec, extra] : cases) {
     const std::string name = "shm/swa" + std::to_string(k++);

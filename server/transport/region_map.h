@@ -1,0 +1,60 @@
+// What the system and CUDA shared-memory registries (transport/shared_memory.h,
+// transport/cuda_shared_memory.h) do alike with their regions: a map keyed by (identity, region
+// name), listed and unregistered by name or all of an identity at once. The caller holds the
+// registry's mutex.
+#pragma once
+
+#include <iterator>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+
+namespace fusedlayer::server::transport {
+
+absl::Status CheckRegionName(const std::string& name);  // transport/shared_memory.cc
+
+// The Status RPC: `describe(region, out.add_regions())` for `name` (NOT_FOUND when `identity` has no
+// such region) or, with an empty name, for every region of `identity`. `kind` names the regions in
+// messages ("shared-memory", "CUDA shared-memory").
+template <typename Response, typename Map, typename Describe>
+absl::StatusOr<Response> ListRegions(const Map& regions, const std::string& identity, const std::string& name,
+                                     const char* kind, Describe describe) {
+  Response out;
+  for (auto it = regions.lower_bound({identity, ""}); it != regions.end() && it->first.first == identity; ++it) {
+    if (name.empty() || it->first.second == name) describe(*it->second, out.add_regions());
+  }
+  if (!name.empty() && out.regions_size() == 0) {
+    return absl::NotFoundError(absl::StrCat("no ", kind, " region named '", name, "' is registered"));
+  }
+  return out;
+}
+
+// The Unregister RPC: `erase(it)` for `name` (NOT_FOUND when `identity` has no such region) or, with
+// an empty name, for every region of `identity`; the response counts them and their bytes.
+template <typename Response, typename Map, typename Erase>
+absl::StatusOr<Response> UnregisterRegions(Map& regions, const std::string& identity, const std::string& name,
+                                           const char* kind, Erase erase) {
+  Response out;
+  auto take = [&](typename Map::iterator it) {
+    out.set_unregistered(out.unregistered() + 1);
+    out.set_freed_bytes(out.freed_bytes() + it->second->byte_size());
+    erase(it);
+  };
+  if (name.empty()) {
+    for (auto it = regions.lower_bound({identity, ""}); it != regions.end() && it->first.first == identity;) {
+      take(it++);
+    }
+    return out;
+  }
+  if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
+  auto it = regions.find({identity, name});
+  if (it == regions.end()) {
+    return absl::NotFoundError(absl::StrCat("no ", kind, " region named '", name, "' is registered"));
+  }
+  take(it);
+  return out;
+}
+
+}  // namespace fusedlayer::server::transport
