@@ -69,6 +69,10 @@ void UnaryCall::OnDone() {
   // What the call held first: a scrape that sees no call in flight also sees its bytes given back.
   ReleaseWhenDone();
   metrics_.InflightAdd(-1);
+  // gRPC's Server::Shutdown returns only after every OnDone has (libgrpc's own counting, which
+  // TSan cannot see): what OnDone did with the service's budgets and metrics happens before the
+  // server tears them down (FusedLayerServer::Shutdown acquires this after Wait()).
+  TsanReleaseTo(&metrics_);
   Unref();
 }
 
