@@ -10,9 +10,13 @@
 //  - every bad registration and reference, with its status code, and the server still serving;
 //  - off, or on the CPU backend: FAILED_PRECONDITION;
 //  - ownership across two bearer tokens, limits per identity, the gauges;
-//  - one opening per handle, closed when its last region is unregistered.
+//  - one opening per handle, closed when its last region is unregistered;
+//  - drain with requests in flight.
+#include <chrono>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -376,6 +380,53 @@ TEST(CudaSharedMemory, AHandleIsOpenedOnceAndClosedWithItsLastRegion) {
   const std::string scrape = s.ts->Scrape();
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_regions"), 0.0);
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_registered_bytes"), 0.0);
+}
+
+// Drain completes the requests in flight on CUDA shared memory (their kernels held on the lane when
+// the drain begins), bitwise; their regions are still open until they finish.
+TEST(CudaSharedMemory, DrainCompletesRequestsInFlight) {
+  std::mt19937_64 rng = MakeRng(98);
+  const PackedWeightSet set = MakeWeightSet(rng, "ipc/drain", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
+  IpcServer s = StartIpcServer({set});
+  ASSERT_NE(s.client, nullptr);
+  const MhcRequestSpec spec{.hc_mult = 4, .hidden = 320, .tokens = 3};
+  constexpr int kRequests = 3;
+  std::vector<v1::MhcSeamRequest> requests(kRequests);
+  std::vector<v1::MhcSeamResponse> want;
+  std::vector<std::unique_ptr<ClientCudaSharedMemory>> regions;
+  for (int i = 0; i < kRequests; ++i) {
+    const v1::MhcSeamRequest req = MakeMhcRequest(rng, "ipc/drain", spec);
+    absl::StatusOr<v1::MhcSeamResponse> tcp = s.client->MhcSeam(req);
+    ASSERT_TRUE(tcp.ok()) << tcp.status();
+    want.push_back(*tcp);
+    absl::StatusOr<std::unique_ptr<ClientCudaSharedMemory>> region =
+        ClientCudaSharedMemory::Create(*s.client, *s.device, client::MhcRequestSharedBytes(req, MhcConfigOf(spec)));
+    ASSERT_TRUE(region.ok()) << region.status();
+    requests[i] = req;
+    ASSERT_TRUE((*region)->Prepare(requests[i], MhcConfigOf(spec)).ok());
+    PoisonOutputs(*s.device, **region, requests[i].output_placements());
+    regions.push_back(*std::move(region));
+  }
+  int64_t kernels = 0;
+  {
+    std::lock_guard<std::mutex> lock(s.control->mu);
+    kernels = s.control->kernels_enqueued;
+  }
+  std::vector<absl::StatusOr<v1::MhcSeamResponse>> got(kRequests, absl::UnknownError("not run"));
+  s.control->Hold();
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kRequests; ++i) callers.emplace_back([&, i] { got[i] = s.client->MhcSeam(requests[i]); });
+  s.control->WaitForKernelsEnqueued(kernels + 1);  // one on the lane; the others queued behind it
+  std::thread drain([&] { s.ts->server().Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(30)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let the drain begin (not asserted)
+  s.control->Release();
+  for (std::thread& t : callers) t.join();
+  drain.join();
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_TRUE(got[i].ok()) << got[i].status();
+    ASSERT_TRUE(regions[i]->Fetch(*got[i]).ok());
+    ExpectMhcEqual(*got[i], want[i]);
+  }
 }
 
 // ---- ownership and limits ---------------------------------------------------------------------------

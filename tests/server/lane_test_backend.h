@@ -172,11 +172,13 @@ class LaneTestBackend final : public Backend {
     std::lock_guard<std::mutex> lock(default_mu_);
     if (!InBlock(dst, bytes, true)) return absl::InternalError("copy to device: destination is not device memory");
     std::memcpy(dst, src, bytes);
+    device_clock_.fetch_add(1, std::memory_order_acq_rel);  // (see device_clock_)
     return absl::OkStatus();
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
     std::lock_guard<std::mutex> lock(default_mu_);
     if (!InBlock(src, bytes, true)) return absl::InternalError("copy to host: source is not device memory");
+    device_clock_.fetch_add(1, std::memory_order_acq_rel);
     std::memcpy(dst, src, bytes);
     return absl::OkStatus();
   }
@@ -422,7 +424,9 @@ class LaneTestBackend final : public Backend {
         }
         control_->Gate();
         if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+        backend_.device_clock_.fetch_add(1, std::memory_order_acq_rel);
         absl::Status s = op();
+        backend_.device_clock_.fetch_add(1, std::memory_order_acq_rel);
         {
           std::lock_guard<std::mutex> lock(mu_);
           if (!s.ok() && first_error_.ok()) first_error_ = std::move(s);
@@ -451,6 +455,13 @@ class LaneTestBackend final : public Backend {
   const std::unique_ptr<Backend> cpu_;  // the default context's kernels
   std::mutex default_mu_;
   mutable std::mutex blocks_mu_;
+  // Device memory is one memory for the default context's synchronous copies and every lane, as on a
+  // GPU: a lane op sees what completed copies wrote before it starts, and a copy sees what completed
+  // lane ops wrote. A client of CUDA shared memory (the tests, in this process) writes its buffers
+  // with CopyToDevice before it sends a request and reads them with CopyToHost after the response;
+  // the order between those and the lanes goes through the socket, which TSan cannot see, so it is
+  // made visible here (acq_rel read-modify-writes around each copy and lane op).
+  std::atomic<uint64_t> device_clock_{0};
   std::map<char*, Block> blocks_;
   std::atomic<uint64_t> next_lane_seed_{1};
 };
