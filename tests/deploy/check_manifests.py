@@ -626,7 +626,10 @@ BASE_IMAGE_PACKAGES = {"libc6", "libgcc-s1", "libstdc++6"}
 CUDA_LIB = re.compile(r"lib(cuda|cudart|cublas|cublasLt|nvrtc|nvJitLink|cufft|curand|cusparse|cusolver|nvToolsExt)\.so(\.\d+)*")
 # Every dlopen() in the sources and the library it loads; a new dlopen fails the check until its
 # library is added to the runtime stages and here.
-DLOPENED = {"kernels/gpu/cublaslt_loader.cc": "libcublasLt.so.<CUBLAS_VER_MAJOR>"}
+DLOPENED = {"kernels/gpu/cublaslt_loader.cc": "libcublasLt.so.<CUBLAS_VER_MAJOR>",
+            # cuMemGetAddressRange for CUDA IPC bounds: the driver, mounted at run time by the NVIDIA
+            # Container Toolkit (the CUDA stage's ldd check exempts it, checked below).
+            "kernels/gpu/gpu_backend.cc": "libcuda.so.1"}
 
 
 def stage_apt_packages(stage_body):
@@ -713,6 +716,9 @@ def check_runtime_libs(stage, build_dir):
         if rel(src) not in DLOPENED:
             fail(rel(src), "calls dlopen(): add its library to the runtime stages and to DLOPENED in this check")
     if stage == "cuda":
+        if "grep -v 'libcuda\\.so\\.1'" not in " ".join(a for i, a in body if i == "RUN"):
+            fail(where, "stage 'cuda': kernels/gpu/gpu_backend.cc dlopens libcuda.so.1 (the driver): the stage's "
+                 "ldd check must exempt it")
         loader = (ROOT / "kernels/gpu/cublaslt_loader.cc").read_text()
         if 'StrCat("libcublasLt.so.", CUBLAS_VER_MAJOR)' not in loader:
             fail("kernels/gpu/cublaslt_loader.cc", "no longer dlopens libcublasLt.so.<CUBLAS_VER_MAJOR>: update this check")

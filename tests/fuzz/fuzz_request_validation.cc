@@ -27,6 +27,7 @@
 #include "prometheus/registry.h"
 #include "exec/output_buffers.h"
 #include "rpc/proto_convert.h"
+#include "transport/cuda_shared_memory.h"
 #include "transport/shared_memory.h"
 #include "weights/weight_set.h"
 
@@ -48,6 +49,9 @@ struct Fixture {
   std::shared_ptr<const fusedlayer::server::WeightSet> sets[2];
   prometheus::Registry metrics;
   std::unique_ptr<fusedlayer::server::transport::SharedMemoryRegistry> shm;
+  // On (the flag), but the CPU backend opens no CUDA IPC handle: every CUDA shared-memory reference
+  // must come back as a status (FAILED_PRECONDITION), never reach a kernel.
+  std::unique_ptr<fusedlayer::server::transport::CudaSharedMemoryRegistry> cuda;
 };
 
 constexpr uint64_t kShmBytes = 64 << 10;
@@ -96,6 +100,8 @@ Fixture* MakeFixture() {
   f->shm = std::make_unique<fusedlayer::server::transport::SharedMemoryRegistry>(
       fusedlayer::server::transport::SharedMemoryLimits{.enabled = true}, f->metrics);
   RegisterRegions(f);
+  f->cuda = std::make_unique<fusedlayer::server::transport::CudaSharedMemoryRegistry>(
+      fusedlayer::server::transport::CudaSharedMemoryLimits{.enabled = true}, f->metrics, f->cpu.get());
   return f;
 }
 
@@ -121,7 +127,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const fusedlayer::server::WeightSet& set = *fx->sets[(data[0] >> 1) & 1];
   std::unique_ptr<fusedlayer::server::transport::TensorTransfer> transfer;
   if (data[0] & 4) {
-    transfer = std::make_unique<fusedlayer::server::transport::TensorTransfer>(fx->shm.get(), "anonymous");
+    transfer =
+        std::make_unique<fusedlayer::server::transport::TensorTransfer>(fx->shm.get(), fx->cuda.get(), "anonymous");
   }
   // Outputs in the message, or outside it as the server keeps them (placed outputs included).
   fusedlayer::server::OutputBuffers outside;
