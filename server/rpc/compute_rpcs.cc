@@ -342,7 +342,7 @@ absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Me
   if (transport::UsesSharedMemory(*request)) {
     transfer = std::make_unique<transport::TensorTransfer>(
         &shared_memory_, &cuda_shared_memory_,
-        auth::CallerIdentity(*call->context(), !config_.auth_tokens_file.empty()));
+        CallerIdentity(*call->context()));
     staged_bytes = transport::SharedMemoryInputBytes(*request);
   }
   if (absl::Status s = AdmitComputeBytes(call, *response_bytes, staged_bytes); !s.ok()) return s;
@@ -355,7 +355,7 @@ absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Me
   transport::ResidualSessionStore::Lease session;
   if (const std::string& name = Rpc::SessionName(*request); !name.empty()) {
     absl::StatusOr<transport::ResidualSessionStore::Lease> held =
-        sessions_.Acquire(auth::CallerIdentity(*call->context(), !config_.auth_tokens_file.empty()), name);
+        sessions_.Acquire(CallerIdentity(*call->context()), name);
     if (!held.ok()) return held.status();
     session = std::move(*held);
   }

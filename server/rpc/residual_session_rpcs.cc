@@ -15,7 +15,7 @@ grpc::ServerUnaryReactor* FusedLayerService::OpenResidualSession(grpc::CallbackS
   absl::Status s = AdmitDuringDrain();
   if (s.ok()) {
     absl::StatusOr<uint64_t> bytes =
-        sessions_.Open(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name(),
+        sessions_.Open(CallerIdentity(*ctx), request->name(),
                        transport::ResidualSessionShape{request->tokens(), request->hc_mult(), request->hidden()});
     if (bytes.ok()) response->set_bytes(*bytes);
     s = bytes.status();
@@ -30,7 +30,7 @@ grpc::ServerUnaryReactor* FusedLayerService::ListResidualSessions(grpc::Callback
   auto* call =
       new UnaryCall(metrics_, Method::kListResidualSessions, config_.max_message_bytes, ctx, request, response);
   for (const transport::ResidualSessionInfo& info :
-       sessions_.List(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()))) {
+       sessions_.List(CallerIdentity(*ctx))) {
     v1::ResidualSessionInfo* out = response->add_sessions();
     out->set_name(info.name);
     out->set_tokens(info.shape.tokens);
@@ -54,7 +54,7 @@ grpc::ServerUnaryReactor* FusedLayerService::CloseResidualSession(grpc::Callback
       new UnaryCall(metrics_, Method::kCloseResidualSession, config_.max_message_bytes, ctx, request, response);
   // Allowed while draining: a client cleaning up on its way out must be able to.
   absl::StatusOr<std::pair<uint32_t, uint64_t>> closed =
-      sessions_.Close(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name());
+      sessions_.Close(CallerIdentity(*ctx), request->name());
   if (closed.ok()) {
     response->set_closed(closed->first);
     response->set_freed_bytes(closed->second);

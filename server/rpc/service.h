@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "auth/caller_identity.h"
 #include "common/byte_budget.h"
 #include "config.h"
 #include "exec/device_lanes.h"
@@ -98,6 +99,10 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   void StartDraining() { draining_.store(true, std::memory_order_release); }
 
  private:
+  // The caller's identity, the owner of its shared-memory regions and sessions (auth/caller_identity.h).
+  std::string CallerIdentity(const grpc::ServerContextBase& ctx) const {
+    return auth::CallerIdentity(ctx, !config_.auth_tokens_file.empty());
+  }
   // UNAVAILABLE while draining, OK otherwise.
   absl::Status AdmitDuringDrain() const;
   // Memory admission of a compute call whose response will hold `response_bytes` of tensor data,

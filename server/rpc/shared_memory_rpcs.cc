@@ -15,7 +15,7 @@ grpc::ServerUnaryReactor* FusedLayerService::RegisterSystemSharedMemory(
   auto* call = new UnaryCall(metrics_, Method::kRegisterSystemSharedMemory, config_.max_message_bytes, ctx, request,
                              response);
   absl::Status s = AdmitDuringDrain();
-  if (s.ok()) s = shared_memory_.Register(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), *request);
+  if (s.ok()) s = shared_memory_.Register(CallerIdentity(*ctx), *request);
   call->Complete(std::move(s));
   return call;
 }
@@ -26,7 +26,7 @@ grpc::ServerUnaryReactor* FusedLayerService::SystemSharedMemoryStatus(grpc::Call
   auto* call =
       new UnaryCall(metrics_, Method::kSystemSharedMemoryStatus, config_.max_message_bytes, ctx, request, response);
   absl::StatusOr<v1::SystemSharedMemoryStatusResponse> status =
-      shared_memory_.Status(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name());
+      shared_memory_.Status(CallerIdentity(*ctx), request->name());
   if (status.ok()) *response = std::move(*status);
   call->Complete(status.status());
   return call;
@@ -39,7 +39,7 @@ grpc::ServerUnaryReactor* FusedLayerService::UnregisterSystemSharedMemory(
       new UnaryCall(metrics_, Method::kUnregisterSystemSharedMemory, config_.max_message_bytes, ctx, request, response);
   // Allowed while draining: a client cleaning up on its way out must be able to.
   absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> done =
-      shared_memory_.Unregister(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name());
+      shared_memory_.Unregister(CallerIdentity(*ctx), request->name());
   if (done.ok()) *response = std::move(*done);
   call->Complete(done.status());
   return call;
@@ -52,7 +52,7 @@ grpc::ServerUnaryReactor* FusedLayerService::RegisterCudaSharedMemory(
       new UnaryCall(metrics_, Method::kRegisterCudaSharedMemory, config_.max_message_bytes, ctx, request, response);
   absl::Status s = AdmitDuringDrain();
   if (s.ok()) {
-    s = cuda_shared_memory_.Register(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), *request);
+    s = cuda_shared_memory_.Register(CallerIdentity(*ctx), *request);
   }
   call->Complete(std::move(s));
   return call;
@@ -64,7 +64,7 @@ grpc::ServerUnaryReactor* FusedLayerService::CudaSharedMemoryStatus(grpc::Callba
   auto* call =
       new UnaryCall(metrics_, Method::kCudaSharedMemoryStatus, config_.max_message_bytes, ctx, request, response);
   absl::StatusOr<v1::CudaSharedMemoryStatusResponse> status =
-      cuda_shared_memory_.Status(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name());
+      cuda_shared_memory_.Status(CallerIdentity(*ctx), request->name());
   if (status.ok()) *response = std::move(*status);
   call->Complete(status.status());
   return call;
@@ -77,7 +77,7 @@ grpc::ServerUnaryReactor* FusedLayerService::UnregisterCudaSharedMemory(
       new UnaryCall(metrics_, Method::kUnregisterCudaSharedMemory, config_.max_message_bytes, ctx, request, response);
   // Allowed while draining, as for system shared memory.
   absl::StatusOr<v1::UnregisterCudaSharedMemoryResponse> done =
-      cuda_shared_memory_.Unregister(auth::CallerIdentity(*ctx, !config_.auth_tokens_file.empty()), request->name());
+      cuda_shared_memory_.Unregister(CallerIdentity(*ctx), request->name());
   if (done.ok()) *response = std::move(*done);
   call->Complete(done.status());
   return call;

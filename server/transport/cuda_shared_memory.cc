@@ -131,7 +131,7 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& identity,
   u.bytes += req.byte_size();
   total_bytes_ += req.byte_size();
   regions_.emplace(Key{identity, req.name()},
-                   std::make_shared<const CudaSharedMemoryRegion>(req.name(), std::move(allocation), req.device_id(),
+                   std::make_shared<const CudaSharedMemoryRegion>(req.name(), req.raw_handle(), std::move(allocation), req.device_id(),
                                                                   req.offset(), req.byte_size()));
   // Handles whose regions are all gone and whose last request completed: forget them.
   for (auto it = handles_.begin(); it != handles_.end();) {
@@ -147,9 +147,7 @@ void CudaSharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<const C
   u.regions -= 1;
   u.bytes -= r.byte_size();
   if (u.regions == 0) usage_.erase(it->first.first);
-  for (auto& [handle, opened] : handles_) {
-    if (opened.allocation.lock().get() == r.allocation()) opened.regions -= 1;
-  }
+  if (auto opened = handles_.find(r.handle()); opened != handles_.end()) opened->second.regions -= 1;
   total_bytes_ -= r.byte_size();
   regions_.erase(it);  // the handle closes when its last region and in-flight request let go
   UpdateGaugesLocked();

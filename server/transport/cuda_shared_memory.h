@@ -48,15 +48,17 @@ struct CudaSharedMemoryLimits {
 // One registered region: a byte range of a client's device allocation, opened in this process.
 class CudaSharedMemoryRegion {
  public:
-  CudaSharedMemoryRegion(std::string name, std::shared_ptr<const DeviceBuffer> allocation, int device_id,
-                         uint64_t offset, uint64_t byte_size)
+  CudaSharedMemoryRegion(std::string name, std::string handle, std::shared_ptr<const DeviceBuffer> allocation,
+                         int device_id, uint64_t offset, uint64_t byte_size)
       : name_(std::move(name)),
+        handle_(std::move(handle)),
         allocation_(std::move(allocation)),
         device_id_(device_id),
         offset_(offset),
         byte_size_(byte_size) {}
 
   const std::string& name() const { return name_; }
+  const std::string& handle() const { return handle_; }  // the IPC handle's bytes (the registry's key)
   int device_id() const { return device_id_; }
   uint64_t offset() const { return offset_; }  // in the allocation
   uint64_t byte_size() const { return byte_size_; }
@@ -66,7 +68,7 @@ class CudaSharedMemoryRegion {
   const char* device_data() const { return static_cast<const char*>(allocation_->data()) + offset_; }
 
  private:
-  const std::string name_;
+  const std::string name_, handle_;
   const std::shared_ptr<const DeviceBuffer> allocation_;  // closes the handle when the last holder lets go
   const int device_id_;
   const uint64_t offset_, byte_size_;
