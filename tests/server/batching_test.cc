@@ -362,10 +362,7 @@ TEST(ServerBatching, DrainCompletesTheBatchBeingFormed) {
   std::vector<v1::MhcSeamResponse> responses;
   std::thread drain([&] {
     // Once all three are in the server (waiting for their batch: the budget is not reached).
-    for (int i = 0; i < 3000; ++i) {
-      if (MetricValue(ts->Scrape(), "fusedlayer_inflight_requests") == 3.0) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    WaitForInflightRequests(*ts, 3);
     ts->server().Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(30));
   });
   const auto statuses = SendConcurrently(requests, responses, [&](grpc::ClientContext* ctx, const auto& req, auto* resp) {

@@ -416,7 +416,9 @@ TEST(CudaSharedMemory, DrainCompletesRequestsInFlight) {
   s.control->Hold();
   std::vector<std::thread> callers;
   for (int i = 0; i < kRequests; ++i) callers.emplace_back([&, i] { got[i] = s.client->MhcSeam(requests[i]); });
-  s.control->WaitForKernelsEnqueued(kernels + 1);  // one on the lane; the others queued behind it
+  s.control->WaitForKernelsEnqueued(kernels + 1);  // one on the lane, held there
+  // The others are inside the server too before the drain begins (admitted: they must complete).
+  WaitForInflightRequests(*s.ts, kRequests);
   std::thread drain([&] { s.ts->server().Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(30)); });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let the drain begin (not asserted)
   s.control->Release();

@@ -150,6 +150,16 @@ std::string ScrapeWhenIdle(TestServer& ts) {
   return m;
 }
 
+void WaitForInflightRequests(TestServer& ts, int n) {
+  std::string m;
+  for (int i = 0; i < 6000; ++i) {
+    m = ts.Scrape();
+    if (MetricValue(m, "fusedlayer_inflight_requests") >= n) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ADD_FAILURE() << "fewer than " << n << " requests in flight:\n" << m;
+}
+
 namespace {
 
 void AppendVarint(std::string& s, uint64_t v) {

@@ -69,6 +69,11 @@ double MetricValue(const std::string& exposition, const std::string& name,
 // it, may run just after the client saw the status) and returns that scrape; fails after ~10 s.
 std::string ScrapeWhenIdle(TestServer& ts);
 
+// Polls the scrape until at least `n` calls are inside the server (fusedlayer_inflight_requests);
+// fails after ~30 s. A compute call counts itself on the gRPC thread just before its drain check, so a
+// drain begun after this returns (a scrape is an HTTP round trip later) finds those calls admitted.
+void WaitForInflightRequests(TestServer& ts, int n);
+
 // grpc.health.v1.Health/Check over raw bytes: returns the gRPC status and sets *serving_status
 // (1 SERVING, 2 NOT_SERVING) when OK.
 grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
