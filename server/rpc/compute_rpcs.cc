@@ -334,7 +334,7 @@ absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Me
   }
   // Memory admission: the response is sized from the request and admitted by bytes before any of
   // it is allocated (docs/operations.md, "Memory admission").
-  absl::StatusOr<uint64_t> response_bytes = Rpc::ResponseBytes(*request, *Rpc::Part(**set), config_.max_tokens);
+  absl::StatusOr<ResponseSize> response_bytes = Rpc::ResponseBytes(*request, *Rpc::Part(**set), config_.max_tokens);
   if (!response_bytes.ok()) return response_bytes.status();
   // Shared-memory inputs are staged in server memory: admitted with the response, before reading.
   std::unique_ptr<transport::TensorTransfer> transfer;

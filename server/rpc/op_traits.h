@@ -35,7 +35,7 @@ struct MhcRpc {
   static constexpr const char* kPartName = "mHC";
   static constexpr const char* kTokensSymbol = "T";
   static const Prepared* Part(const WeightSet& set) { return set.mhc.get(); }
-  static absl::StatusOr<uint64_t> ResponseBytes(const Request& request, const Prepared& w, int64_t max_tokens) {
+  static absl::StatusOr<ResponseSize> ResponseBytes(const Request& request, const Prepared& w, int64_t max_tokens) {
     return MhcResponseBytes(request, w, max_tokens);
   }
   static absl::StatusOr<MhcCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,
@@ -91,7 +91,7 @@ struct SwaRpc {
   static constexpr const char* kPartName = "SWA";
   static constexpr const char* kTokensSymbol = "M";
   static const Prepared* Part(const WeightSet& set) { return set.swa.get(); }
-  static absl::StatusOr<uint64_t> ResponseBytes(const Request& request, const Prepared& w, int64_t max_tokens) {
+  static absl::StatusOr<ResponseSize> ResponseBytes(const Request& request, const Prepared& w, int64_t max_tokens) {
     return SwaResponseBytes(request, w, max_tokens);
   }
   static absl::StatusOr<SwaCall> Decode(const Request& request, const Prepared& w, int64_t max_tokens,

@@ -220,15 +220,34 @@ absl::Status CheckStageAndMode(const v1::MhcSeamRequest& req) {
   return absl::OkStatus();
 }
 
-// Sum of the dense sizes of `shapes` (dtype, dims), overflow-checked.
-absl::StatusOr<uint64_t> SumDenseBytes(std::initializer_list<std::pair<DType, std::initializer_list<int64_t>>> shapes) {
-  uint64_t total = 0;
-  for (const auto& [dtype, dims] : shapes) {
-    absl::StatusOr<uint64_t> b = DenseBytes(dtype, dims.begin(), static_cast<int>(dims.size()), "response");
+// One output a call produces, sized before it is allocated: its name (as output_placements names
+// it), dtype and shape.
+struct SizedOutput {
+  const char* name;
+  DType dtype;
+  std::initializer_list<int64_t> dims;
+};
+
+// The response's tensor bytes from the outputs' dense sizes (overflow-checked) and the request's
+// placements: a placed output is not sent, and one placed in CUDA shared memory is not held either
+// (the kernels write the client's device buffer). A placement Decode*Request will refuse (no
+// reference, a name twice, an output not produced) changes nothing here: it is refused there.
+absl::StatusOr<ResponseSize> SizeResponse(const google::protobuf::RepeatedPtrField<v1::OutputPlacement>& placements,
+                                          std::initializer_list<SizedOutput> outputs) {
+  ResponseSize size;
+  for (const SizedOutput& out : outputs) {
+    absl::StatusOr<uint64_t> b = DenseBytes(out.dtype, out.dims.begin(), static_cast<int>(out.dims.size()), "response");
     if (!b.ok()) return b.status();
-    if (__builtin_add_overflow(total, *b, &total)) return absl::InvalidArgumentError("response size overflows");
+    const v1::OutputPlacement* placed = nullptr;
+    for (const v1::OutputPlacement& p : placements) {
+      if (p.output() == out.name && (p.has_shared_memory() || p.has_cuda_shared_memory())) placed = &p;
+    }
+    bool overflow = false;
+    if (placed == nullptr) overflow |= __builtin_add_overflow(size.sent, *b, &size.sent);
+    if (placed == nullptr || !placed->has_cuda_shared_memory()) overflow |= __builtin_add_overflow(size.held, *b, &size.held);
+    if (overflow) return absl::InvalidArgumentError("response size overflows");
   }
-  return total;
+  return size;
 }
 
 // One output a call produces: its response field's name and number, and its tensor (sized by
@@ -327,8 +346,8 @@ auto CatchAllocationFailure(Response* resp, OutputBuffers* external, Decode&& de
 
 }  // namespace
 
-absl::StatusOr<uint64_t> MhcResponseBytes(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
-                                          int64_t max_tokens) {
+absl::StatusOr<ResponseSize> MhcResponseBytes(const v1::MhcSeamRequest& req, const PreparedMhcWeights& weights,
+                                              int64_t max_tokens) {
   if (absl::Status s = CheckStageAndMode(req); !s.ok()) return s;
   absl::StatusOr<int64_t> T = LeadingDim(req.x(), "x", 2);
   if (!T.ok()) return T.status();
@@ -337,35 +356,29 @@ absl::StatusOr<uint64_t> MhcResponseBytes(const v1::MhcSeamRequest& req, const P
   // The same tensors DecodeMhcRequest allocates below. A residual session call keeps the new
   // residual and mixes in its session unless it asks for them (return_state).
   const bool state_in_response = req.session().empty() || req.return_state();
-  absl::StatusOr<uint64_t> bytes =
-      SumDenseBytes({{DType::kBF16, {*T, state_in_response ? n : 0, C}}, {DType::kBF16, {*T, C}}});
-  if (!bytes.ok()) return bytes;
-  if (state_in_response && FromProto(req.stage()) != MhcStage::kHead) {
-    absl::StatusOr<uint64_t> mix =
-        SumDenseBytes({{DType::kFP32, {*T, n}}, {DType::kFP32, {*T, n}}, {DType::kFP32, {*T, n, n}}});
-    if (!mix.ok()) return mix;
-    *bytes += *mix;
-  }
-  if (req.capture_aux()) {
-    absl::StatusOr<uint64_t> aux = SumDenseBytes({{DType::kBF16, {*T, C}}});
-    if (!aux.ok()) return aux;
-    *bytes += *aux;
-  }
-  return bytes;
+  const bool mixes = state_in_response && FromProto(req.stage()) != MhcStage::kHead;
+  const int64_t mix_T = mixes ? *T : 0, aux_T = req.capture_aux() ? *T : 0;
+  return SizeResponse(req.output_placements(), {{"new_residual", DType::kBF16, {*T, state_in_response ? n : 0, C}},
+                                                {"new_pre_mix", DType::kFP32, {mix_T, n}},
+                                                {"new_post_mix", DType::kFP32, {mix_T, n}},
+                                                {"new_comb_mix", DType::kFP32, {mix_T, n, n}},
+                                                {"y", DType::kBF16, {*T, C}},
+                                                {"aux", DType::kBF16, {aux_T, C}}});
 }
 
-absl::StatusOr<uint64_t> SwaResponseBytes(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
-                                          int64_t max_tokens) {
+absl::StatusOr<ResponseSize> SwaResponseBytes(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,
+                                              int64_t max_tokens) {
   absl::StatusOr<int64_t> M = LeadingDim(req.qr_kv(), "qr_kv", 2);
   if (!M.ok()) return M.status();
   if (absl::Status s = CheckTokens(*M, max_tokens, "qr_kv"); !s.ok()) return s;
   const SwaHyperParams& p = weights.params();
   const bool row_major = p.scale_layout == ScaleLayout::kRowMajor;
   // The same tensors DecodeSwaRequest allocates below.
-  return SumDenseBytes({{Fp8DType(p.fp8_format), {*M, p.q_rank}},
-                        {DType::kFP32, {row_major ? *M : AlignTo4(*M), p.groups()}},
-                        {DType::kBF16, {*M, p.head_dim}},
-                        {DType::kBF16, {*M, p.has_wq_b() ? p.wq_b_rows : 0}}});
+  return SizeResponse(req.output_placements(),
+                      {{"q_fp8", Fp8DType(p.fp8_format), {*M, p.q_rank}},
+                       {"q_scale", DType::kFP32, {row_major ? *M : AlignTo4(*M), p.groups()}},
+                       {"kv", DType::kBF16, {*M, p.head_dim}},
+                       {"q_proj", DType::kBF16, {*M, p.has_wq_b() ? p.wq_b_rows : 0}}});
 }
 
 namespace {

@@ -44,14 +44,20 @@ v1::FallbackReason ToProto(FallbackReason reason);
 v1::ExecutionPath ToProto(Path path);
 
 // ---- requests ----------------------------------------------------------------------------------------
-// The bytes of the response's tensor data for this request, from its token count and the weight
-// set's shapes, before anything is allocated (memory admission, rpc/compute_rpcs.cc). Checks what
-// the size depends on (stage, mode, the token tensor's rank and --max_tokens) with the same errors
-// Decode*Request gives; the rest of the request is validated by Decode*Request.
-absl::StatusOr<uint64_t> MhcResponseBytes(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
-                                          int64_t max_tokens);
-absl::StatusOr<uint64_t> SwaResponseBytes(const v1::SwaNormQuantRequest& request, const PreparedSwaWeights& weights,
-                                          int64_t max_tokens);
+// The bytes of a call's output tensors, by where they go.
+struct ResponseSize {
+  uint64_t sent = 0;  // in the response message: the outputs not placed in shared memory
+  uint64_t held = 0;  // in server memory during the call: all but those placed in CUDA shared memory
+};
+
+// The response's tensor bytes for this request, from its token count, the weight set's shapes and
+// its output placements, before anything is allocated (memory admission, rpc/compute_rpcs.cc).
+// Checks what the size depends on (stage, mode, the token tensor's rank and --max_tokens) with the
+// same errors Decode*Request gives; the rest of the request is validated by Decode*Request.
+absl::StatusOr<ResponseSize> MhcResponseBytes(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
+                                              int64_t max_tokens);
+absl::StatusOr<ResponseSize> SwaResponseBytes(const v1::SwaNormQuantRequest& request,
+                                              const PreparedSwaWeights& weights, int64_t max_tokens);
 
 // Validates the request, sizes the response tensors (zero-filled) and returns the call. An
 // allocation failure (std::bad_alloc) is RESOURCE_EXHAUSTED with the response cleared.

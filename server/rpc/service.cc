@@ -59,18 +59,22 @@ absl::Status FusedLayerService::AdmitDuringDrain() const {
   return absl::UnavailableError("the server is draining (shutting down); retry on another replica");
 }
 
-absl::Status FusedLayerService::AdmitComputeBytes(ComputeCall* call, uint64_t response_bytes, uint64_t staged_bytes) {
+absl::Status FusedLayerService::AdmitComputeBytes(ComputeCall* call, const ResponseSize& response,
+                                                  uint64_t staged_bytes) {
   const uint64_t send_limit = static_cast<uint64_t>(config_.max_message_bytes);
-  if (response_bytes > send_limit) {
+  if (response.sent > send_limit) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the response would hold ", response_bytes, " bytes of tensors, over the server's send limit of ", send_limit,
-        " bytes (--max_message_bytes); refused before running; send fewer tokens per call"));
+        "the response would hold ", response.sent, " bytes of tensors, over the server's send limit of ", send_limit,
+        " bytes (--max_message_bytes); refused before running; send fewer tokens per call, or place the outputs "
+        "in shared memory"));
   }
-  uint64_t need = call->request_bytes() + response_bytes;
+  // What the call holds in server memory: its request, its outputs (those the kernels write in the
+  // client's CUDA buffers excepted) and its shared-memory inputs read into staging.
+  uint64_t need = call->request_bytes() + response.held;
   if (__builtin_add_overflow(need, staged_bytes, &need)) need = UINT64_MAX;
   if (need > inflight_bytes_.limit()) {
     return absl::ResourceExhaustedError(absl::StrCat("this call needs ", need, " bytes (request ",
-                                                     call->request_bytes(), " + response ", response_bytes,
+                                                     call->request_bytes(), " + outputs ", response.held,
                                                      staged_bytes > 0 ? absl::StrCat(" + shared-memory inputs ", staged_bytes) : "",
                                                      "), more than the server admits at once (--max_inflight_bytes = ",
                                                      inflight_bytes_.limit(), "); send fewer tokens per call"));

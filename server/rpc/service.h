@@ -24,6 +24,7 @@
 #include "transport/shared_memory.h"
 #include "exec/weight_manager.h"
 #include "rpc/idle_watch.h"
+#include "rpc/proto_convert.h"
 #include "rpc/wire_messages.h"
 
 namespace fusedlayer::server {
@@ -105,12 +106,12 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   }
   // UNAVAILABLE while draining, OK otherwise.
   absl::Status AdmitDuringDrain() const;
-  // Memory admission of a compute call whose response will hold `response_bytes` of tensor data,
-  // before any of it is allocated: RESOURCE_EXHAUSTED when the response alone is over the send
-  // limit (--max_message_bytes) or when the call's request + response (+ shared-memory input
-  // staging) bytes do not fit in what --max_inflight_bytes leaves; otherwise the call holds the
-  // bytes until it is done.
-  absl::Status AdmitComputeBytes(ComputeCall* call, uint64_t response_bytes, uint64_t staged_bytes = 0);
+  // Memory admission of a compute call with outputs of `response` bytes, before any of them is
+  // allocated: RESOURCE_EXHAUSTED when the outputs the response sends are over the send limit
+  // (--max_message_bytes) or when the call's request + held outputs (+ shared-memory input staging)
+  // bytes do not fit in what --max_inflight_bytes leaves; otherwise the call holds the bytes until
+  // it is done.
+  absl::Status AdmitComputeBytes(ComputeCall* call, const ResponseSize& response, uint64_t staged_bytes = 0);
   // A verify = true call runs the op twice: FAILED_PRECONDITION when --max_inflight_verify is 0,
   // RESOURCE_EXHAUSTED when that many verify calls are already admitted; otherwise the call holds
   // a slot until it is done.

@@ -382,6 +382,46 @@ TEST(CudaSharedMemory, AHandleIsOpenedOnceAndClosedWithItsLastRegion) {
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_registered_bytes"), 0.0);
 }
 
+// Outputs the kernels write in the client's device buffers are neither sent nor held by the server:
+// a call whose outputs alone are over the send limit (--max_message_bytes), or over what
+// --max_inflight_bytes admits, runs by reference and is bitwise the library's answer; the same call
+// with its outputs inline is refused before running, naming the limit.
+TEST(CudaSharedMemory, PlacedOutputsCountAgainstNeitherTheSendLimitNorAdmission) {
+  std::mt19937_64 rng = MakeRng(99);
+  const PackedWeightSet set = MakeWeightSet(rng, "ipc/big", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
+  Reference ref(set);
+  const MhcRequestSpec spec{.hc_mult = 4, .hidden = 320, .tokens = 64, .capture_aux = true};  // outputs ~250 KB
+  server::ServerConfig send_limited = CudaShmConfig();
+  send_limited.max_message_bytes = 64 << 10;
+  server::ServerConfig admission_limited = CudaShmConfig();
+  admission_limited.max_inflight_bytes = 128 << 10;
+  for (const auto& [cfg, limit] : {std::pair{send_limited, "--max_message_bytes"},
+                                   std::pair{admission_limited, "--max_inflight_bytes"}}) {
+    SCOPED_TRACE(limit);
+    IpcServer s = StartIpcServer({set}, cfg);
+    ASSERT_NE(s.client, nullptr);
+    const v1::MhcSeamRequest req = MakeMhcRequest(rng, "ipc/big", spec);
+    const v1::MhcSeamResponse want = ref.RunMhc(req, Path::kFused);
+    ASSERT_GT(want.ByteSizeLong(), 128u << 10);
+    absl::StatusOr<std::unique_ptr<ClientCudaSharedMemory>> region =
+        ClientCudaSharedMemory::Create(*s.client, *s.device, client::MhcRequestSharedBytes(req, MhcConfigOf(spec)));
+    ASSERT_TRUE(region.ok()) << region.status();
+    v1::MhcSeamRequest by_ref = req;
+    ASSERT_TRUE((*region)->Prepare(by_ref, MhcConfigOf(spec)).ok());
+    PoisonOutputs(*s.device, **region, by_ref.output_placements());
+    absl::StatusOr<v1::MhcSeamResponse> got = s.client->MhcSeam(by_ref);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_TRUE((*region)->Fetch(*got).ok());
+    ExpectMhcEqual(*got, want);
+
+    v1::MhcSeamRequest outputs_inline = by_ref;  // inputs still by reference: a small request
+    outputs_inline.clear_output_placements();
+    absl::StatusOr<v1::MhcSeamResponse> refused = s.client->MhcSeam(outputs_inline);
+    EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status();
+    EXPECT_NE(refused.status().message().find(limit), absl::string_view::npos) << refused.status();
+  }
+}
+
 // Drain completes the requests in flight on CUDA shared memory (their kernels held on the lane when
 // the drain begins), bitwise; their regions are still open until they finish.
 TEST(CudaSharedMemory, DrainCompletesRequestsInFlight) {

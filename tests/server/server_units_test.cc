@@ -208,12 +208,13 @@ TEST(ResponseSizing, MatchesWhatDecodeAllocates) {
                   rng, "s", {.tokens = tokens, .stage = stage, .mode = mode, .pre_mix = true, .capture_aux = aux});
               v1::MhcSeamResponse resp;
               if (!DecodeMhcRequest(req, *(*set)->mhc, 1 << 20, &resp).ok()) continue;  // combination not defined
-              absl::StatusOr<uint64_t> bytes = MhcResponseBytes(req, *(*set)->mhc, 1 << 20);
+              absl::StatusOr<ResponseSize> bytes = MhcResponseBytes(req, *(*set)->mhc, 1 << 20);
               ASSERT_TRUE(bytes.ok()) << bytes.status();
-              EXPECT_EQ(*bytes, resp.new_residual().data().size() + resp.new_pre_mix().data().size() +
+              const uint64_t want = resp.new_residual().data().size() + resp.new_pre_mix().data().size() +
                                     resp.new_post_mix().data().size() + resp.new_comb_mix().data().size() +
-                                    resp.y().data().size() + resp.aux().data().size())
-                  << "T " << tokens << " stage " << stage << " mode " << mode << " aux " << aux;
+                                    resp.y().data().size() + resp.aux().data().size();
+              EXPECT_EQ(bytes->sent, want) << "T " << tokens << " stage " << stage << " mode " << mode << " aux " << aux;
+              EXPECT_EQ(bytes->held, want);
               ++checked;
             }
           }
@@ -221,11 +222,12 @@ TEST(ResponseSizing, MatchesWhatDecodeAllocates) {
         const v1::SwaNormQuantRequest sreq = testing::MakeSwaRequest(rng, "s", tokens, 256 + 128 + 16);
         v1::SwaNormQuantResponse sresp;
         ASSERT_TRUE(DecodeSwaRequest(sreq, *(*set)->swa, 1 << 20, &sresp).ok());
-        absl::StatusOr<uint64_t> bytes = SwaResponseBytes(sreq, *(*set)->swa, 1 << 20);
+        absl::StatusOr<ResponseSize> bytes = SwaResponseBytes(sreq, *(*set)->swa, 1 << 20);
         ASSERT_TRUE(bytes.ok()) << bytes.status();
-        EXPECT_EQ(*bytes, sresp.q_fp8().data().size() + sresp.q_scale().data().size() + sresp.kv().data().size() +
-                              sresp.q_proj().data().size())
-            << "M " << tokens << " layout " << layout << " wq_b " << wq_b_rows;
+        const uint64_t want = sresp.q_fp8().data().size() + sresp.q_scale().data().size() +
+                              sresp.kv().data().size() + sresp.q_proj().data().size();
+        EXPECT_EQ(bytes->sent, want) << "M " << tokens << " layout " << layout << " wq_b " << wq_b_rows;
+        EXPECT_EQ(bytes->held, want);
         ++checked;
       }
     }
@@ -237,6 +239,55 @@ TEST(ResponseSizing, MatchesWhatDecodeAllocates) {
   ASSERT_TRUE(set.ok());
   const v1::MhcSeamRequest big = testing::MakeMhcRequest(rng, "s", {.tokens = 9});
   EXPECT_TRUE(absl::IsInvalidArgument(MhcResponseBytes(big, *(*set)->mhc, 8).status()));
+}
+
+// Outputs placed in shared memory are not sent; those placed in CUDA shared memory are not held by
+// the server either (the kernels write them where they lie). A placement the decode will refuse
+// (no reference, or an output the call does not produce) changes nothing.
+TEST(ResponseSizing, PlacedOutputsAreNotSentAndCudaPlacedOnesNotHeld) {
+  std::mt19937_64 rng{std::random_device{}()};
+  const ServerConfig config = testing::TestConfig();
+  std::unique_ptr<Backend> cpu = testing::CpuBackendFor(config);
+  const PackedWeightSet packed = testing::MakeWeightSet(rng, "s", testing::MhcSetSpec{}, testing::SwaSetSpec{.wq_b_rows = 256});
+  absl::StatusOr<std::shared_ptr<const WeightSet>> set = BuildWeightSet(*cpu, packed.first, packed.second, "test");
+  ASSERT_TRUE(set.ok()) << set.status();
+  const int64_t T = 5;
+  v1::MhcSeamRequest req = testing::MakeMhcRequest(rng, "s", {.tokens = T, .capture_aux = true});
+  v1::MhcSeamResponse resp;
+  ASSERT_TRUE(DecodeMhcRequest(req, *(*set)->mhc, 1 << 20, &resp).ok());
+  const uint64_t all = resp.new_residual().data().size() + resp.new_pre_mix().data().size() +
+                       resp.new_post_mix().data().size() + resp.new_comb_mix().data().size() +
+                       resp.y().data().size() + resp.aux().data().size();
+  const uint64_t y = resp.y().data().size(), residual = resp.new_residual().data().size();
+  ASSERT_GT(y, 0u);
+  ASSERT_GT(residual, 0u);
+  auto place = [&](const char* output) {
+    v1::OutputPlacement* p = req.add_output_placements();
+    p->set_output(output);
+    return p;
+  };
+  place("y")->mutable_shared_memory()->set_region("r");
+  place("new_residual")->mutable_cuda_shared_memory()->set_region("c");
+  place("aux");                                                 // no reference: refused by the decode
+  place("q_fp8")->mutable_shared_memory()->set_region("r");     // not an mHC output: refused too
+  absl::StatusOr<ResponseSize> bytes = MhcResponseBytes(req, *(*set)->mhc, 1 << 20);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_EQ(bytes->sent, all - y - residual);
+  EXPECT_EQ(bytes->held, all - residual);
+
+  v1::SwaNormQuantRequest sreq = testing::MakeSwaRequest(rng, "s", T, 256 + 128 + 16);
+  v1::SwaNormQuantResponse sresp;
+  ASSERT_TRUE(DecodeSwaRequest(sreq, *(*set)->swa, 1 << 20, &sresp).ok());
+  v1::OutputPlacement* kv = sreq.add_output_placements();
+  kv->set_output("kv");
+  kv->mutable_cuda_shared_memory()->set_region("c");
+  v1::OutputPlacement* q = sreq.add_output_placements();
+  q->set_output("q_fp8");
+  q->mutable_shared_memory()->set_region("r");
+  absl::StatusOr<ResponseSize> sbytes = SwaResponseBytes(sreq, *(*set)->swa, 1 << 20);
+  ASSERT_TRUE(sbytes.ok()) << sbytes.status();
+  EXPECT_EQ(sbytes->sent, sresp.q_scale().data().size() + sresp.q_proj().data().size());
+  EXPECT_EQ(sbytes->held, sresp.q_fp8().data().size() + sresp.q_scale().data().size() + sresp.q_proj().data().size());
 }
 
 TEST(TensorCodec, OutputsAreSizedInPlace) {

@@ -779,6 +779,39 @@ TEST(SharedMemory, ARegionOfAClientThatDiedIsFreedByUnregisterAllOrByRemovingIts
   EXPECT_EQ(MetricValue(ts->Scrape(), "fusedlayer_shared_memory_registered_bytes"), 4096.0);
 }
 
+// Outputs placed in shared memory are not sent, so they do not count against the send limit
+// (--max_message_bytes): a call whose inline response would be refused runs by reference, bitwise
+// the library's answer, and the same call with its outputs inline is refused before running.
+TEST(SharedMemory, PlacedOutputsAreNotBoundByTheSendLimit) {
+  std::mt19937_64 rng = MakeRng(49);
+  const PackedWeightSet set = MakeWeightSet(rng, "shm/big", MhcSetSpec{}, std::nullopt);
+  server::ServerConfig cfg = ShmConfig();
+  cfg.max_message_bytes = 64 << 10;
+  auto ts = TestServer::Start(cfg, nullptr, {set});
+  ASSERT_NE(ts, nullptr);
+  auto c = ClientFor(*ts);
+  const MhcRequestSpec spec{.tokens = 64, .capture_aux = true};
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng, "shm/big", spec);
+  const v1::MhcSeamResponse want = Reference(set).RunMhc(req, Path::kFused);
+  ASSERT_GT(want.ByteSizeLong(), static_cast<size_t>(cfg.max_message_bytes));
+  absl::StatusOr<std::unique_ptr<ClientSharedMemory>> shm =
+      ClientSharedMemory::Create(*c, client::MhcRequestSharedBytes(req, MhcConfigOf(spec)));
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  v1::MhcSeamRequest by_ref = req;
+  ASSERT_TRUE((*shm)->Prepare(by_ref, MhcConfigOf(spec)).ok());
+  PoisonOutputs(**shm, by_ref.output_placements());
+  absl::StatusOr<v1::MhcSeamResponse> got = c->MhcSeam(by_ref);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_TRUE((*shm)->Fetch(*got).ok());
+  ExpectMhcEqual(*got, want);
+
+  v1::MhcSeamRequest outputs_inline = by_ref;  // inputs still by reference: a small request
+  outputs_inline.clear_output_placements();
+  absl::StatusOr<v1::MhcSeamResponse> refused = c->MhcSeam(outputs_inline);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("--max_message_bytes"), absl::string_view::npos) << refused.status();
+}
+
 // Drain (SIGTERM's path) with shared-memory requests queued: they complete, outputs in their regions.
 TEST(SharedMemory, DrainCompletesQueuedSharedMemoryRequests) {
   std::mt19937_64 rng = MakeRng(48);
