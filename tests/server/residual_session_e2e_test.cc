@@ -533,11 +533,7 @@ TEST(ResidualSession, UnloadingAWeightSetClosesTheSessionsThatUsedIt) {
 // ---- fusedctl ---------------------------------------------------------------------------------------
 
 // fusedctl with `args`; its exit status, *out its output.
-int Fusedctl(const std::vector<std::string>& args, std::string* out) {
-  ServerProcess p(FUSEDCTL_BINARY, args);
-  *out = p.ReadAll();
-  return p.Wait();
-}
+int Fusedctl(const std::vector<std::string>& args, std::string* out) { return RunToEnd(FUSEDCTL_BINARY, args, out); }
 
 TEST(ResidualSession, FusedctlBenchSessionsAndCloseSession) {
   std::mt19937_64 rng = MakeRng(82);

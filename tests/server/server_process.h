@@ -77,4 +77,12 @@ class ServerProcess {
   std::string log_;
 };
 
+// Runs `binary` with `args` to its end (a command-line tool such as fusedctl): its exit status, and
+// *out its stdout and stderr.
+inline int RunToEnd(const std::string& binary, const std::vector<std::string>& args, std::string* out) {
+  ServerProcess p(binary, args);
+  *out = p.ReadAll();
+  return p.Wait();
+}
+
 }  // namespace fusedlayer::testing

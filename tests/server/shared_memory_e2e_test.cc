@@ -30,9 +30,14 @@
 #include "client/shared_memory.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
+#include "server_process.h"
 #include "server_test_env.h"
 #include "test_util.h"
 #include "two_token_file.h"
+
+#ifndef FUSEDCTL_BINARY
+#error "FUSEDCTL_BINARY must point at the fusedctl executable"
+#endif
 
 namespace fusedlayer::testing {
 namespace {
@@ -810,6 +815,30 @@ TEST(SharedMemory, PlacedOutputsAreNotBoundByTheSendLimit) {
   absl::StatusOr<v1::MhcSeamResponse> refused = c->MhcSeam(outputs_inline);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_NE(refused.status().message().find("--max_message_bytes"), absl::string_view::npos) << refused.status();
+}
+
+// fusedctl bench --transport=shm of a call whose tensors are over the server's message limit
+// inline: the shared-memory row runs, the TCP row is reported as refused (the bench does not fail),
+// and only the echo floor of the call's own bytes runs (there is no inline call to floor).
+TEST(SharedMemory, FusedctlBenchReportsARefusedTcpRowAndKeepsTheSharedMemoryRow) {
+  std::mt19937_64 rng = MakeRng(50);
+  const PackedWeightSet set = MakeWeightSet(rng, "shm/bench", MhcSetSpec{}, std::nullopt);
+  server::ServerConfig cfg = ShmConfig();
+  cfg.max_message_bytes = 64 << 10;
+  auto ts = TestServer::Start(cfg, nullptr, {set});
+  ASSERT_NE(ts, nullptr);
+  std::string out;
+  ASSERT_EQ(RunToEnd(FUSEDCTL_BINARY,
+                     {"--target=127.0.0.1:" + std::to_string(ts->server().port()), "bench", "--op=mhc",
+                      "--weight_set=shm/bench", "--tokens=64", "--duration=0.3", "--transport=shm", "--echo_floor"},
+                     &out),
+            0)
+      << out;
+  EXPECT_NE(out.find(" transport=shm "), std::string::npos) << out;
+  EXPECT_NE(out.find("tcp (the same request, tensors inline): refused, RESOURCE_EXHAUSTED"), std::string::npos) << out;
+  EXPECT_NE(out.find("echo of this call's own bytes"), std::string::npos) << out;
+  EXPECT_EQ(out.find("echo of the bytes inline"), std::string::npos) << out;
+  EXPECT_EQ(out.find(" vs tcp "), std::string::npos) << out;
 }
 
 // Drain (SIGTERM's path) with shared-memory requests queued: they complete, outputs in their regions.
