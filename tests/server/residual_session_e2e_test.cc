@@ -395,6 +395,43 @@ TEST(ResidualSession, ASecondCallOfABusySessionIsAbortedAndTheFirstCompletes) {
   for (int i = 0; i < 20; ++i) ASSERT_TRUE(c->MhcSeam(a).ok()) << i;
 }
 
+// Drain (SIGTERM's path) with a session call in flight: it holds its session while its kernel is
+// held on the lane, completes when the lane is released, and its y is bitwise the inline chain's.
+TEST(ResidualSession, DrainCompletesASessionCallInFlight) {
+  std::mt19937_64 rng = MakeRng(79);
+  LaneServer server = StartOnLanes(TwoSets(rng), 1);
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* c = server.client.get();
+  LaneTestBackend::Control* control = server.control.get();
+  ASSERT_TRUE(c->OpenResidualSession("drain", 3, kN, kC).ok());
+  InlineState state;
+  const ChainCall first = NextCall(rng, "rs/attn", v1::MHC_STAGE_FIRST, v1::MHC_MODE_SHIFTED, 3, state, "drain");
+  absl::StatusOr<v1::MhcSeamResponse> first_inline = c->MhcSeam(first.inline_request);
+  ASSERT_TRUE(first_inline.ok()) << first_inline.status();
+  ASSERT_TRUE(c->MhcSeam(first.session_request).ok());
+  Advance(*first_inline, &state);
+  const ChainCall seam = NextCall(rng, "rs/ffn", v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, 3, state, "drain");
+  absl::StatusOr<v1::MhcSeamResponse> want = c->MhcSeam(seam.inline_request);
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  int64_t kernels = 0;
+  {
+    std::lock_guard<std::mutex> lock(control->mu);
+    kernels = control->kernels_enqueued;
+  }
+  control->Hold();
+  auto in_flight = std::async(std::launch::async, [&] { return c->MhcSeam(seam.session_request); });
+  control->WaitForKernelsEnqueued(kernels + 1);  // past its drain check, holding the session
+  std::thread drain([&] { server.ts->server().Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(30)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let the drain begin (not asserted)
+  control->Release();
+  absl::StatusOr<v1::MhcSeamResponse> got = in_flight.get();
+  drain.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(TensorsBitwiseEqual(got->y(), want->y()));
+  EXPECT_FALSE(got->has_new_residual());
+}
+
 // ---- ownership, limits, idle timeout, unload --------------------------------------------------------
 
 class ResidualSessionTokens : public TwoTokenFile {};
