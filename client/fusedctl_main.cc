@@ -17,6 +17,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/checkpoint_import.h"
 #include "client/cli_options.h"
@@ -159,6 +160,9 @@ absl::Status RunSoakCommand(const FusedLayerClient& client, const CommandLine& c
 }  // namespace
 
 int main(int argc, char** argv) {
+  // As in the server (server/main.cc): Debian's Abseil runs absl::Mutex's deadlock detector by
+  // default, which every lock inside gRPC pays for; fusedctl measures latency, so it is off.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage(Usage());
   // Copied before parsing, to find which flags were written (FlagsOnCommandLine).
   const std::vector<std::string> raw_args(argv, argv + argc);

@@ -16,6 +16,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "flags.h"
 #include "fusedlayer/backend.h"
 #include "common/log.h"
@@ -38,6 +39,12 @@ int Fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Debian's Abseil is built without NDEBUG, so absl::Mutex runs its lock-order (deadlock) detector
+  // by default: every lock gRPC takes (it uses absl::Mutex inside) goes through one process-wide
+  // graph under a global spinlock, ~4x the cost of the lock itself, serializing the threads that
+  // serve calls, and a lock-order cycle it merely suspects would abort the server. Release builds
+  // of Abseil elsewhere have it off; so does this server (docs/operations.md, "Performance").
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage("fusedlayer gRPC server: fused mHC seam and SWA norm+quant ops");
   absl::ParseCommandLine(argc, argv);
 
