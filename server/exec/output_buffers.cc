@@ -1,11 +1,13 @@
 #include "exec/output_buffers.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
 namespace fusedlayer::server {
 
 char* OutputBuffers::Add(int field, size_t bytes) {
+  if (std::find(elsewhere_.begin(), elsewhere_.end(), field) != elsewhere_.end()) return nullptr;
   // new char[] leaves the bytes uninitialised (make_shared<char[]> would zero them: the work
   // this class exists to avoid). One byte at least, so an empty output still has a distinct,
   // valid address like an empty std::string's.

@@ -34,8 +34,13 @@ class OutputBuffers {
   };
 
   // An uninitialised buffer of `bytes` for the output tensor at response field `field`; its data.
-  // Throws std::bad_alloc when out of memory (Decode turns it into RESOURCE_EXHAUSTED).
+  // Null, and nothing allocated, for a field declared WrittenElsewhere. Throws std::bad_alloc when
+  // out of memory (Decode turns it into RESOURCE_EXHAUSTED).
   char* Add(int field, size_t bytes);
+
+  // The output at response field `field` will be written where the client placed it (CUDA shared
+  // memory): Add gives it no buffer. Declared before the outputs are added.
+  void WrittenElsewhere(int field) { elsewhere_.push_back(field); }
 
   // The output whose data is `was` now lives at `now`, kept alive by `owner` (a GPU lane's lent
   // staging block): the old buffer is freed. False when no output has data `was` and size `bytes`.
@@ -49,10 +54,14 @@ class OutputBuffers {
   const std::vector<Buffer>& buffers() const { return buffers_; }
   bool empty() const { return buffers_.empty(); }
   uint64_t bytes() const;  // of all outputs' data
-  void Clear() { buffers_.clear(); }
+  void Clear() {
+    buffers_.clear();
+    elsewhere_.clear();
+  }
 
  private:
   std::vector<Buffer> buffers_;
+  std::vector<int> elsewhere_;  // fields written where the client placed them (WrittenElsewhere)
 };
 
 }  // namespace fusedlayer::server

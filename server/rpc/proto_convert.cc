@@ -291,8 +291,8 @@ absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPla
       return absl::FailedPreconditionError(
           absl::StrCat("output '", found->name, "': shared-memory tensors are not accepted here"));
     }
-    const OutputBuffers::Buffer* buffer = external != nullptr ? external->Find(found->field) : nullptr;
-    const uint64_t bytes = buffer != nullptr ? buffer->bytes : found->tensor->data().size();
+    // From the view: an output placed in CUDA shared memory has no buffer and no data here.
+    const uint64_t bytes = static_cast<uint64_t>(found->view->numel()) * DTypeSize(found->view->dtype);
     // CUDA shared memory: always where it lies (the kernels write the client's device buffer).
     absl::StatusOr<char*> in_place =
         p.has_cuda_shared_memory()
@@ -307,6 +307,20 @@ absl::Status PlaceOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPla
     }
   }
   return absl::OkStatus();
+}
+
+// Outputs placed in CUDA shared memory get no buffer in `external`: the kernels write the client's
+// device memory, where PlaceOutputs points their views (a large call's buffers cost the decode an
+// allocation and an unmap each, for nothing). A placement that names no output of `response`, or
+// that PlaceOutputs refuses, changes nothing here: the call is refused there.
+void SkipDevicePlacedOutputs(const google::protobuf::RepeatedPtrField<v1::OutputPlacement>& placements,
+                             const google::protobuf::Descriptor& response, OutputBuffers* external) {
+  if (external == nullptr) return;
+  for (const v1::OutputPlacement& p : placements) {
+    if (!p.has_cuda_shared_memory()) continue;
+    const google::protobuf::FieldDescriptor* f = response.FindFieldByName(p.output());
+    if (f != nullptr && f->message_type() == v1::Tensor::descriptor()) external->WrittenElsewhere(f->number());
+  }
 }
 
 // Where a request's outputs go: `external` when given, except for requests whose outputs are read
@@ -485,6 +499,7 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
 
   using R = v1::MhcSeamResponse;
   external = OutputsOutsideMessage(req, external);
+  SkipDevicePlacedOutputs(req.output_placements(), *R::descriptor(), external);
   if (session != nullptr) {
     // The new state goes to the session's other copy, made current when the call succeeds
     // (Lease::Commit). With return_state the response gets a copy of it after the run.
@@ -558,6 +573,7 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
 
   using R = v1::SwaNormQuantResponse;
   external = OutputsOutsideMessage(req, external);
+  SkipDevicePlacedOutputs(req.output_placements(), *R::descriptor(), external);
   a.q_fp8 = AllocateOutput(resp->mutable_q_fp8(), Fp8DType(p.fp8_format), {*M, Q}, external, R::kQFp8FieldNumber);
   if (p.scale_layout == ScaleLayout::kRowMajor) {
     a.q_scale = AllocateOutput(resp->mutable_q_scale(), DType::kFP32, {*M, G}, external, R::kQScaleFieldNumber);

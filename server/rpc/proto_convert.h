@@ -106,7 +106,8 @@ absl::StatusOr<int64_t> LeadingDim(const v1::Tensor& t, const char* name, int ra
 
 // Sizes `out` as dtype[dims...] and returns a contiguous view over its bytes: its data in the
 // message (zero-filled), or with `external` an uninitialised buffer there for response field
-// `field` (the message gets the dtype and shape only).
+// `field` (the message gets the dtype and shape only), or no data at all (a null view) for a field
+// `external` has as written elsewhere (OutputBuffers::WrittenElsewhere).
 TensorView AllocateOutput(v1::Tensor* out, DType dtype, std::initializer_list<int64_t> dims,
                           OutputBuffers* external = nullptr, int field = 0);
 

@@ -312,6 +312,26 @@ TEST(TensorCodec, OutputsOutsideTheMessageGetDtypeAndShapeOnly) {
   EXPECT_EQ(v.data, external.buffers()[0].data);
 }
 
+// An output placed in CUDA shared memory gets no buffer: the kernels write the client's device
+// memory (the decode points the view there), so nothing is allocated for it here; the others are.
+TEST(TensorCodec, AnOutputWrittenElsewhereGetsNoBuffer) {
+  using R = v1::MhcSeamResponse;
+  v1::MhcSeamResponse resp;
+  OutputBuffers external;
+  external.WrittenElsewhere(R::kNewResidualFieldNumber);
+  const TensorView residual =
+      AllocateOutput(resp.mutable_new_residual(), DType::kBF16, {3, 4, 7}, &external, R::kNewResidualFieldNumber);
+  const TensorView y = AllocateOutput(resp.mutable_y(), DType::kBF16, {3, 7}, &external, R::kYFieldNumber);
+  EXPECT_EQ(residual.data, nullptr);
+  EXPECT_EQ(residual.numel(), 84);  // the shape is there for the placement's size check
+  EXPECT_EQ(resp.new_residual().shape_size(), 3);
+  EXPECT_FALSE(resp.new_residual().has_data());
+  ASSERT_EQ(external.buffers().size(), 1u);
+  EXPECT_EQ(external.buffers()[0].field, R::kYFieldNumber);
+  EXPECT_EQ(external.buffers()[0].data, y.data);
+  EXPECT_EQ(external.Find(R::kNewResidualFieldNumber), nullptr);
+}
+
 // An output placed in shared memory lives in the call's OutputBuffers like any other (on a GPU lane
 // the lent staging block: no zero-filled message bytes, no copy out of the block): WriteOutputs
 // writes it to the object from there, and the response keeps its reference, not its bytes.
