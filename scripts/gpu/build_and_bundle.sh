@@ -12,6 +12,8 @@
 #   GPU_TARGETS="gpu_mhc_tests bench_mhc_gpu" a subset of the targets below (faster builds)
 #   BASE_SERVER=path/to/old/fusedlayer_server  bundles it as fusedlayer_server_base for run_device.sh's
 #                                           "ab" step (old and new binary in one device session)
+#   PROFILE_TOOLS=1                         also bundles this host's perf and strace, and keeps the
+#                                           executables' symbol tables, for run_device.sh's "profile" step
 # The bundle script is the design repository's tools/bundle-runtime.sh (BUNDLE_RUNTIME overrides).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -37,10 +39,12 @@ if [ -n "${BASE_SERVER:-}" ]; then
   cp "$BASE_SERVER" "$base_copy"
   exes+=("$base_copy")
 fi
+[ "${PROFILE_TOOLS:-0}" = 1 ] && exes+=(/usr/bin/perf /usr/bin/strace)
 "$bundle" "$stage" "${exes[@]}"
 # Symbols are most of the size and the device run needs none (sanitizer reports still name the
-# kernels: device code keeps -lineinfo).
-for e in "${exes[@]}"; do strip -s "$stage/$(basename "$e")"; done
+# kernels: device code keeps -lineinfo). A profile needs the symbol table, not the debug info.
+strip_flag=-s; [ "${PROFILE_TOOLS:-0}" = 1 ] && strip_flag=--strip-debug
+for e in "${exes[@]}"; do strip $strip_flag "$stage/$(basename "$e")"; done
 [ -n "$base_copy" ] && rm -rf "$(dirname "$base_copy")"
 cp "$root/bench/gpu/torch_peers.py" "$root/bench/gpu/torch_mhc_peer.py" "$root/scripts/gpu/run_device.sh" "$stage/"
 mkdir -p "$pack"

@@ -172,6 +172,10 @@ if want cudaipc; then
       ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=cuda_ipc
     done
     ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=5s --transport=cuda_ipc
+    # Large calls: T = 4096 (300 MB inline, its TCP row beside it) and T = 16384, whose 1.2 GB of
+    # outputs are over the 1 GiB message limit inline (that row is refused) but run by reference.
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=4096 --concurrency=1 --duration=5s --transport=cuda_ipc
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=16384 --concurrency=1 --duration=5s --transport=cuda_ipc
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50196/metrics').read().decode())" \
       | grep -E '^fusedlayer_cuda_shared_memory'
   } >> "$OUT/cudaipc.log" 2>&1
@@ -258,7 +262,8 @@ fi
 # defaults; AB_NEW_FLAGS adds a third pass of the new server with those flags (e.g. --device_lanes=1);
 # AB_PASSES (e.g. "base new base new") interleaves the servers, so a drift of the host shows up;
 # AB_FLOOR_ALL=1 gives every row of the new server its echo floor (by default only concurrency 1);
-# AB_SHM_ROWS (same form as AB_ROWS) runs those rows over --transport=shm on both servers too.
+# AB_SHM_ROWS (same form as AB_ROWS) runs those rows over --transport=shm on both servers too, and
+# AB_IPC_ROWS over --transport=cuda_ipc.
 if want ab; then
   if [ ! -x ./fusedlayer_server_base ]; then
     echo "== ab: no fusedlayer_server_base in this bundle (build_and_bundle.sh BASE_SERVER=...)"; failed=1
@@ -272,6 +277,7 @@ if want ab; then
       server=./fusedlayer_server; [ "$which" = base ] && server=./fusedlayer_server_base
       extra=""; [ "$which" = new+ ] && extra="$AB_NEW_FLAGS"
       [ "$which" != new+ ] && [ -n "${AB_SHM_ROWS:-}" ] && extra="--allow_shared_memory"
+      [ "$which" != new+ ] && [ -n "${AB_IPC_ROWS:-}" ] && extra="$extra --allow_cuda_shared_memory"
       [ "$which" = new+ ] && echo "---- new+ = new server with $AB_NEW_FLAGS" >> "$OUT/ab.log"
       # shellcheck disable=SC2086
       $server --demo_weights --backend=cuda --address=127.0.0.1:50191 --metrics_address=127.0.0.1:50192 \
@@ -286,11 +292,14 @@ if want ab; then
           --concurrency=$conc --duration=${ab_seconds}s $floor >> "$OUT/ab.log" 2>&1 || echo "bench failed" >> "$OUT/ab.log"
       done
       if [ "$which" != new+ ]; then
-        for row in ${AB_SHM_ROWS:-}; do
-          IFS=: read -r op tokens conc <<< "$row"
-          echo "---- $which shm $op T=$tokens c=$conc" >> "$OUT/ab.log"
-          ./fusedctl bench --target=127.0.0.1:50191 --op=$op --weight_set=v4-pro/demo --tokens=$tokens \
-            --concurrency=$conc --duration=${ab_seconds}s --transport=shm >> "$OUT/ab.log" 2>&1 || echo "bench failed" >> "$OUT/ab.log"
+        for transport in shm cuda_ipc; do
+          rows=${AB_SHM_ROWS:-}; [ $transport = cuda_ipc ] && rows=${AB_IPC_ROWS:-}
+          for row in $rows; do
+            IFS=: read -r op tokens conc <<< "$row"
+            echo "---- $which $transport $op T=$tokens c=$conc" >> "$OUT/ab.log"
+            ./fusedctl bench --target=127.0.0.1:50191 --op=$op --weight_set=v4-pro/demo --tokens=$tokens \
+              --concurrency=$conc --duration=${ab_seconds}s --transport=$transport >> "$OUT/ab.log" 2>&1 || echo "bench failed" >> "$OUT/ab.log"
+          done
         done
       fi
       kill -TERM $pid; wait $pid; echo "$which server exit rc=$?" >> "$OUT/ab.log"
@@ -347,6 +356,32 @@ if want abclient; then
     done
   done
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/abclient.log"
+fi
+# Where a small CUDA shared-memory call's server time goes on the host (decode ~30-40 us, session 14):
+# a CPU profile of the server during an mHC T = 1 bench, and its system calls. Needs perf / strace
+# in the bundle (not bundled by default: build_and_bundle.sh's PROFILE_TOOLS=1) and a server with
+# its symbol table (the same switch keeps it).
+if want profile; then
+  echo "== profile: CUDA shared-memory call, server side"
+  start_server 50197 50198 "$OUT/server-profile.log" --allow_cuda_shared_memory
+  { C="--target=127.0.0.1:50197"
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=2s --transport=cuda_ipc
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=12s --transport=cuda_ipc &
+    bench=$!
+    sleep 4
+    if [ -x ./perf ]; then
+      timeout 20 ./perf record -F 4999 -g -o /tmp/perf.data -p $pid -- sleep 3 2>&1 | tail -2
+      ./perf report -i /tmp/perf.data --stdio --no-children --sort symbol --percent-limit 0.4 2>/dev/null | grep -v "^$" | head -250
+      echo "---- by thread"
+      ./perf report -i /tmp/perf.data --stdio --no-children --sort comm --percent-limit 1 2>/dev/null | grep -v "^#" | grep -v "^$" | head -30
+    else
+      echo "no perf in this bundle"
+    fi
+    # strace detaches on SIGINT and writes its summary.
+    if [ -x ./strace ]; then timeout -s INT 3 ./strace -c -f -p $pid -o /tmp/strace.txt; cat /tmp/strace.txt; fi
+    wait $bench
+  } >> "$OUT/profile.log" 2>&1
+  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/profile.log"
 fi
 echo "run_device: failed=$failed"
 exit $failed
