@@ -447,11 +447,7 @@ TEST(CudaSharedMemory, DrainCompletesRequestsInFlight) {
     PoisonOutputs(*s.device, **region, requests[i].output_placements());
     regions.push_back(*std::move(region));
   }
-  int64_t kernels = 0;
-  {
-    std::lock_guard<std::mutex> lock(s.control->mu);
-    kernels = s.control->kernels_enqueued;
-  }
+  const int64_t kernels = s.control->KernelsEnqueued();
   std::vector<absl::StatusOr<v1::MhcSeamResponse>> got(kRequests, absl::UnknownError("not run"));
   s.control->Hold();
   std::vector<std::thread> callers;

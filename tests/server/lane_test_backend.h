@@ -64,6 +64,11 @@ class LaneTestBackend final : public Backend {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] { return kernels_enqueued >= n; });
     }
+    // Lane kernels enqueued so far (a starting point for WaitForKernelsEnqueued).
+    int64_t KernelsEnqueued() {
+      std::lock_guard<std::mutex> lock(mu);
+      return kernels_enqueued;
+    }
     void KernelEnqueued() {
       {
         std::lock_guard<std::mutex> lock(mu);

@@ -379,11 +379,7 @@ TEST(ResidualSession, ASecondCallOfABusySessionIsAbortedAndTheFirstCompletes) {
   const v1::MhcSeamRequest a =
       NextCall(rng, "rs/attn", v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, 3, none, "busy").session_request;
   control->Hold();
-  int64_t kernels = 0;
-  {
-    std::lock_guard<std::mutex> lock(control->mu);
-    kernels = control->kernels_enqueued;
-  }
+  const int64_t kernels = control->KernelsEnqueued();
   auto first = std::async(std::launch::async, [&] { return c->MhcSeam(a); });
   // The first call's kernel is enqueued, so it holds the session and cannot complete (waiting at
   // the gate alone would not say so: a deferred free the FIRST call left queued may be the one there).
@@ -414,11 +410,7 @@ TEST(ResidualSession, DrainCompletesASessionCallInFlight) {
   absl::StatusOr<v1::MhcSeamResponse> want = c->MhcSeam(seam.inline_request);
   ASSERT_TRUE(want.ok()) << want.status();
 
-  int64_t kernels = 0;
-  {
-    std::lock_guard<std::mutex> lock(control->mu);
-    kernels = control->kernels_enqueued;
-  }
+  const int64_t kernels = control->KernelsEnqueued();
   control->Hold();
   auto in_flight = std::async(std::launch::async, [&] { return c->MhcSeam(seam.session_request); });
   control->WaitForKernelsEnqueued(kernels + 1);  // past its drain check, holding the session
