@@ -41,9 +41,10 @@ int Fail(const std::string& message) {
 int main(int argc, char** argv) {
   // Debian's Abseil is built without NDEBUG, so absl::Mutex runs its lock-order (deadlock) detector
   // by default: every lock gRPC takes (it uses absl::Mutex inside) goes through one process-wide
-  // graph under a global spinlock, ~4x the cost of the lock itself, serializing the threads that
-  // serve calls, and a lock-order cycle it merely suspects would abort the server. Release builds
-  // of Abseil elsewhere have it off; so does this server (docs/operations.md, "Performance").
+  // graph under a global spinlock that all serving threads share (a nested lock pair costs ~4x
+  // without contention), and a lock-order cycle it merely suspects would abort the server. Release
+  // builds of Abseil have it off; so does this server (docs/operations.md, "Abseil's deadlock
+  // detector").
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage("fusedlayer gRPC server: fused mHC seam and SWA norm+quant ops");
   absl::ParseCommandLine(argc, argv);
