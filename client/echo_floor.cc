@@ -54,7 +54,6 @@ class EchoFloorServer::Service : public grpc::CallbackGenericService {
       StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
     }
     void OnDone() override {
-      server::TsanAcquireCallReferences(this);  // gRPC's own threads' last uses of the call
       server::TsanAcquireFrom(this);
       delete this;
     }

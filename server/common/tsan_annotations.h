@@ -44,12 +44,9 @@
 #endif
 
 namespace grpc {
-class ByteBuffer;
 class ServerUnaryReactor;
 template <class Request>
 class ServerReadReactor;
-template <class Request, class Response>
-class ServerBidiReactor;
 }  // namespace grpc
 namespace fusedlayer::v1 {
 class WeightChunk;
@@ -91,7 +88,6 @@ inline void TsanAcquireFrom(const void* key) {
 #ifdef FUSEDLAYER_TSAN
 void TsanAcquireCallReferences(grpc::ServerUnaryReactor* reactor);
 void TsanAcquireCallReferences(grpc::ServerReadReactor<v1::WeightChunk>* reactor);
-void TsanAcquireCallReferences(grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* reactor);
 #else
 template <typename Reactor>
 inline void TsanAcquireCallReferences(Reactor* reactor) {

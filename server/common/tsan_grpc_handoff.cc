@@ -114,14 +114,6 @@ struct WeightChunkReactorReader {
 };
 template struct PrivateMember<WeightChunkReactorReader, &WeightChunkReactor::reader_>;
 
-// The generic (byte-buffer) bidi reactor: fusedctl's echo-floor server (client/echo_floor.cc).
-using ByteBufferBidiReactor = grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>;
-struct ByteBufferBidiReactorStream {
-  using type = std::atomic<grpc::ServerCallbackReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>*> ByteBufferBidiReactor::*;
-  friend type Get(ByteBufferBidiReactorStream);
-};
-template struct PrivateMember<ByteBufferBidiReactorStream, &ByteBufferBidiReactor::stream_>;
-
 void AcquireReferences(grpc::internal::ServerCallbackCall* call) {
   if (call != nullptr) __tsan_acquire(&(call->*Get(CallReferences{})));
 }
@@ -136,10 +128,6 @@ void TsanAcquireCallReferences(grpc::ServerUnaryReactor* reactor) {
 
 void TsanAcquireCallReferences(grpc::ServerReadReactor<v1::WeightChunk>* reactor) {
   AcquireReferences((reactor->*Get(WeightChunkReactorReader{})).load(std::memory_order_acquire));
-}
-
-void TsanAcquireCallReferences(grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* reactor) {
-  AcquireReferences((reactor->*Get(ByteBufferBidiReactorStream{})).load(std::memory_order_acquire));
 }
 
 }  // namespace fusedlayer::server
