@@ -30,14 +30,9 @@
 #include "client/shared_memory.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
-#include "server_process.h"
 #include "server_test_env.h"
 #include "test_util.h"
 #include "two_token_file.h"
-
-#ifndef FUSEDCTL_BINARY
-#error "FUSEDCTL_BINARY must point at the fusedctl executable"
-#endif
 
 namespace fusedlayer::testing {
 namespace {
@@ -784,33 +779,21 @@ TEST(SharedMemory, ARegionOfAClientThatDiedIsFreedByUnregisterAllOrByRemovingIts
   EXPECT_EQ(MetricValue(ts->Scrape(), "fusedlayer_shared_memory_registered_bytes"), 4096.0);
 }
 
-// A CPU-backend server with shared memory on, one mHC weight set `name`, and a message limit that an
-// mHC call of 64 tokens is over inline.
-struct SendLimitedServer {
-  static constexpr int64_t kMaxMessageBytes = 64 << 10;
-  PackedWeightSet set;
-  std::unique_ptr<TestServer> ts;
-};
-SendLimitedServer StartSendLimited(std::mt19937_64& rng, const std::string& name) {
-  SendLimitedServer s{MakeWeightSet(rng, name, MhcSetSpec{}, std::nullopt), nullptr};
-  server::ServerConfig cfg = ShmConfig();
-  cfg.max_message_bytes = SendLimitedServer::kMaxMessageBytes;
-  s.ts = TestServer::Start(cfg, nullptr, {s.set});
-  return s;
-}
-
 // Outputs placed in shared memory are not sent, so they do not count against the send limit
 // (--max_message_bytes): a call whose inline response would be refused runs by reference, bitwise
 // the library's answer, and the same call with its outputs inline is refused before running.
 TEST(SharedMemory, PlacedOutputsAreNotBoundByTheSendLimit) {
   std::mt19937_64 rng = MakeRng(49);
-  SendLimitedServer s = StartSendLimited(rng, "shm/big");
-  ASSERT_NE(s.ts, nullptr);
-  auto c = ClientFor(*s.ts);
+  const PackedWeightSet set = MakeWeightSet(rng, "shm/big", MhcSetSpec{}, std::nullopt);
+  server::ServerConfig cfg = ShmConfig();
+  cfg.max_message_bytes = 64 << 10;
+  auto ts = TestServer::Start(cfg, nullptr, {set});
+  ASSERT_NE(ts, nullptr);
+  auto c = ClientFor(*ts);
   const MhcRequestSpec spec{.tokens = 64, .capture_aux = true};
   const v1::MhcSeamRequest req = MakeMhcRequest(rng, "shm/big", spec);
-  const v1::MhcSeamResponse want = Reference(s.set).RunMhc(req, Path::kFused);
-  ASSERT_GT(want.ByteSizeLong(), static_cast<size_t>(SendLimitedServer::kMaxMessageBytes));
+  const v1::MhcSeamResponse want = Reference(set).RunMhc(req, Path::kFused);
+  ASSERT_GT(want.ByteSizeLong(), static_cast<size_t>(cfg.max_message_bytes));
   absl::StatusOr<std::unique_ptr<ClientSharedMemory>> shm =
       ClientSharedMemory::Create(*c, client::MhcRequestSharedBytes(req, MhcConfigOf(spec)));
   ASSERT_TRUE(shm.ok()) << shm.status();
@@ -827,27 +810,6 @@ TEST(SharedMemory, PlacedOutputsAreNotBoundByTheSendLimit) {
   absl::StatusOr<v1::MhcSeamResponse> refused = c->MhcSeam(outputs_inline);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_NE(refused.status().message().find("--max_message_bytes"), absl::string_view::npos) << refused.status();
-}
-
-// fusedctl bench --transport=shm of a call whose tensors are over the server's message limit
-// inline: the shared-memory row runs, the TCP row is reported as refused (the bench does not fail),
-// and only the echo floor of the call's own bytes runs (there is no inline call to floor).
-TEST(SharedMemory, FusedctlBenchReportsARefusedTcpRowAndKeepsTheSharedMemoryRow) {
-  std::mt19937_64 rng = MakeRng(50);
-  SendLimitedServer s = StartSendLimited(rng, "shm/bench");
-  ASSERT_NE(s.ts, nullptr);
-  std::string out;
-  ASSERT_EQ(RunToEnd(FUSEDCTL_BINARY,
-                     {"--target=127.0.0.1:" + std::to_string(s.ts->server().port()), "bench", "--op=mhc",
-                      "--weight_set=shm/bench", "--tokens=64", "--duration=0.3", "--transport=shm", "--echo_floor"},
-                     &out),
-            0)
-      << out;
-  EXPECT_NE(out.find(" transport=shm "), std::string::npos) << out;
-  EXPECT_NE(out.find("tcp (the same request, tensors inline): refused, RESOURCE_EXHAUSTED"), std::string::npos) << out;
-  EXPECT_NE(out.find("echo of this call's own bytes"), std::string::npos) << out;
-  EXPECT_EQ(out.find("echo of the bytes inline"), std::string::npos) << out;
-  EXPECT_EQ(out.find(" vs tcp "), std::string::npos) << out;
 }
 
 // Drain (SIGTERM's path) with shared-memory requests queued: they complete, outputs in their regions.

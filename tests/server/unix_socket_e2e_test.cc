@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <optional>
 #include <random>
 #include <regex>
 #include <string>
@@ -331,6 +332,33 @@ TEST_F(UnixSocketTest, FusedctlCommandsAndBenchEchoFloorOverUnixAndTcp) {
   args.pop_back();
   ASSERT_EQ(Fusedctl({}, args, &out), 0) << out;
   EXPECT_EQ(out.find("echo"), std::string::npos) << out;
+}
+
+// fusedctl bench --transport=shm of a call whose tensors are over the server's message limit
+// inline: the shared-memory row runs, the TCP row is reported as refused (the bench does not fail),
+// and only the echo floor of the call's own bytes runs (there is no inline call to floor). Over TCP;
+// it lives in this suite with the other fusedctl bench --echo_floor cases, which are outside the TSan
+// set (scripts/sanitize.sh: the echo-floor server's generic reactor inside libgrpc++).
+TEST(FusedctlBench, ReportsARefusedTcpRowAndKeepsTheSharedMemoryRow) {
+  auto rng = MakeRng(50);
+  const PackedWeightSet set = MakeWeightSet(rng, "shm/bench", MhcSetSpec{}, std::nullopt);
+  server::ServerConfig config = TestConfig();
+  config.allow_shared_memory = true;
+  config.max_message_bytes = 64 << 10;  // an mHC call of 64 tokens is over it inline
+  auto ts = TestServer::Start(config, nullptr, {set});
+  ASSERT_NE(ts, nullptr);
+  std::string out;
+  ASSERT_EQ(RunToEnd(FUSEDCTL_BINARY,
+                     {"--target=127.0.0.1:" + std::to_string(ts->server().port()), "bench", "--op=mhc",
+                      "--weight_set=shm/bench", "--tokens=64", "--duration=0.3", "--transport=shm", "--echo_floor"},
+                     &out),
+            0)
+      << out;
+  EXPECT_NE(out.find(" transport=shm "), std::string::npos) << out;
+  EXPECT_NE(out.find("tcp (the same request, tensors inline): refused, RESOURCE_EXHAUSTED"), std::string::npos) << out;
+  EXPECT_NE(out.find("echo of this call's own bytes"), std::string::npos) << out;
+  EXPECT_EQ(out.find("echo of the bytes inline"), std::string::npos) << out;
+  EXPECT_EQ(out.find(" vs tcp "), std::string::npos) << out;
 }
 
 }  // namespace
