@@ -52,6 +52,15 @@ __device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The pass's 16-byte output stores, each one st.global.v4 instruction. Written as plain uint4 stores,
+// nvcc emitted four 32-bit stores for each (found in the PTX; ncu on the persistent pass, C = 7168,
+// T = 4096: 58% of its global sectors "excessive", since a warp's 32-bit store of 2 rows x 256 B
+// touches as many sectors as the 16-byte one). R' and aux are not read again by this op and are far
+// larger than L2 at large T: stored evict-first (.cs), so z, which the finalize kernel reads back,
+// and the partials keep their place in L2; z is stored with the default (write-back) policy.
+__device__ __forceinline__ void StoreStreaming16(uint16_t* p, const uint4& v) { __stcs(reinterpret_cast<uint4*>(p), v); }
+__device__ __forceinline__ void StoreReread16(uint16_t* p, const uint4& v) { __stwb(reinterpret_cast<uint4*>(p), v); }
+
 // One token row x 8 channels of the pass (t < p.tokens): post (or the first stage's broadcast, or the
 // GEMM-only pass's read of R'), the stores of R', aux and z, R' as packed bf16 pairs (the MMA A words,
 // `rq`) and this lane's sums of squares of R' and z. Shared by MhcFusedPassKernel and
@@ -71,7 +80,7 @@ __device__ __forceinline__ void PassRow(const FusedParams& p, int64_t t, int64_t
     rq[0] = raw_x;
     if constexpr (!kGemmOnly) {
 #pragma unroll
-      for (int j = 0; j < N; ++j) *reinterpret_cast<uint4*>(p.new_residual + (t * N + j) * C + c0) = raw_x;
+      for (int j = 0; j < N; ++j) StoreStreaming16(p.new_residual + (t * N + j) * C + c0, raw_x);
     }
 #pragma unroll
     for (int j = 1; j < N; ++j)
@@ -106,7 +115,7 @@ __device__ __forceinline__ void PassRow(const FusedParams& p, int64_t t, int64_t
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       rq[j] = Pack8(out[j]);
-      *reinterpret_cast<uint4*>(p.new_residual + (t * N + j) * C + c0) = rq[j];
+      StoreStreaming16(p.new_residual + (t * N + j) * C + c0, rq[j]);
     }
     if constexpr (kAux) {
       float a[8];
@@ -117,7 +126,7 @@ __device__ __forceinline__ void PassRow(const FusedParams& p, int64_t t, int64_t
         for (int j = 0; j < N; ++j) col[j] = out[j][e];
         a[e] = AuxElement<N>(col);
       }
-      *reinterpret_cast<uint4*>(p.aux + t * C + c0) = Pack8(a);
+      StoreStreaming16(p.aux + t * C + c0, Pack8(a));
     }
   }
   if constexpr (kMix) {
@@ -145,7 +154,7 @@ __device__ __forceinline__ void PassRow(const FusedParams& p, int64_t t, int64_t
 #pragma unroll
       for (int e = 0; e < 8; ++e) z[e] = out[0][e];  // pre_mix absent: stream 0, bit for bit
     }
-    *reinterpret_cast<uint4*>(p.y + t * C + c0) = Pack8(z);
+    StoreReread16(p.y + t * C + c0, Pack8(z));
     sq_z = VecSumSq(z);
   }
 }
