@@ -175,9 +175,41 @@ void EnqueueStagedPass(const FusedParams& fp, int nchunk, gpuStream_t stream) {
   kernel<<<grid, mhc::kStagedThreadsPerTile * kTiles, smem, stream>>>(fp);
 }
 
+// The persistent staged pass (same tile arithmetic, same bits) wherever the one-tile staged pass
+// would need more than one wave of CTAs (16-token tiles x chunks > kStagedMinBlocks x SMs), with 2
+// resident CTAs per SM (<= 128 registers: the next tile's loads are held in registers). Measured
+// (MHC_GPU_NOTES.md, "Persistent round"): faster from T = 1024 at every C and at C = 7168 T = 128
+// (448 staged CTAs, 1.13 waves: 16.55 -> 14.88 us); slower where the staged grid fits one wave (C =
+// 5120 T = 128: 13.61 staged, 14.41 persistent).
+constexpr int kPersistentMinBlocks = 2;
+bool UsePersistentPass(int64_t tokens, int nchunk, int sm_count) {
+  return (tokens + 15) / 16 * nchunk > int64_t(kStagedMinBlocks) * std::max(sm_count, 1);
+}
+
+template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix>
+void EnqueuePersistentPass(const FusedParams& fp, int nchunk, int sm_count, gpuStream_t stream) {
+  auto kernel = mhc::MhcPersistentPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kPersistentMinBlocks>;
+  constexpr size_t smem = mhc::StagedSmem<kFirst, 1>::kBytes;
+  // One wave: the CTAs that fit the device at once (queried once per instance), each with an equal
+  // contiguous range of the (chunk, tile) items.
+  static const int per_sm = [&] {
+    gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), kMaxDynamicSmemAttr, int(smem));
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, mhc::kStagedThreadsPerTile, smem) != cudaSuccess) n = 1;
+    return std::max(n, 1);
+  }();
+  const int64_t items = (fp.tokens + 15) / 16 * nchunk;
+  const int64_t grid = std::min<int64_t>(items, int64_t(per_sm) * std::max(sm_count, 1));
+  kernel<<<unsigned(grid), mhc::kStagedThreadsPerTile, smem, stream>>>(fp, nchunk);
+}
+
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false>
 void EnqueueFusedPass(const FusedParams& fp, int nchunk, int sm_count, gpuStream_t stream) {
   if constexpr (!kGemmOnly) {
+    if (UsePersistentPass(fp.tokens, nchunk, sm_count)) {
+      EnqueuePersistentPass<kFirst, kShifted, kHasPre, kAux, kMix>(fp, nchunk, sm_count, stream);
+      return;
+    }
     if (fp.tokens >= kStagedMinTokens && fp.tokens <= kStagedMaxTokens) {
       EnqueueStagedPass<kFirst, kShifted, kHasPre, kAux, kMix>(fp, nchunk, stream);
       return;

@@ -480,15 +480,26 @@ TEST_F(GpuMhcTest, SeamVariants) {
   {
     Case c; c.C = 384; c.T = 1500; c.aux = true; cases.push_back(c);
   }
+  // The persistent staged pass (more staged CTAs than one wave: 9 x 56 and 13 x 40 tile x chunk
+  // items) without pre_mix, and in normal mode without a norm weight, both with aux.
+  {
+    Case c; c.C = 7168; c.T = 130; c.has_pre = false; c.aux = true; cases.push_back(c);
+  }
+  {
+    Case c; c.C = 5120; c.T = 200; c.mode = MhcMode::kNormal; c.aux = true; c.has_g = false; cases.push_back(c);
+  }
   for (const Case& c : cases) CheckCase(c);
 }
 
+// T = 19 runs the fused path's staged pass; at C = 5120, T = 300 (19 tiles x 40 chunks, more than 3
+// staged CTAs per SM on any GPU with < 254 SMs) its persistent pass (mhc_launch.cu).
 TEST_F(GpuMhcTest, FirstAndHeadStages) {
   for (int64_t C : {int64_t(384), int64_t(5120), int64_t(72)})
+    for (int64_t T : {int64_t(19), int64_t(300)})
     for (int variant = 0; variant < 5; ++variant) {
       Case c;
       c.C = C;
-      c.T = 19;
+      c.T = T;
       if (variant < 2) {
         c.stage = MhcStage::kFirst;
         c.mode = variant == 0 ? MhcMode::kShifted : MhcMode::kNormal;
@@ -503,14 +514,19 @@ TEST_F(GpuMhcTest, FirstAndHeadStages) {
 
 // A token's outputs do not depend on the batch size or its position in the batch.
 TEST_F(GpuMhcTest, BatchInvariance) {
-  // The fused path runs the staged pass for 2 <= T <= 1024 and the register-resident pass for T = 1
-  // and T > 1024 (mhc_launch.cu): the one-token subset {41} and the T = 1100 batch cross both
-  // boundaries against the staged runs, so this test is also the bitwise check of the two kernels.
-  // T = 1100 makes the register-resident pass use its 32-token tiles for the batch (the tile choice
-  // depends on T; the arithmetic must not). C = 7168, T = 200 (13 tiles x
-  // 56 chunks = 728 CTAs, more than 3 per SM on any GPU with < 243 SMs) runs the pass's 4-CTA/SM
-  // 16-token instance for the batch and the 3-CTA/SM one for the subsets (both paths). T = 1100 also
-  // runs the finalize kernel with 8 mix warps per block, its subsets with 4 (mhc_launch.cu).
+  // The fused path (mhc_launch.cu) runs the register-resident pass for T = 1, the persistent staged
+  // pass where the one-tile staged pass would need more than one wave (16-token tiles x chunks > 3 x
+  // SMs), the staged pass for the other T <= 1024 and the register-resident pass's 32-token tiles
+  // above. So the one-token subset {41} runs the register-resident pass against staged batches (C =
+  // 7168, T = 77: 280 tiles x chunks) and 32-token-tile ones (C = 512, T = 1100: 276), and C = 7168,
+  // T = 200 (728 tile x chunk items, more than 3 per SM on any GPU with < 243 SMs) the persistent
+  // pass against its subsets' staged (67 tokens) and register-resident runs: this test is also the
+  // bitwise check of the four kernels. At T = 200 a persistent CTA gets about 728 / (2 x SMs) items
+  // in chunk-major order, so several CTAs cross a chunk boundary (new B fragments mid-loop).
+  // The unfused path's GEMM-only pass: T = 1100 uses its 32-token tiles for the batch (the tile
+  // choice depends on T; the arithmetic must not), and C = 7168, T = 200 its 4-CTA/SM 16-token
+  // instance for the batch and the 3-CTA/SM one for the subsets. T = 1100 also runs the finalize
+  // kernel with 8 mix warps per block, its subsets with 4.
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{7168, 77}, {1000, 77}, {512, 1100}, {7168, 200}};
   for (MhcMode mode : {MhcMode::kShifted, MhcMode::kNormal})
     for (const auto& [C, T] : shapes) {
@@ -561,10 +577,11 @@ TEST_F(GpuMhcTest, BatchInvariance) {
 // A captured graph replays to the same bits as the eager launch, on both paths and in both modes.
 TEST_F(GpuMhcTest, GraphReplayMatchesEager) {
   for (Path p : {Path::kFused, Path::kUnfused})
-    for (MhcMode mode : {MhcMode::kShifted, MhcMode::kNormal}) {
+    for (MhcMode mode : {MhcMode::kShifted, MhcMode::kNormal})
+    for (int64_t T : {int64_t(64), int64_t(300)}) {  // the fused path's staged and persistent passes (C = 5120)
       Case c;
       c.C = 5120;
-      c.T = 64;
+      c.T = T;
       c.mode = mode;
       SCOPED_TRACE(Name(c) + "_" + PathName(p));
       auto rng = MakeRng(7);

@@ -54,108 +54,95 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Template flags as MhcFusedPassKernel's (kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly); kTiles
-// m16 token tiles per CTA (256 threads each). kMinBlocks: resident CTAs per SM to budget registers for.
-template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly, int kTiles, int kMinBlocks>
-__global__ void __launch_bounds__(kStagedThreadsPerTile * kTiles, kMinBlocks) MhcStagedPassKernel(FusedParams p) {
-  static_assert(!kGemmOnly || (kMix && !kShifted && !kAux), "the GEMM-only pass writes partials only");
-  LaunchDependents();  // see MhcFusedPassKernel
+// The phases of one 16-token tile, shared by MhcStagedPassKernel (one tile per CTA) and
+// MhcPersistentPassKernel (a CTA loops over tiles): both kernels give the same bits because they run
+// these functions. Shared memory: frag_s [quad][step][nt][lane] (B fragments), a_s
+// [quad][h][stream][lane] (A words), red [quad][row][stride] (per-quad values), coef [row][24].
+struct StagedTileSmem {
+  const uint4* frag_s;
+  uint4* a_s;
+  float* red;
+  const float* coef;
+};
+
+// The mixing coefficient q of token tt (0 for a token past the end): post[4], comb[16], pre[4].
+template <bool kHasPre>
+__device__ __forceinline__ float StagedCoef(const FusedParams& p, int64_t tt, int q) {
   constexpr int N = 4;
-  using Smem = StagedSmem<kFirst, kTiles>;
-  constexpr int kStreams = Smem::kStreams;
-  constexpr int kSteps = Smem::kSteps;
-  constexpr int kThreads = kStagedThreadsPerTile * kTiles;
-  constexpr int kTileTokens = 16 * kTiles;
+  if (tt >= p.tokens) return 0.0f;
+  if (q < 4) return p.post_mix[tt * N + q];
+  if (q < 20) return p.comb_mix[tt * N * N + (q - 4)];
+  return kHasPre ? p.pre_mix[tt * N + (q - 20)] : 0.0f;
+}
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint4* frag_s = reinterpret_cast<uint4*>(smem_raw);                 // [quad][step][nt][lane]
-  uint4* a_s = frag_s + Smem::kFrag;                                   // [mt][quad][h][stream][lane]
-  float* red = reinterpret_cast<float*>(a_s + Smem::kA);               // [quad][row][stride]
-  float* coef = red + Smem::kRed;                                      // [row][24]
-  auto red_at = [&](int quad, int row, int q) -> float& {
-    return red[(quad * kTileTokens + row) * kFusedPartialStride + q];
-  };
+// Thread i of a tile: row = i / 16 (h = row / 8, g = row % 8), vec = i % 16 (quad = vec / 4,
+// tq = vec % 4): the old kernel's lane (g, tq) of warp `quad`, fragment half h.
+struct StagedLane {
+  int quad, tq, h, g, row;
+  __device__ __forceinline__ explicit StagedLane(int ti)
+      : quad((ti % 16) / 4), tq(ti % 4), h((ti / 16) / 8), g((ti / 16) % 8), row(ti / 16) {}
+  __device__ __forceinline__ int64_t Channel(int chunk) const { return int64_t(chunk * 4 + quad) * 32 + tq * 8; }
+};
 
-  const int chunk = blockIdx.y, nchunk = gridDim.y;
-  const int64_t tok_base = int64_t(blockIdx.x) * kTileTokens;
-  const int64_t C = p.C;
-
-  // Phase 0: the chunk's B fragments (4 consecutive quads of the host layout are contiguous).
-  if constexpr (kMix) {
-    const uint4* src = p.frag + size_t(chunk) * Smem::kFrag;  // 4 consecutive quads: contiguous
-    for (int i = threadIdx.x; i < Smem::kFrag; i += kThreads) CpAsync16(frag_s + i, src + i);
-  }
-
-  const int mt = threadIdx.x / kStagedThreadsPerTile, ti = threadIdx.x % kStagedThreadsPerTile;
-  // A warp covers two token rows x the chunk's 128 channels; lanes lane ^ 1, lane ^ 2 are the same
-  // row's neighbours in the quad (the butterfly below).
-  const int lane = ti % 32, quad = (ti % 16) / 4, tq = ti % 4, h = (ti / 16) / 8, g = (ti / 16) % 8;
-  const int mma_lane = g * 4 + tq;  // the lane of the old kernel's warp `quad` that held this row
-  const int row = mt * 16 + h * 8 + g;
-  const int64_t t = tok_base + row;
-  const bool valid = t < p.tokens;
-  const int64_t c0 = int64_t(chunk * 4 + quad) * 32 + tq * 8;
-
-  uint4 raw_x = make_uint4(0, 0, 0, 0), raw_r[N];
-  if (valid) {
-    if (kFirst || !kGemmOnly) raw_x = *reinterpret_cast<const uint4*>(p.x + t * C + c0);
-    if constexpr (!kFirst) {
+// The row's loads: x (unless the GEMM-only pass reads R' alone) and the 4 residual streams.
+template <bool kFirst, bool kGemmOnly>
+__device__ __forceinline__ void StagedLoadRow(const FusedParams& p, int64_t t, int64_t c0, uint4& raw_x,
+                                              uint4 (&raw_r)[4]) {
+  constexpr int N = 4;
+  if (kFirst || !kGemmOnly) raw_x = *reinterpret_cast<const uint4*>(p.x + t * p.C + c0);
+  if constexpr (!kFirst) {
 #pragma unroll
-      for (int i = 0; i < N; ++i) raw_r[i] = *reinterpret_cast<const uint4*>(p.residual + (t * N + i) * C + c0);
-    }
+    for (int i = 0; i < N; ++i) raw_r[i] = *reinterpret_cast<const uint4*>(p.residual + (t * N + i) * p.C + c0);
   }
+}
 
-  if constexpr (!kFirst && !kGemmOnly) {
-    for (int i = threadIdx.x; i < kTileTokens * 24; i += kThreads) {
-      const int r = i / 24, q = i % 24;
-      const int64_t tt = tok_base + r;
-      float v = 0.0f;
-      if (tt < p.tokens) {
-        if (q < 4) v = p.post_mix[tt * N + q];
-        else if (q < 20) v = p.comb_mix[tt * N * N + (q - 4)];
-        else if (kHasPre) v = p.pre_mix[tt * N + (q - 20)];
-      }
-      coef[r * 24 + q] = v;
-    }
-    __syncthreads();
-  }
-
-  // Phase A: one token row x 8 channels x 4 streams per thread (PassRow, as in MhcFusedPassKernel).
+// Phase A of thread `ti` (0..255) for token t = tok_base + ln.row: PassRow (post, stores), the row's
+// A words into a_s, and the quad's sums of squares by the old kernel's butterfly (same operand order).
+template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly>
+__device__ __forceinline__ void StagedPhaseA(const FusedParams& p, const StagedTileSmem& sm, const StagedLane& ln,
+                                             int64_t t, int64_t c0, const uint4& raw_x, const uint4 (&raw_r)[4]) {
+  constexpr int kStreams = kFirst ? 1 : 4;
+  const bool valid = t < p.tokens;
   uint4 rq[kStreams];
   float sq_r = 0.0f, sq_z = 0.0f;
   if (!valid) {
 #pragma unroll
     for (int j = 0; j < kStreams; ++j) rq[j] = make_uint4(0, 0, 0, 0);
   } else {
-    PassRow<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly>(p, t, c0, coef + row * 24, raw_x, raw_r, rq, sq_r, sq_z);
+    PassRow<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly>(p, t, c0, sm.coef + ln.row * 24, raw_x, raw_r, rq, sq_r,
+                                                              sq_z);
   }
   if constexpr (kMix) {
+    const int mma_lane = ln.g * 4 + ln.tq;  // the lane of the old kernel's warp `quad` that held this row
 #pragma unroll
-    for (int j = 0; j < kStreams; ++j) a_s[(((mt * 4 + quad) * 2 + h) * kStreams + j) * 32 + mma_lane] = rq[j];
+    for (int j = 0; j < kStreams; ++j) sm.a_s[((ln.quad * 2 + ln.h) * kStreams + j) * 32 + mma_lane] = rq[j];
   }
-  // Sums of squares over the quad's 4 lanes: the old kernel's butterfly, same operand order.
   sq_r = __fadd_rn(sq_r, __shfl_xor_sync(0xffffffffu, sq_r, 1));
   sq_r = __fadd_rn(sq_r, __shfl_xor_sync(0xffffffffu, sq_r, 2));
   sq_z = __fadd_rn(sq_z, __shfl_xor_sync(0xffffffffu, sq_z, 1));
   sq_z = __fadd_rn(sq_z, __shfl_xor_sync(0xffffffffu, sq_z, 2));
-  if (tq == 0) {
-    red_at(quad, row, 24) = sq_r;
-    red_at(quad, row, 25) = sq_z;
+  if (ln.tq == 0) {
+    sm.red[(ln.quad * 16 + ln.row) * kFusedPartialStride + 24] = sq_r;
+    sm.red[(ln.quad * 16 + ln.row) * kFusedPartialStride + 25] = sq_z;
   }
-  if constexpr (kMix) CpAsyncWaitAll();
-  __syncthreads();
+}
 
-  // Phase B: warp w < 4 * kTiles runs quad w % 4 of m-tile w / 4 (MhcFusedPassKernel's MMA chain).
-  const int warp = threadIdx.x / 32;
-  if (kMix && warp < 4 * kTiles) {
-    const int bq = warp % 4, bmt = warp / 4;
+// Phase B of warp `warp` < 4 (quad `warp`): the old kernel's MMA chain in the old k order, A and B
+// from shared memory, the 24 dots of the tile's 16 rows into red.
+template <bool kFirst, bool kMix>
+__device__ __forceinline__ void StagedPhaseB(const StagedTileSmem& sm, int warp, int lane) {
+  constexpr int kStreams = kFirst ? 1 : 4;
+  constexpr int kSteps = kStreams * 2;
+  const int bq = warp;
+  auto red_at = [&](int row, int q) -> float& { return sm.red[(bq * 16 + row) * kFusedPartialStride + q]; };
+  if constexpr (kMix) {
     float acc[3][4];
 #pragma unroll
     for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[nt][q] = 0.0f;
-    const uint4* fq = frag_s + bq * kSteps * 3 * 32 + lane;
-    const uint4* aq = a_s + ((bmt * 4 + bq) * 2) * kStreams * 32 + lane;
+    const uint4* fq = sm.frag_s + bq * kSteps * 3 * 32 + lane;
+    const uint4* aq = sm.a_s + bq * 2 * kStreams * 32 + lane;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
       const int j = s / 2, u = s % 2;
@@ -173,22 +160,171 @@ __global__ void __launch_bounds__(kStagedThreadsPerTile * kTiles, kMinBlocks) Mh
 #pragma unroll
     for (int nt = 0; nt < 3; ++nt) {
       const int o = nt * 8 + 2 * btq;
-      red_at(bq, bmt * 16 + bg, o) = acc[nt][0];
-      red_at(bq, bmt * 16 + bg, o + 1) = acc[nt][1];
-      red_at(bq, bmt * 16 + 8 + bg, o) = acc[nt][2];
-      red_at(bq, bmt * 16 + 8 + bg, o + 1) = acc[nt][3];
+      red_at(bg, o) = acc[nt][0];
+      red_at(bg, o + 1) = acc[nt][1];
+      red_at(8 + bg, o) = acc[nt][2];
+      red_at(8 + bg, o + 1) = acc[nt][3];
     }
-  } else if (!kMix && warp < 4 * kTiles) {
+  } else {
     // Head stage: no mixes; the partials' dot entries are never read, but keep them defined.
-    for (int i = lane; i < 16 * 24; i += 32) red_at(warp % 4, (warp / 4) * 16 + i / 24, i % 24) = 0.0f;
+    for (int i = lane; i < 16 * 24; i += 32) red_at(i / 24, i % 24) = 0.0f;
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < kTileTokens * kFusedPartialStride; i += kThreads) {
+}
+
+// The chunk partials of the tile's valid rows: the fixed-order sum of the 4 quads' values.
+__device__ __forceinline__ void StagedWritePartials(const FusedParams& p, const float* red, int64_t tok_base,
+                                                    int chunk, int nchunk, int ti, int nthreads) {
+  for (int i = ti; i < 16 * kFusedPartialStride; i += nthreads) {
     const int r = i / kFusedPartialStride, q = i % kFusedPartialStride;
     const int64_t tt = tok_base + r;
     if (tt >= p.tokens) continue;
-    p.partials[(tt * nchunk + chunk) * kFusedPartialStride + q] =
-        ChunkSum(red_at(0, r, q), red_at(1, r, q), red_at(2, r, q), red_at(3, r, q));
+    auto at = [&](int quad) { return red[(quad * 16 + r) * kFusedPartialStride + q]; };
+    p.partials[(tt * nchunk + chunk) * kFusedPartialStride + q] = ChunkSum(at(0), at(1), at(2), at(3));
+  }
+}
+
+// Template flags as MhcFusedPassKernel's (kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly); kTiles
+// m16 token tiles per CTA (256 threads each). kMinBlocks: resident CTAs per SM to budget registers for.
+template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly, int kTiles, int kMinBlocks>
+__global__ void __launch_bounds__(kStagedThreadsPerTile * kTiles, kMinBlocks) MhcStagedPassKernel(FusedParams p) {
+  static_assert(!kGemmOnly || (kMix && !kShifted && !kAux), "the GEMM-only pass writes partials only");
+  LaunchDependents();  // see MhcFusedPassKernel
+  using Smem = StagedSmem<kFirst, kTiles>;
+  constexpr int kStreams = Smem::kStreams;
+  constexpr int kThreads = kStagedThreadsPerTile * kTiles;
+  constexpr int kTileTokens = 16 * kTiles;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint4* frag_s = reinterpret_cast<uint4*>(smem_raw);                 // [quad][step][nt][lane]
+  uint4* a_s = frag_s + Smem::kFrag;                                   // [mt][quad][h][stream][lane]
+  float* red = reinterpret_cast<float*>(a_s + Smem::kA);               // [mt][quad][row][stride]
+  float* coef = red + Smem::kRed;                                      // [mt][row][24]
+
+  const int chunk = blockIdx.y, nchunk = gridDim.y;
+  const int64_t tok_base = int64_t(blockIdx.x) * kTileTokens;
+
+  // Phase 0: the chunk's B fragments (4 consecutive quads of the host layout are contiguous).
+  if constexpr (kMix) {
+    const uint4* src = p.frag + size_t(chunk) * Smem::kFrag;
+    for (int i = threadIdx.x; i < Smem::kFrag; i += kThreads) CpAsync16(frag_s + i, src + i);
+  }
+
+  const int mt = threadIdx.x / kStagedThreadsPerTile, ti = threadIdx.x % kStagedThreadsPerTile;
+  const int lane = ti % 32;
+  const StagedLane ln(ti);
+  const int64_t mt_base = tok_base + mt * 16;
+  const int64_t t = mt_base + ln.row;
+  const int64_t c0 = ln.Channel(chunk);
+  const StagedTileSmem sm{frag_s, a_s + mt * 4 * 2 * kStreams * 32, red + mt * 4 * 16 * kFusedPartialStride,
+                          coef + mt * 16 * 24};
+
+  uint4 raw_x = make_uint4(0, 0, 0, 0), raw_r[4];
+  if (t < p.tokens) StagedLoadRow<kFirst, kGemmOnly>(p, t, c0, raw_x, raw_r);
+
+  if constexpr (!kFirst && !kGemmOnly) {
+    for (int i = threadIdx.x; i < kTileTokens * 24; i += kThreads) coef[i] = StagedCoef<kHasPre>(p, tok_base + i / 24, i % 24);
+    __syncthreads();
+  }
+
+  StagedPhaseA<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly>(p, sm, ln, t, c0, raw_x, raw_r);
+  if constexpr (kMix) CpAsyncWaitAll();
+  __syncthreads();
+
+  // Phase B: warps 0..3 of each tile's 8.
+  const int warp = ti / 32;
+  if (warp < 4) StagedPhaseB<kFirst, kMix>(sm, warp, lane);
+  __syncthreads();
+  StagedWritePartials(p, sm.red, mt_base, chunk, nchunk, ti, kStagedThreadsPerTile);
+}
+
+// Persistent staged pass (large T): the same tile phases, but each CTA loads a chunk's B fragments
+// (48 KB) once and loops over many 16-token tiles of that chunk, with the next tile's x, R and
+// mixing coefficients loaded into registers while the current tile is computed.
+//
+// Why (MHC_GPU_NOTES.md, "Persistent round"): at T >= 1024 the one-tile-per-CTA kernels reload
+// their chunk's B fragments from L2 for every 16 or 32 tokens (at T = 4096, C = 7168, the staged
+// pass moves more bytes from L2 for fn than from HBM for the activations) and keep only one tile's
+// loads in flight per CTA, so HBM idles between a CTA's load and its stores. Here the work items
+// are (chunk, tile) pairs in chunk-major order, split into equal contiguous ranges over one wave of
+// CTAs: a CTA meets one or two chunks, and each item's arithmetic is the one-tile kernel's, so the
+// launcher may choose either by T (batch invariance).
+template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, int kMinBlocks>
+__global__ void __launch_bounds__(kStagedThreadsPerTile, kMinBlocks) MhcPersistentPassKernel(FusedParams p,
+                                                                                             int nchunk) {
+  LaunchDependents();  // see MhcFusedPassKernel
+  using Smem = StagedSmem<kFirst, 1>;
+  constexpr int kThreads = kStagedThreadsPerTile;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint4* frag_s = reinterpret_cast<uint4*>(smem_raw);
+  uint4* a_s = frag_s + Smem::kFrag;
+  float* red = reinterpret_cast<float*>(a_s + Smem::kA);
+  float* coef = red + Smem::kRed;
+  const StagedTileSmem sm{frag_s, a_s, red, coef};
+
+  const int ti = threadIdx.x, lane = ti % 32, warp = ti / 32;
+  const StagedLane ln(ti);
+  const int64_t ntiles = (p.tokens + 15) / 16;
+  const int64_t items = ntiles * nchunk;
+  const int64_t per_cta = (items + gridDim.x - 1) / gridDim.x;
+  const int64_t first = int64_t(blockIdx.x) * per_cta;
+  const int64_t last = first + per_cta < items ? first + per_cta : items;
+  // A thread's two coefficient slots of the tile (16 rows x 24 = 384 values over 256 threads).
+  constexpr int kCoefPerThread = (16 * 24 + kThreads - 1) / kThreads;
+
+  auto load_item = [&](int64_t item, uint4& rx, uint4 (&rr)[4], float (&cf)[kCoefPerThread]) {
+    const int chunk = int(item / ntiles);
+    const int64_t tok_base = (item % ntiles) * 16;
+    const int64_t t = tok_base + ln.row;
+    if (t < p.tokens) StagedLoadRow<kFirst, false>(p, t, ln.Channel(chunk), rx, rr);
+    if constexpr (!kFirst) {
+#pragma unroll
+      for (int k = 0; k < kCoefPerThread; ++k) {
+        const int i = ti + k * kThreads;
+        cf[k] = i < 16 * 24 ? StagedCoef<kHasPre>(p, tok_base + i / 24, i % 24) : 0.0f;
+      }
+    }
+  };
+
+  uint4 raw_x = make_uint4(0, 0, 0, 0), raw_r[4];
+  float cf[kCoefPerThread];
+  if (first < last) load_item(first, raw_x, raw_r, cf);
+  int frag_chunk = -1;
+  for (int64_t item = first; item < last; ++item) {
+    const int chunk = int(item / ntiles);
+    const int64_t tok_base = (item % ntiles) * 16;
+    // The next item's loads go out now and land while this one is computed.
+    uint4 next_x = make_uint4(0, 0, 0, 0), next_r[4];
+    float next_cf[kCoefPerThread];
+    if (item + 1 < last) load_item(item + 1, next_x, next_r, next_cf);
+
+    // Safe to overwrite frag_s, coef, a_s and red: every thread passed the previous item's last
+    // barrier, after which only the partials' reads of red remain, and those finish before any
+    // thread reaches this item's first barrier below, which precedes every write of red.
+    const bool new_chunk = kMix && chunk != frag_chunk;
+    if (new_chunk) {
+      const uint4* src = p.frag + size_t(chunk) * Smem::kFrag;
+      for (int i = ti; i < Smem::kFrag; i += kThreads) CpAsync16(frag_s + i, src + i);
+      frag_chunk = chunk;
+    }
+    if constexpr (!kFirst) {
+#pragma unroll
+      for (int k = 0; k < kCoefPerThread; ++k)
+        if (ti + k * kThreads < 16 * 24) coef[ti + k * kThreads] = cf[k];
+    }
+    __syncthreads();
+    const int64_t t = tok_base + ln.row;
+    StagedPhaseA<kFirst, kShifted, kHasPre, kAux, kMix, false>(p, sm, ln, t, ln.Channel(chunk), raw_x, raw_r);
+    if (new_chunk) CpAsyncWaitAll();
+    __syncthreads();
+    if (warp < 4) StagedPhaseB<kFirst, kMix>(sm, warp, lane);
+    __syncthreads();
+    StagedWritePartials(p, red, tok_base, chunk, nchunk, ti, kThreads);
+
+    raw_x = next_x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) raw_r[i] = next_r[i];
+#pragma unroll
+    for (int k = 0; k < kCoefPerThread; ++k) cf[k] = next_cf[k];
   }
 }
 #endif  // !FL_HIP
