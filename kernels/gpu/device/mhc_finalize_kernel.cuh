@@ -94,10 +94,8 @@ __device__ __forceinline__ void MixWarp4(const float* part, int nsplit, int stri
   WarpSync();  // dsum may be reused by the warp's next token
 }
 
-// Two resident blocks per SM (<= 128 registers; the mix blocks' register Sinkhorn needs ~126):
-// the bound keeps the y blocks' hoisted loads (below) from raising the count.
 template <int N, bool kVec>
-__global__ void __launch_bounds__(kFinalizeThreads, 2) MhcFinalizeKernel(FinalizeParams p) {
+__global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizeParams p) {
   constexpr int M = N * (N + 2);
   __shared__ float dsum[kFinalizeWarps][M + 1];
   __shared__ float pre_s[N];
@@ -146,26 +144,8 @@ __global__ void __launch_bounds__(kFinalizeThreads, 2) MhcFinalizeKernel(Finaliz
   uint16_t* yt = p.y + t * C;
   const float* part = p.partials + t * p.nsplit * p.stride;
 
-  // Normalisation in batches of G2 vecs per thread, loads first (the loop at the end).
-  constexpr int G2 = 4;
-  // Rescale mode (16-byte aligned): the first batch of z does not depend on rho, so its loads go
-  // out before the split sums' and the block waits for one round trip to HBM instead of two (a y
-  // block is one token: latency-bound at every T). Held packed (16 registers); g, the same 2C bytes
-  // for every token, comes from L2 after rho as before: hoisting it too took the kernel past its
-  // 128-register bound (spills).
-  const bool rescale = p.y_source == YSource::kRescaleZ;
-  const bool hoisted = kVec && rescale;
-  uint4 z_raw[G2];
-  if (rescale) {
+  if (p.y_source == YSource::kRescaleZ) {
     if (p.norm_weight == nullptr) return;  // y is the un-normalised collapse, already written
-    if (hoisted) {
-#pragma unroll
-      for (int k = 0; k < G2; ++k) {
-        const int64_t v = threadIdx.x + int64_t(k) * kFinalizeThreads;
-        if (v >= nvec) continue;
-        z_raw[k] = *reinterpret_cast<const uint4*>(yt + v * 8);
-      }
-    }
     // Stage the per-split sums in shared memory with one load per thread (one round trip), then
     // add them in split order on one thread.
     for (int i = threadIdx.x; i < p.nsplit; i += kFinalizeThreads) vsum[i] = part[int64_t(i) * p.stride + M + 1];
@@ -258,9 +238,10 @@ __global__ void __launch_bounds__(kFinalizeThreads, 2) MhcFinalizeKernel(Finaliz
     __syncthreads();
   }
 
-  // Normalise in place: each thread rescales the vecs it (or the fused pass) wrote; G2 vecs per
-  // iteration, loads first (see above; in rescale mode the first batch is already loaded).
+  // Normalise in place: each thread rescales the vecs it (or the fused pass) wrote; 4 vecs per
+  // iteration, loads first (see above).
   const float rho = rho_s;
+  constexpr int G2 = 4;
   for (int64_t base = threadIdx.x; base < nvec; base += int64_t(G2) * kFinalizeThreads) {
     float z[G2][8], gw[G2][8];
 #pragma unroll
@@ -269,11 +250,7 @@ __global__ void __launch_bounds__(kFinalizeThreads, 2) MhcFinalizeKernel(Finaliz
       if (v >= nvec) continue;
       const int64_t c0 = v * 8;
       const int count = int(C - c0 < 8 ? C - c0 : 8);
-      if (hoisted && base == threadIdx.x) {
-        Unpack8(z_raw[k], z[k]);  // kVec: Load8's own unpacking of the same words
-      } else {
-        Load8<kVec>(yt + c0, count, z[k]);
-      }
+      Load8<kVec>(yt + c0, count, z[k]);
       Load8<kVec>(p.norm_weight + c0, count, gw[k]);
     }
 #pragma unroll
