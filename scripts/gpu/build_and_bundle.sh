@@ -12,6 +12,10 @@
 #   GPU_TARGETS="gpu_mhc_tests bench_mhc_gpu" a subset of the targets below (faster builds)
 #   BASE_SERVER=path/to/old/fusedlayer_server  bundles it as fusedlayer_server_base for run_device.sh's
 #                                           "ab" step (old and new binary in one device session)
+#   BASE_BENCH=path/to/old/bench_mhc_gpu    bundles it as bench_mhc_gpu_base for the "bench" step,
+#                                           which then runs old and new interleaved
+#   EXTRA_EXES="path:name ..."              bundles more executables under those names (e.g. a
+#                                           measurement build of a benchmark with a tuning knob changed)
 #   PROFILE_TOOLS=1                         also bundles this host's perf and strace, and keeps the
 #                                           executables' symbol tables, for run_device.sh's "profile" step
 # The bundle script is the design repository's tools/bundle-runtime.sh (BUNDLE_RUNTIME overrides).
@@ -32,20 +36,22 @@ cmake --build "$build" -j2 --target "${targets[@]}"
 rm -rf "$stage"
 exes=()
 for t in "${targets[@]}"; do exes+=("$(find "$build" -type f -name "$t" -perm -u+x | head -1)"); done
-base_copy=""
-if [ -n "${BASE_SERVER:-}" ]; then
-  # A distinct file name before bundling, so the runtime bundler treats it as an executable of its own.
-  base_copy=$(mktemp -d)/fusedlayer_server_base
-  cp "$BASE_SERVER" "$base_copy"
-  exes+=("$base_copy")
-fi
+# Baselines get a distinct file name before bundling, so the runtime bundler treats each as an
+# executable of its own.
+base_dir=$(mktemp -d)
+for pair in "${BASE_SERVER:-}:fusedlayer_server_base" "${BASE_BENCH:-}:bench_mhc_gpu_base" ${EXTRA_EXES:-}; do
+  src=${pair%%:*}
+  [ -n "$src" ] || continue
+  cp "$src" "$base_dir/${pair##*:}"
+  exes+=("$base_dir/${pair##*:}")
+done
 [ "${PROFILE_TOOLS:-0}" = 1 ] && exes+=(/usr/bin/perf /usr/bin/strace)
 "$bundle" "$stage" "${exes[@]}"
 # Symbols are most of the size and the device run needs none (sanitizer reports still name the
 # kernels: device code keeps -lineinfo). A profile needs the symbol table, not the debug info.
 strip_flag=-s; [ "${PROFILE_TOOLS:-0}" = 1 ] && strip_flag=--strip-debug
 for e in "${exes[@]}"; do strip $strip_flag "$stage/$(basename "$e")"; done
-[ -n "$base_copy" ] && rm -rf "$(dirname "$base_copy")"
+rm -rf "$base_dir"
 cp "$root/bench/gpu/torch_peers.py" "$root/bench/gpu/torch_mhc_peer.py" "$root/scripts/gpu/run_device.sh" "$stage/"
 mkdir -p "$pack"
 tar cJf "$pack/gpu_bundle.tar.xz" -C "$stage" .

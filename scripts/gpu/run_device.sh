@@ -2,7 +2,7 @@
 # Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
 #   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab
-#                                                  samebits abclient sessions cudaipc)
+#                                                  samebits abclient sessions cudaipc profile mhcncu)
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -106,9 +106,37 @@ if want sanitize; then
   runs=$([ -x ./gpu_lanes_tests ] && echo 7 || echo 5)
   [ "$(grep -c -- '-> PASS' "$OUT/sanitizers.log")" -eq "$runs" ] || failed=1
 fi
+# bench: with bench_mhc_gpu_base in the bundle (build_and_bundle.sh BASE_BENCH=...), the old and new
+# mHC benchmark run interleaved, base/new MHC_AB_PASSES times (default 2), for each size in
+# BENCH_MHC_SIZES ("C:T ..."; default the full table), every row tagged with its binary and pass.
+mhc_bench() {  # mhc_bench BINARY TAG
+  if [ -n "${BENCH_MHC_SIZES:-}" ]; then
+    for ct in $BENCH_MHC_SIZES; do timeout 100 "$1" --C "${ct%%:*}" --T "${ct##*:}" | sed -n "s/^ *[0-9]/$2 &/p"; done
+  else
+    timeout 200 "$1" ${BENCH_MHC_ARGS:-} | sed "s/^ *[0-9]/$2 &/"
+  fi
+}
 if want bench; then
-  { [ -x ./bench_mhc_gpu ] && { echo "== bench_mhc_gpu"; timeout 200 ./bench_mhc_gpu ${BENCH_MHC_ARGS:-}; }
-    [ -x ./bench_swa_gpu ] && { echo "== bench_swa_gpu"; timeout 150 ./bench_swa_gpu ${BENCH_SWA_ARGS:-}; }; } > "$OUT/bench.log" 2>&1; cat "$OUT/bench.log"
+  { if [ -x ./bench_mhc_gpu_base ]; then
+      echo "== bench_mhc_gpu: base (old) and new interleaved; columns: binary pass C T fused_us unfused_us floor_us fused_%bw L"
+      for pass in $(seq 1 "${MHC_AB_PASSES:-2}"); do mhc_bench ./bench_mhc_gpu_base "base $pass"; mhc_bench ./bench_mhc_gpu "new $pass"; done
+    elif [ -x ./bench_mhc_gpu ]; then
+      echo "== bench_mhc_gpu"; mhc_bench ./bench_mhc_gpu new
+    fi
+    [ -x ./bench_swa_gpu ] && [ -z "${BENCH_MHC_SIZES:-}" ] && { echo "== bench_swa_gpu"; timeout 150 ./bench_swa_gpu ${BENCH_SWA_ARGS:-}; }; } > "$OUT/bench.log" 2>&1; cat "$OUT/bench.log"
+fi
+# mhcncu: ncu of the mHC kernels (cold caches, clocks as found) for each "C:T" of MHC_NCU_SIZES, one
+# eager launch per path, with the base binary too when the bundle has it.
+if want mhcncu; then
+  for bin in ./bench_mhc_gpu_base ./bench_mhc_gpu; do
+    [ -x $bin ] || continue
+    for ct in ${MHC_NCU_SIZES:-7168:4096}; do
+      echo "== ncu $bin C=${ct%%:*} T=${ct##*:}"
+      timeout 120 ncu --clock-control none --cache-control all --section SpeedOfLight --section Occupancy \
+        --section LaunchStats "$bin" --once --C "${ct%%:*}" --T "${ct##*:}" 2>&1 \
+        | grep -E "^  void|^  [A-Za-z].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Grid Size|Dynamic Shared|fused_us|^ +[0-9]+ +[0-9]+ "
+    done
+  done > "$OUT/mhc-ncu.log" 2>&1; cat "$OUT/mhc-ncu.log"
 fi
 if want torch; then
   { PYTHONUNBUFFERED=1 timeout 150 python3 torch_mhc_peer.py --quick; PYTHONUNBUFFERED=1 timeout 120 python3 torch_peers.py --quick; } > "$OUT/torch.log" 2>&1; tail -30 "$OUT/torch.log"
