@@ -1,13 +1,15 @@
 // Staged fused mHC pass (n = 4, C % 128 == 0, CUDA sm_80+): the arithmetic of MhcFusedPassKernel
 // (mhc_fused_kernel.cuh), bit for bit, with each CTA's work split into phases on different warps.
-// It serves the fused path at 2 <= T <= 1024 (mhc_launch.cu); the register-resident pass keeps
-// T = 1, T > 1024 and the unfused path's GEMM-only pass, where it measured faster.
+// It serves the fused path at 2 <= T <= 1024 where its grid fits one wave, and its persistent form
+// (MhcPersistentPassKernel, below) where the grid would not (mhc_launch.cu); the register-resident
+// pass keeps T = 1, the rest of T > 1024 and the unfused path's GEMM-only pass.
 //
 // Why (bench/gpu/MHC_GPU_NOTES.md, "Staged round", session 7): at decode sizes the register-resident
 // pass is latency-bound (ncu, C = 7168, T = 64: 159 registers, 1.74 active and 0.23 eligible warps
 // per scheduler), and leaving its global stores out made the whole seam 3 us faster at T = 64 and
 // 40 us at T = 1024: its lanes write R', aux and z as 64-byte pieces of 8 token rows (the MMA
-// fragment layout). Here
+// fragment layout; most of that cost turned out to be nvcc splitting each 16-byte store into four
+// 32-bit ones, fixed in session 16: StoreStreaming16 in mhc_fused_kernel.cuh). Here
 //   phase 0 (every thread, first): cp.async of the chunk's B fragments (fn as bf16 hi/lo, 48 KB)
 //           into shared memory, overlapping the data loads and the post arithmetic;
 //   phase A (8 warps per 16-token tile, one token row x 8 channels per thread, each warp two rows x
