@@ -33,7 +33,9 @@ if want tests; then
     filter=""; [ $t = server_residual_session_tests ] && filter="--gtest_filter=-*Fusedctl*"
     echo "== $t" >> "$OUT/tests.log"; timeout 240 ./$t --gtest_brief=1 $filter > /tmp/$t.log 2>&1; rc=$?
     cat /tmp/$t.log >> "$OUT/tests.log"; echo "$t rc=$rc"; tail -3 /tmp/$t.log
-    [ $rc -eq 0 ] || failed=1
+    # A failure's own lines on the console too: the device tool returns a limited number of files,
+    # and a run with the sanitizers' logs can leave tests.log behind (session 16, run 4).
+    [ $rc -eq 0 ] || { failed=1; grep -B2 -A14 -E "Failure|FAILED  \]" /tmp/$t.log | head -80; }
   done
 fi
 # sanitize NAME TOOL ARGS...: one compute-sanitizer run, its full report in $OUT/sanitizer-NAME.log.
