@@ -96,10 +96,10 @@ const std::vector<CommandInfo>& Commands() {
       {"seam",
        "seam --weight_set=NAME [--tokens=T] [--mode=shifted|normal] [--stage=seam|first|head] [--no_pre_mix] "
        "[--capture_aux] [--path=auto|require_fused|force_unfused] [--input=FILE] [--output=FILE] [--seed=S] [--verify] "
-       "[--transport=tcp|shm]",
+       "[--transport=tcp|shm|cuda_ipc] [--session=NAME [--return_state]]",
        0,
        {"weight_set", "tokens", "mode", "stage", "no_pre_mix", "capture_aux", "path", "input", "output", "seed",
-        "verify", "transport"}},
+        "verify", "transport", "session", "return_state"}},
       {"swa",
        "swa --weight_set=NAME [--tokens=M] [--row_stride=S] [--path=...] [--input=FILE] [--output=FILE] [--seed=S] [--verify] "
        "[--transport=tcp|shm]",

@@ -48,6 +48,8 @@ struct CommandLine {
   bool echo_floor = false;                   // bench: also measure a bare gRPC echo of the same sizes
   bool copy_requests = false;                // bench: protobuf-serialize every request (no shared request)
   std::string transport = "tcp";             // seam, swa, bench: tcp | shm (client/shared_memory.h)
+  std::string session;                       // seam: run in this residual session (x only per call)
+  bool return_state = false;                 // seam --session: also return new_residual and the mixes
   // bench --transport=cuda_ipc: makes a registered CUDA shared-memory region of `bytes` bytes
   // (client/cuda_shared_memory.h). Set by main, which links the compute library's GPU backend; null
   // where there is none (the transport is then FAILED_PRECONDITION).

@@ -129,6 +129,70 @@ std::string FormatReport(const v1::ExecutionReport& r, double round_trip_seconds
   return s;
 }
 
+namespace {
+
+// --session: the caller's session of that name, if open (tokens 0 when it is not).
+struct SeamSession {
+  int64_t tokens = 0;
+  bool open = false;
+};
+
+absl::StatusOr<SeamSession> FindSeamSession(const FusedLayerClient& client, const CommandLine& cl, v1::MhcStage stage) {
+  SeamSession found;
+  if (cl.session.empty()) {
+    if (cl.return_state) return absl::InvalidArgumentError("--return_state applies to --session calls only");
+    return found;
+  }
+  if (cl.transport != "tcp") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--session sends x in the message and keeps the rest on the server: not with --transport=", cl.transport));
+  }
+  if (cl.verify) return absl::InvalidArgumentError("--session calls cannot be verified (--verify)");
+  if (cl.no_pre_mix) return absl::InvalidArgumentError("--no_pre_mix: a session's calls take pre_mix from the session");
+  absl::StatusOr<v1::ListResidualSessionsResponse> list = client.ListResidualSessions();
+  if (!list.ok()) return list.status();
+  for (const v1::ResidualSessionInfo& s : list->sessions()) {
+    if (s.name() != cl.session) continue;
+    found = {.tokens = s.tokens(), .open = true};
+    if (cl.tokens_set && cl.tokens != s.tokens()) {
+      return absl::InvalidArgumentError(absl::StrCat("--tokens=", cl.tokens, ": residual session ", cl.session,
+                                                     " has T = ", s.tokens(), " (every call of a session has its T)"));
+    }
+  }
+  if (!found.open && stage != v1::MHC_STAGE_FIRST) {
+    return absl::NotFoundError(absl::StrCat("no residual session ", cl.session,
+                                            " of this identity: start one with --stage=first (which opens it)"));
+  }
+  return found;
+}
+
+// Opens the session for a FIRST call when it is not open yet (T = the request's, n and C the weight
+// set's) and turns `req` into a call of it: x only, the state from and to the session.
+absl::Status StartSeamSession(const FusedLayerClient& client, const CommandLine& cl, int64_t tokens,
+                              const SeamSession& session, v1::MhcSeamRequest& req, std::ostream& out) {
+  if (!session.open) {
+    absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
+    if (!ws.ok()) return ws.status();
+    if (!ws->has_mhc()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
+    absl::StatusOr<uint64_t> bytes = client.OpenResidualSession(cl.session, tokens, ws->mhc().hc_mult(), ws->mhc().hidden());
+    if (!bytes.ok()) return bytes.status();
+    out << "opened residual session " << cl.session << " (T=" << tokens << ", " << FormatBytes(double(*bytes))
+        << " on the server; close-session " << cl.session << " frees it)\n";
+  }
+  req.clear_residual();
+  req.clear_post_mix();
+  req.clear_comb_mix();
+  req.clear_pre_mix();
+  req.set_session(cl.session);
+  req.set_return_state(cl.return_state);
+  out << "session " << cl.session << ": x sent, the residual and mixes "
+      << (req.stage() == v1::MHC_STAGE_FIRST ? "start" : "continue") << " on the server"
+      << (cl.return_state ? " (and are returned)" : "") << "\n";
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
   if (cl.weight_set.empty()) return absl::InvalidArgumentError("seam needs --weight_set=NAME");
   if (!cl.input.empty() && cl.tokens_set) {
@@ -140,6 +204,8 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
   if (!stage.ok()) return stage.status();
   absl::StatusOr<v1::PathPreference> path = PathOf(cl);
   if (!path.ok()) return path.status();
+  absl::StatusOr<SeamSession> session = FindSeamSession(client, cl, *stage);
+  if (!session.ok()) return session.status();
 
   v1::MhcSeamRequest req;
   std::string origin;
@@ -152,7 +218,7 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
     MhcRequestSpec spec{.weight_set = cl.weight_set,
                         .stage = *stage,
                         .mode = *mode,
-                        .tokens = cl.tokens_set ? cl.tokens : 16,
+                        .tokens = session->tokens > 0 ? session->tokens : cl.tokens_set ? cl.tokens : 16,
                         .include_pre_mix = !cl.no_pre_mix,
                         .capture_aux = cl.capture_aux,
                         .path = *path};
@@ -164,13 +230,13 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
     origin = absl::StrCat("random inputs, seed ", seed);
   } else {
     using Getter = v1::Tensor* (*)(v1::MhcSeamRequest&);
-    const std::map<std::string, Getter> fields = {
-        {"x", [](v1::MhcSeamRequest& r) { return r.mutable_x(); }},
-        {"residual", [](v1::MhcSeamRequest& r) { return r.mutable_residual(); }},
-        {"post_mix", [](v1::MhcSeamRequest& r) { return r.mutable_post_mix(); }},
-        {"comb_mix", [](v1::MhcSeamRequest& r) { return r.mutable_comb_mix(); }},
-        {"pre_mix", [](v1::MhcSeamRequest& r) { return r.mutable_pre_mix(); }},
-    };
+    std::map<std::string, Getter> fields = {{"x", [](v1::MhcSeamRequest& r) { return r.mutable_x(); }}};
+    if (cl.session.empty()) {  // in a session the state comes from the server: the file holds x alone
+      fields.insert({{"residual", [](v1::MhcSeamRequest& r) { return r.mutable_residual(); }},
+                     {"post_mix", [](v1::MhcSeamRequest& r) { return r.mutable_post_mix(); }},
+                     {"comb_mix", [](v1::MhcSeamRequest& r) { return r.mutable_comb_mix(); }},
+                     {"pre_mix", [](v1::MhcSeamRequest& r) { return r.mutable_pre_mix(); }}});
+    }
     if (absl::Status s = FillFromFile(cl.input, fields, req); !s.ok()) return s;
     if (cl.no_pre_mix) req.clear_pre_mix();
     req.set_weight_set(cl.weight_set);
@@ -181,8 +247,12 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
     origin = absl::StrCat("inputs from ", cl.input);
   }
   const int64_t tokens = req.x().shape_size() > 0 ? req.x().shape(0) : 0;
+  if (!cl.session.empty()) {
+    if (absl::Status s = StartSeamSession(client, cl, tokens, *session, req, out); !s.ok()) return s;
+  }
   out << "MhcSeam weight_set=" << cl.weight_set << " stage=" << MhcStageName(req.stage())
-      << " mode=" << MhcModeName(req.mode()) << " tokens=" << tokens << " pre_mix=" << (req.has_pre_mix() ? "yes" : "no")
+      << " mode=" << MhcModeName(req.mode()) << " tokens=" << tokens << " pre_mix="
+      << (!req.session().empty() ? "session" : req.has_pre_mix() ? "yes" : "no")
       << " capture_aux=" << (req.capture_aux() ? "yes" : "no") << " path=" << PathPreferenceName(*path) << " ("
       << origin << ")\n";
 

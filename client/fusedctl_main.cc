@@ -81,6 +81,11 @@ ABSL_FLAG(std::string, transport, "tcp",
           "also: session (x only per call, the residual and mixes kept in a residual session on the server); bench "
           "also: cuda_ipc (tensors in device memory of this process on the server's GPU, used by the server's "
           "kernels in place; server started with --allow_cuda_shared_memory)");
+ABSL_FLAG(std::string, session, "",
+          "seam: run the call in this residual session of the caller's (x only; the residual and mixes stay on "
+          "the server between calls). --stage=first opens it (T = --tokens) when it is not open and starts the "
+          "stream; seam and head continue it (T = the session's). Close it with close-session NAME");
+ABSL_FLAG(bool, return_state, false, "seam --session: also return new_residual and the new mixes");
 ABSL_FLAG(int32_t, max_rss_growth_mb, 64, "soak: fail when the server RSS grows by more than this, MiB");
 ABSL_FLAG(bool, churn, false,
           "soak: one more client that loads a demo weight set as soak/churn and unloads it, again and again "
@@ -221,6 +226,8 @@ int main(int argc, char** argv) {
   cl.echo_floor = absl::GetFlag(FLAGS_echo_floor);
   cl.copy_requests = absl::GetFlag(FLAGS_copy_requests);
   cl.transport = absl::GetFlag(FLAGS_transport);
+  cl.session = absl::GetFlag(FLAGS_session);
+  cl.return_state = absl::GetFlag(FLAGS_return_state);
   // --transport=cuda_ipc: this process's GPU (the compute library's backend, created at first use),
   // whose exportable allocations the server opens by their IPC handles.
   cl.cuda_regions = [](const fusedlayer::client::FusedLayerClient& client,

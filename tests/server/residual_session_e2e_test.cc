@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "client/fusedlayer_client.h"
+#include "client/safetensors_io.h"
 #include "client_for.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
@@ -599,6 +600,98 @@ TEST(ResidualSession, FusedctlBenchSessionsAndCloseSession) {
                      &out),
             0);
   EXPECT_NE(out.find("--transport=session applies to --op=mhc only"), std::string::npos) << out;
+}
+
+// fusedctl seam --session: --stage=first opens the session and starts it from x, a SEAM continues
+// it with x alone; the outputs (written with --output, the state with --return_state) are bitwise
+// those of the same two calls with every tensor inline. Then the refusals, each with its message.
+TEST(ResidualSession, FusedctlSeamRunsInASession) {
+  std::mt19937_64 rng = MakeRng(83);
+  auto ts = TestServer::Start(TestConfig(), nullptr, TwoSets(rng));
+  ASSERT_NE(ts, nullptr);
+  auto c = ClientFor(*ts);
+  ASSERT_NE(c, nullptr);
+  const std::string target = "--target=127.0.0.1:" + std::to_string(ts->server().port());
+  char tmpl[] = "/tmp/fl-seam-session-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  constexpr int64_t T = 3;
+
+  // The two calls inline, with fresh inputs: FIRST from x1, SEAM from x2 and FIRST's state.
+  InlineState state;
+  ChainCall first = NextCall(rng, "rs/attn", v1::MHC_STAGE_FIRST, v1::MHC_MODE_SHIFTED, T, state, "");
+  absl::StatusOr<v1::MhcSeamResponse> want_first = c->MhcSeam(first.inline_request);
+  ASSERT_TRUE(want_first.ok()) << want_first.status();
+  Advance(*want_first, &state);
+  ChainCall seam = NextCall(rng, "rs/attn", v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, T, state, "");
+  absl::StatusOr<v1::MhcSeamResponse> want_seam = c->MhcSeam(seam.inline_request);
+  ASSERT_TRUE(want_seam.ok()) << want_seam.status();
+  ASSERT_TRUE(client::WriteSafetensors(dir + "/x1.safetensors", {{"x", first.inline_request.x()}}).ok());
+  ASSERT_TRUE(client::WriteSafetensors(dir + "/x2.safetensors", {{"x", seam.inline_request.x()}}).ok());
+
+  const std::vector<std::string> base = {target, "seam", "--weight_set=rs/attn", "--session=cli-seam"};
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), more.begin(), more.end());
+    return a;
+  };
+  std::string out;
+  // A SEAM before the session exists.
+  EXPECT_NE(Fusedctl(with({"--input=" + dir + "/x2.safetensors"}), &out), 0) << out;
+  EXPECT_NE(out.find("no residual session cli-seam of this identity: start one with --stage=first"), std::string::npos)
+      << out;
+  ASSERT_EQ(Fusedctl(with({"--stage=first", "--input=" + dir + "/x1.safetensors", "--output=" + dir + "/o1.safetensors"}),
+                     &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("opened residual session cli-seam (T=3,"), std::string::npos) << out;
+  EXPECT_NE(out.find("pre_mix=session"), std::string::npos) << out;
+  ASSERT_EQ(Fusedctl(with({"--input=" + dir + "/x2.safetensors", "--output=" + dir + "/o2.safetensors",
+                           "--return_state"}),
+                     &out),
+            0)
+      << out;
+  EXPECT_EQ(out.find("opened residual session"), std::string::npos) << out;  // the open one, continued
+  EXPECT_NE(out.find("session cli-seam: x sent, the residual and mixes continue on the server (and are returned)"),
+            std::string::npos)
+      << out;
+
+  absl::StatusOr<client::SafetensorsFile> o1 = client::ReadSafetensors(dir + "/o1.safetensors");
+  absl::StatusOr<client::SafetensorsFile> o2 = client::ReadSafetensors(dir + "/o2.safetensors");
+  ASSERT_TRUE(o1.ok()) << o1.status();
+  ASSERT_TRUE(o2.ok()) << o2.status();
+  EXPECT_EQ(o1->tensors.count("new_residual"), 0u);  // FIRST without --return_state: y alone
+  EXPECT_TRUE(TensorsBitwiseEqual(o1->tensors["y"], want_first->y()));
+  EXPECT_TRUE(TensorsBitwiseEqual(o2->tensors["y"], want_seam->y()));
+  EXPECT_TRUE(TensorsBitwiseEqual(o2->tensors["new_residual"], want_seam->new_residual()));
+  EXPECT_TRUE(TensorsBitwiseEqual(o2->tensors["new_pre_mix"], want_seam->new_pre_mix()));
+  EXPECT_TRUE(TensorsBitwiseEqual(o2->tensors["new_post_mix"], want_seam->new_post_mix()));
+  EXPECT_TRUE(TensorsBitwiseEqual(o2->tensors["new_comb_mix"], want_seam->new_comb_mix()));
+  EXPECT_EQ(Fusedctl({target, "sessions"}, &out), 0) << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(cli-seam  T=3 n=4 C=320  \S+ \S+  residual \+ mixes  2 call\(s\))")))
+      << out;
+
+  // Refusals: each names what is wrong, and the session is unchanged (still 2 calls).
+  EXPECT_NE(Fusedctl(with({"--tokens=5"}), &out), 0) << out;
+  EXPECT_NE(out.find("--tokens=5: residual session cli-seam has T = 3"), std::string::npos) << out;
+  EXPECT_NE(Fusedctl(with({"--transport=shm"}), &out), 0) << out;
+  EXPECT_NE(out.find("not with --transport=shm"), std::string::npos) << out;
+  EXPECT_NE(Fusedctl(with({"--verify"}), &out), 0) << out;
+  EXPECT_NE(out.find("cannot be verified"), std::string::npos) << out;
+  EXPECT_NE(Fusedctl(with({"--no_pre_mix"}), &out), 0) << out;
+  EXPECT_NE(out.find("take pre_mix from the session"), std::string::npos) << out;
+  ASSERT_TRUE(client::WriteSafetensors(dir + "/state.safetensors",
+                                       {{"x", seam.inline_request.x()}, {"residual", seam.inline_request.residual()}})
+                  .ok());
+  EXPECT_NE(Fusedctl(with({"--input=" + dir + "/state.safetensors"}), &out), 0) << out;
+  EXPECT_NE(out.find("tensor \"residual\" is not a request field (expected x)"), std::string::npos) << out;
+  EXPECT_NE(Fusedctl({target, "seam", "--weight_set=rs/attn", "--return_state"}, &out), 0) << out;
+  EXPECT_NE(out.find("--return_state applies to --session calls only"), std::string::npos) << out;
+  EXPECT_EQ(Fusedctl({target, "sessions"}, &out), 0) << out;
+  EXPECT_NE(out.find("2 call(s)"), std::string::npos) << out;
+  EXPECT_EQ(Fusedctl({target, "close-session", "cli-seam"}, &out), 0) << out;
+  for (const char* f : {"x1", "x2", "o1", "o2", "state"}) ::unlink((dir + "/" + f + ".safetensors").c_str());
+  ::rmdir(dir.c_str());
 }
 
 }  // namespace
