@@ -1,7 +1,9 @@
 // fusedctl seam | swa: one request (random or from a safetensors file), then the execution report
 // and a summary of every output.
 #include <chrono>
+#include <functional>
 #include <map>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <set>
@@ -168,13 +170,15 @@ absl::StatusOr<SeamSession> FindSeamSession(const FusedLayerClient& client, cons
 
 // Opens the session for a FIRST call when it is not open yet (T = the request's, n and C the weight
 // set's) and turns `req` into a call of it: x only, the state from and to the session.
+// `mhc` fetches the weight set's mHC config (RunSeam's, fetched once).
 absl::Status StartSeamSession(const FusedLayerClient& client, const CommandLine& cl, int64_t tokens,
-                              const SeamSession& session, v1::MhcSeamRequest& req, std::ostream& out) {
+                              const SeamSession& session,
+                              const std::function<absl::StatusOr<v1::MhcConfig>()>& mhc, v1::MhcSeamRequest& req,
+                              std::ostream& out) {
   if (!session.open) {
-    absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
-    if (!ws.ok()) return ws.status();
-    if (!ws->has_mhc()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
-    absl::StatusOr<uint64_t> bytes = client.OpenResidualSession(cl.session, tokens, ws->mhc().hc_mult(), ws->mhc().hidden());
+    absl::StatusOr<v1::MhcConfig> config = mhc();
+    if (!config.ok()) return config.status();
+    absl::StatusOr<uint64_t> bytes = client.OpenResidualSession(cl.session, tokens, config->hc_mult(), config->hidden());
     if (!bytes.ok()) return bytes.status();
     out << "opened residual session " << cl.session << " (T=" << tokens << ", " << FormatBytes(double(*bytes))
         << " on the server; close-session " << cl.session << " frees it)\n";
@@ -206,15 +210,24 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
   if (!path.ok()) return path.status();
   absl::StatusOr<SeamSession> session = FindSeamSession(client, cl, *stage);
   if (!session.ok()) return session.status();
+  // The weight set's mHC config, fetched at its first use (random inputs, a session to open, a
+  // region to size) and kept for the others.
+  std::optional<absl::StatusOr<v1::MhcConfig>> mhc_config;
+  auto mhc = [&]() -> absl::StatusOr<v1::MhcConfig> {
+    if (!mhc_config) {
+      absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
+      if (!ws.ok()) mhc_config = ws.status();
+      else if (!ws->has_mhc()) mhc_config = absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
+      else mhc_config = ws->mhc();
+    }
+    return *mhc_config;
+  };
 
   v1::MhcSeamRequest req;
   std::string origin;
   if (cl.input.empty()) {
-    absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
-    if (!ws.ok()) return ws.status();
-    if (!ws->has_mhc()) {
-      return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
-    }
+    absl::StatusOr<v1::MhcConfig> config = mhc();
+    if (!config.ok()) return config.status();
     MhcRequestSpec spec{.weight_set = cl.weight_set,
                         .stage = *stage,
                         .mode = *mode,
@@ -224,7 +237,7 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
                         .path = *path};
     const uint64_t seed = cl.seed ? cl.seed : FreshSeed();
     std::mt19937_64 rng(seed);
-    absl::StatusOr<v1::MhcSeamRequest> r = RandomMhcRequest(ws->mhc(), spec, rng);
+    absl::StatusOr<v1::MhcSeamRequest> r = RandomMhcRequest(*config, spec, rng);
     if (!r.ok()) return r.status();
     req = *std::move(r);
     origin = absl::StrCat("random inputs, seed ", seed);
@@ -248,7 +261,7 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
   }
   const int64_t tokens = req.x().shape_size() > 0 ? req.x().shape(0) : 0;
   if (!cl.session.empty()) {
-    if (absl::Status s = StartSeamSession(client, cl, tokens, *session, req, out); !s.ok()) return s;
+    if (absl::Status s = StartSeamSession(client, cl, tokens, *session, mhc, req, out); !s.ok()) return s;
   }
   out << "MhcSeam weight_set=" << cl.weight_set << " stage=" << MhcStageName(req.stage())
       << " mode=" << MhcModeName(req.mode()) << " tokens=" << tokens << " pre_mix="
@@ -261,13 +274,12 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
   if (!region_transport.ok()) return region_transport.status();
   std::unique_ptr<ClientRegion> shm;
   if (*region_transport) {
-    absl::StatusOr<v1::WeightSetInfo> ws = client.FindWeightSet(cl.weight_set);
-    if (!ws.ok()) return ws.status();
-    if (!ws->has_mhc()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
-    absl::StatusOr<std::unique_ptr<ClientRegion>> created = MakeRegion(client, cl, MhcRequestSharedBytes(req, ws->mhc()));
+    absl::StatusOr<v1::MhcConfig> config = mhc();
+    if (!config.ok()) return config.status();
+    absl::StatusOr<std::unique_ptr<ClientRegion>> created = MakeRegion(client, cl, MhcRequestSharedBytes(req, *config));
     if (!created.ok()) return created.status();
     shm = *std::move(created);
-    if (absl::Status s = shm->Prepare(req, ws->mhc()); !s.ok()) return s;
+    if (absl::Status s = shm->Prepare(req, *config); !s.ok()) return s;
     out << RegionLine(cl, *shm);
   }
   const Clock::time_point t0 = Clock::now();

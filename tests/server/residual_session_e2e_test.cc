@@ -134,6 +134,18 @@ std::vector<PackedWeightSet> TwoSets(std::mt19937_64& rng, int64_t C = kC) {
           MakeWeightSet(rng, "rs/ffn", MhcSetSpec{.hc_mult = kN, .hidden = C}, std::nullopt)};
 }
 
+// A server on the CPU backend with TwoSets loaded, and a client of it (null if either failed).
+struct CpuServer {
+  std::unique_ptr<TestServer> ts;
+  std::unique_ptr<FusedLayerClient> client;
+};
+CpuServer StartTwoSetsOnCpu(std::mt19937_64& rng) {
+  CpuServer s;
+  s.ts = TestServer::Start(TestConfig(), nullptr, TwoSets(rng));
+  if (s.ts != nullptr) s.client = ClientFor(*s.ts);
+  return s;
+}
+
 // A server on the lane test backend (device memory apart from the host's, copies only through
 // lanes) with `sets` loaded and `lanes` lanes, its backend's counters and gate, and a client.
 struct LaneServer {
@@ -156,10 +168,9 @@ LaneServer StartOnLanes(std::vector<PackedWeightSet> sets, int lanes) {
 
 TEST(ResidualSession, ChainIsBitwiseTheInlineChainInBothModesAndPaths) {
   std::mt19937_64 rng = MakeRng(71);
-  auto ts = TestServer::Start(TestConfig(), nullptr, TwoSets(rng));
-  ASSERT_NE(ts, nullptr);
-  auto c = ClientFor(*ts);
-  ASSERT_NE(c, nullptr);
+  CpuServer s = StartTwoSetsOnCpu(rng);
+  ASSERT_NE(s.client, nullptr);
+  FusedLayerClient* c = s.client.get();
   for (auto mode : {v1::MHC_MODE_SHIFTED, v1::MHC_MODE_NORMAL}) {
     for (auto pref : {v1::PATH_PREFERENCE_AUTO, v1::PATH_PREFERENCE_FORCE_UNFUSED}) {
       for (int64_t T : {int64_t{1}, int64_t{7}}) {
@@ -540,10 +551,9 @@ TEST(ResidualSession, AnIdleSessionIsClosedAndABusyOneIsNot) {
 
 TEST(ResidualSession, UnloadingAWeightSetClosesTheSessionsThatUsedIt) {
   std::mt19937_64 rng = MakeRng(80);
-  auto ts = TestServer::Start(TestConfig(), nullptr, TwoSets(rng));
-  ASSERT_NE(ts, nullptr);
-  auto c = ClientFor(*ts);
-  ASSERT_NE(c, nullptr);
+  CpuServer s = StartTwoSetsOnCpu(rng);
+  ASSERT_NE(s.client, nullptr);
+  FusedLayerClient* c = s.client.get();
   ASSERT_TRUE(c->OpenResidualSession("uses-attn", 2, kN, kC).ok());
   ASSERT_TRUE(c->OpenResidualSession("uses-ffn", 2, kN, kC).ok());
   InlineState none;
@@ -607,11 +617,10 @@ TEST(ResidualSession, FusedctlBenchSessionsAndCloseSession) {
 // those of the same two calls with every tensor inline. Then the refusals, each with its message.
 TEST(ResidualSession, FusedctlSeamRunsInASession) {
   std::mt19937_64 rng = MakeRng(83);
-  auto ts = TestServer::Start(TestConfig(), nullptr, TwoSets(rng));
-  ASSERT_NE(ts, nullptr);
-  auto c = ClientFor(*ts);
-  ASSERT_NE(c, nullptr);
-  const std::string target = "--target=127.0.0.1:" + std::to_string(ts->server().port());
+  CpuServer s = StartTwoSetsOnCpu(rng);
+  ASSERT_NE(s.client, nullptr);
+  FusedLayerClient* c = s.client.get();
+  const std::string target = "--target=127.0.0.1:" + std::to_string(s.ts->server().port());
   char tmpl[] = "/tmp/fl-seam-session-XXXXXX";
   ASSERT_NE(::mkdtemp(tmpl), nullptr);
   const std::string dir = tmpl;
