@@ -108,10 +108,22 @@ constexpr int kFinalizeNarrowMixWarps = 4;
 
 template <int N, bool kVec>
 absl::Status LaunchFinalize(FinalizeParams fp, const GpuContext& ctx) {
-  fp.mix_warps = fp.tokens <= kFinalizeNarrowMixMaxTokens ? kFinalizeNarrowMixWarps : mhc::kFinalizeWarps;
+  const bool large = fp.tokens > kFinalizeNarrowMixMaxTokens;
+  fp.mix_warps = large ? mhc::kFinalizeWarps : kFinalizeNarrowMixWarps;
   const int64_t nvec = (fp.C + 7) / 8, nchunk = (fp.C + 127) / 128;
   const size_t smem = size_t(nvec + nchunk) * sizeof(float);
-  auto kernel = mhc::MhcFinalizeKernel<N, kVec>;
+  // Above the narrow-mix range the y blocks' bandwidth sets the time: an instance compiled for
+  // more resident blocks (a launch choice like mix_warps; same bits). Measured at C = 7168, T = 4096
+  // (MHC_GPU_NOTES.md, "Occupancy round"): rescaling z (the fused shifted seam) is fastest at 4
+  // blocks per SM, collapsing R' (the unfused path, normal mode: 4x the loads per vector) at 3.
+  // Only for n = 4 (DeepSeek's): each instance adds its code to every executable's fatbin.
+  auto kernel = mhc::MhcFinalizeKernel<N, kVec, 2>;
+  if constexpr (N == 4) {
+    if (large) {
+      kernel = fp.y_source == mhc::YSource::kRescaleZ ? mhc::MhcFinalizeKernel<N, kVec, mhc::kFinalizeRescaleMinBlocks>
+                                                       : mhc::MhcFinalizeKernel<N, kVec, mhc::kFinalizeCollapseMinBlocks>;
+    }
+  }
   if (smem > 48 * 1024) {
     if (smem > size_t(ctx.max_smem_per_block_optin)) {
       return absl::UnimplementedError(absl::StrCat("hidden size ", fp.C, " exceeds the finalize kernel's shared memory"));

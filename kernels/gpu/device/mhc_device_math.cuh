@@ -73,6 +73,36 @@ __device__ __forceinline__ void Load8(const uint16_t* __restrict__ p, int count,
     for (int e = 0; e < 8; ++e) f[e] = e < count ? Bf16ToFloat(p[e]) : 0.0f;
   }
 }
+// Eight bf16 values held as loaded until they are used: the 16 bytes in 4 registers (kVec), or,
+// for scalar loads, already widened. Kernels that keep several vectors of loads in flight use this
+// instead of Load8, so each vector in flight costs 4 registers, not 8 (Widen8 gives the floats).
+template <bool kVec>
+struct Bf16x8 {
+  float f[8];
+};
+template <>
+struct Bf16x8<true> {
+  uint4 v;
+};
+template <bool kVec>
+__device__ __forceinline__ Bf16x8<kVec> Load8Raw(const uint16_t* __restrict__ p, int count) {
+  Bf16x8<kVec> r;
+  if constexpr (kVec) {
+    r.v = *reinterpret_cast<const uint4*>(p);
+  } else {
+    Load8<false>(p, count, r.f);
+  }
+  return r;
+}
+template <bool kVec>
+__device__ __forceinline__ void Widen8(const Bf16x8<kVec>& r, float f[8]) {
+  if constexpr (kVec) {
+    Unpack8(r.v, f);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = r.f[e];
+  }
+}
 template <bool kVec>
 __device__ __forceinline__ void Store8(uint16_t* __restrict__ p, int count, const float f[8]) {
   if constexpr (kVec) {

@@ -16,6 +16,14 @@ namespace fusedlayer::gpu::mhc {
 
 inline constexpr int kFinalizeThreads = 256;
 inline constexpr int kFinalizeWarps = kFinalizeThreads / kWarpSize;
+// Blocks per SM that the large-T instances of the finalize are compiled for (__launch_bounds__): at
+// large T the y blocks stream z and y (or R' and y) at a bandwidth set by how many are resident,
+// and the decode instance's 128 registers (the mix warps' 64-wide split batch) allow only 2 of them
+// per SM. The large-T instances batch the split loads 16 wide (same adds, same order) to fit 64
+// registers at 4 blocks (rescale; ptxas spills 32 bytes at n = 4) or 85 at 3 (collapse: R' of 4
+// streams per vector). MHC_GPU_NOTES.md, "Occupancy round", has the measurements behind 4 and 3.
+inline constexpr int kFinalizeRescaleMinBlocks = 4;
+inline constexpr int kFinalizeCollapseMinBlocks = 3;
 
 enum class YSource : int {
   kCollapseGiven = 0,  // collapse R' with pre_mix (shifted / head), or stream 0 when pre_mix is null
@@ -51,13 +59,15 @@ __device__ __forceinline__ void WarpSync() {
 #endif
 }
 
-// Sum over splits in split order, from 0. Loads go out 64 at a time (one L2 round trip per 64
-// splits instead of one per split); the adds stay sequential. 64 covers every DeepSeek C on the
-// fused path (C / 128 = 32, 40, 56 splits) in one round trip: the mix warp's reduction sits on the
-// decode-size critical path, and the second round trip of 32-wide batches cost C = 5120 and 7168
-// ~1-1.3 µs per call (bench_mhc_gpu, 2026-11-29).
+// Sum over splits in split order, from 0. Loads go out kBatch at a time (one L2 round trip per
+// kBatch splits instead of one per split); the adds stay sequential, so the batch size never changes
+// a bit. 64 covers every DeepSeek C on the fused path (C / 128 = 32, 40, 56 splits) in one round
+// trip: the mix warp's reduction sits on the decode-size critical path, and the second round trip of
+// 32-wide batches cost C = 5120 and 7168 ~1-1.3 us per call (bench_mhc_gpu, 2026-11-29). The
+// large-T instance of the finalize uses 16: there the mix warps are off the critical path and the
+// 64 registers of the wide batch would halve the y blocks' occupancy (kFinalizeRescaleMinBlocks).
+template <int kBatch = 64>
 __device__ __forceinline__ float ReduceSplits(const float* __restrict__ p, int nsplit, int stride) {
-  constexpr int kBatch = 64;
   float s = 0.0f;
   for (int i = 0; i < nsplit; i += kBatch) {
     float v[kBatch];
@@ -77,11 +87,12 @@ __device__ __forceinline__ float ReduceSplits(const float* __restrict__ p, int n
 // lane 0 after the Sinkhorn). Each gate is ComputePre's / ComputePost's expression for its index,
 // so new_pre_mix keeps the bits that normal mode's y blocks collapse with. `dsum` is 25 floats of
 // shared memory owned by the warp. Must be called by all lanes of the warp.
+template <int kSplitBatch>
 __device__ __forceinline__ void MixWarp4(const float* part, int nsplit, int stride, float k_count, const float* scale,
                                          const float* base, const MixHyper& hyper, float* dsum, int64_t t,
                                          float* new_pre, float* new_post, float* new_comb, int lane) {
   constexpr int N = 4, M = N * (N + 2);
-  for (int o = lane; o <= M; o += kWarpSize) dsum[o] = ReduceSplits(part + o, nsplit, stride);
+  for (int o = lane; o <= M; o += kWarpSize) dsum[o] = ReduceSplits<kSplitBatch>(part + o, nsplit, stride);
   WarpSync();
   const float r = RsqrtMean(dsum[M], k_count, hyper.hc_norm_eps);
   const int g = lane & (2 * N - 1);  // lanes 0..3: pre[g]; 4..7: post[g - 4] (others: duplicates)
@@ -94,9 +105,12 @@ __device__ __forceinline__ void MixWarp4(const float* part, int nsplit, int stri
   WarpSync();  // dsum may be reused by the warp's next token
 }
 
-template <int N, bool kVec>
-__global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizeParams p) {
+// kMinBlocks: 2 (decode sizes: the mix chain's latency first, one L2 round trip for the splits) or
+// more (large T: occupancy first). Same arithmetic, same bits.
+template <int N, bool kVec, int kMinBlocks>
+__global__ void __launch_bounds__(kFinalizeThreads, kMinBlocks) MhcFinalizeKernel(FinalizeParams p) {
   constexpr int M = N * (N + 2);
+  constexpr int kSplitBatch = kMinBlocks > 2 ? 16 : 64;
   __shared__ float dsum[kFinalizeWarps][M + 1];
   __shared__ float pre_s[N];
   __shared__ float rho_s;
@@ -114,10 +128,11 @@ __global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizePa
     const float* part = p.partials + t * p.nsplit * p.stride;
     if constexpr (N == 4 && kWarpSize >= 16) {
       // The whole warp runs the Sinkhorn (CombSinkhornRegs4) and the gates.
-      MixWarp4(part, p.nsplit, p.stride, p.k_count, p.scale, p.base, p.hyper, dsum[warp], t, p.new_pre, p.new_post,
-               p.new_comb, lane);
+      MixWarp4<kSplitBatch>(part, p.nsplit, p.stride, p.k_count, p.scale, p.base, p.hyper, dsum[warp], t, p.new_pre,
+                            p.new_post, p.new_comb, lane);
     } else {
-      for (int o = lane; o <= M; o += kWarpSize) dsum[warp][o] = ReduceSplits(part + o, p.nsplit, p.stride);
+      for (int o = lane; o <= M; o += kWarpSize)
+        dsum[warp][o] = ReduceSplits<kSplitBatch>(part + o, p.nsplit, p.stride);
       WarpSync();
       if (lane == 0) {
         float pre[N], post[N], comb[N * N];
@@ -162,7 +177,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizePa
     if (p.y_source == YSource::kCollapseNew) {
       if (warp == 0) {
         for (int o = lane; o <= M; o += kWarpSize)
-          if (o < N || o == M) dsum[0][o] = ReduceSplits(part + o, p.nsplit, p.stride);
+          if (o < N || o == M) dsum[0][o] = ReduceSplits<kSplitBatch>(part + o, p.nsplit, p.stride);
         WarpSync();
         if (lane == 0) ComputePre<N>(dsum[0], dsum[0][M], p.k_count, p.scale, p.base, p.hyper, pre_s);
       }
@@ -179,10 +194,11 @@ __global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizePa
     }
     const uint16_t* rt = p.new_residual + t * N * C;
     // G vecs per thread per iteration with every load issued before the first use: the loop body
-    // is latency-bound at decode sizes, and the compiler cannot hoist loads past the y stores.
+    // is latency-bound at decode sizes, and the compiler cannot hoist loads past the y stores. The
+    // loads are held as loaded (Bf16x8) until used.
     constexpr int G = N <= 2 ? 4 : (N <= 4 ? 2 : 1);
     for (int64_t base = threadIdx.x; base < nvec; base += int64_t(G) * kFinalizeThreads) {
-      float r[G][N][8];
+      Bf16x8<kVec> r[G][N];
 #pragma unroll
       for (int k = 0; k < G; ++k) {
         const int64_t v = base + int64_t(k) * kFinalizeThreads;
@@ -191,7 +207,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizePa
         if (count == 0) continue;
 #pragma unroll
         for (int j = 0; j < N; ++j)
-          if (j == 0 || !stream0) Load8<kVec>(rt + j * C + c0, count, r[k][j]);
+          if (j == 0 || !stream0) r[k][j] = Load8Raw<kVec>(rt + j * C + c0, count);
       }
 #pragma unroll
       for (int k = 0; k < G; ++k) {
@@ -200,14 +216,17 @@ __global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizePa
         const int64_t c0 = v * 8;
         const int count = int(C - c0 < 8 ? C - c0 : 8);
         float z[8];
+        if (stream0) {
+          Widen8<kVec>(r[k][0], z);
+        } else {
+          float rf[N][8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          if (stream0) {
-            z[e] = r[k][0][e];
-          } else {
+          for (int j = 0; j < N; ++j) Widen8<kVec>(r[k][j], rf[j]);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
             float col[N];
 #pragma unroll
-            for (int j = 0; j < N; ++j) col[j] = r[k][j][e];
+            for (int j = 0; j < N; ++j) col[j] = rf[j][e];
             z[e] = e < count ? CollapseElement<N>(col, coef) : 0.0f;
           }
         }
@@ -243,15 +262,15 @@ __global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizePa
   const float rho = rho_s;
   constexpr int G2 = 4;
   for (int64_t base = threadIdx.x; base < nvec; base += int64_t(G2) * kFinalizeThreads) {
-    float z[G2][8], gw[G2][8];
+    Bf16x8<kVec> zr[G2], gr[G2];
 #pragma unroll
     for (int k = 0; k < G2; ++k) {
       const int64_t v = base + int64_t(k) * kFinalizeThreads;
       if (v >= nvec) continue;
       const int64_t c0 = v * 8;
       const int count = int(C - c0 < 8 ? C - c0 : 8);
-      Load8<kVec>(yt + c0, count, z[k]);
-      Load8<kVec>(p.norm_weight + c0, count, gw[k]);
+      zr[k] = Load8Raw<kVec>(yt + c0, count);
+      gr[k] = Load8Raw<kVec>(p.norm_weight + c0, count);
     }
 #pragma unroll
     for (int k = 0; k < G2; ++k) {
@@ -259,9 +278,12 @@ __global__ void __launch_bounds__(kFinalizeThreads) MhcFinalizeKernel(FinalizePa
       if (v >= nvec) continue;
       const int64_t c0 = v * 8;
       const int count = int(C - c0 < 8 ? C - c0 : 8);
+      float z[8], gw[8];
+      Widen8<kVec>(zr[k], z);
+      Widen8<kVec>(gr[k], gw);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) z[k][e] = NormElement(z[k][e], rho, gw[k][e]);
-      Store8<kVec>(yt + c0, count, z[k]);
+      for (int e = 0; e < 8; ++e) z[e] = NormElement(z[e], rho, gw[e]);
+      Store8<kVec>(yt + c0, count, z);
     }
   }
 }
