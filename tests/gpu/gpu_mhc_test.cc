@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "fusedlayer/mhc.h"
 #include "fusedlayer/numeric.h"
 #include "gpu_context.h"
@@ -305,9 +306,21 @@ void ExpectNormalY(const Weights& w, const MhcRefOutputs& ref, const std::vector
   const NormalYCheck r = CheckNormalModeY(w.hp, RefWeights(w), ref, got, want, two_paths ? 2.0 : 1.0, two_paths ? 2 : 1);
   EXPECT_EQ(r.beyond_bound, 0) << what << ": " << r.beyond_bound << " of " << r.elements
                                << " beyond the element-wise bound; first at " << r.first_bad;
+  // The first element past `ulp`, with the reference's z there: whether it sits where the collapse
+  // cancels (|z| small against the terms) tells a rounding flip from a kernel error.
+  auto describe = [&](int64_t i) {
+    if (i < 0) return std::string();
+    const int64_t C = w.hp.hidden, t = i / C, c = i % C;
+    return absl::StrCat("; first at token ", t, " column ", c, ": got ", Bf16ToFloat(got[size_t(i)]), ", want ",
+                        Bf16ToFloat(want[size_t(i)]), ", ", Bf16UlpDistance(got[size_t(i)], want[size_t(i)]),
+                        " ulp, reference z ", Bf16ToFloat(ref.z[size_t(i)]));
+  };
   EXPECT_LE(double(r.beyond_ulp), (two_paths ? 2e-3 : 1e-3) * double(r.elements))
-      << what << ": " << r.beyond_ulp << " of " << r.elements << " beyond " << (two_paths ? 2 : 1) << " ulp";
-  std::printf("[ info ] %s: worst %d ulp, %.4f of the element-wise allowance used\n", what, r.worst_ulp, r.worst_use);
+      << what << ": " << r.beyond_ulp << " of " << r.elements << " beyond " << (two_paths ? 2 : 1) << " ulp"
+      << describe(r.first_beyond_ulp);
+  std::printf("[ info ] %s: worst %d ulp, %.4f of the element-wise allowance used, %lld of %lld beyond %d ulp%s\n",
+              what, r.worst_ulp, r.worst_use, static_cast<long long>(r.beyond_ulp),
+              static_cast<long long>(r.elements), two_paths ? 2 : 1, describe(r.first_beyond_ulp).c_str());
 }
 
 // ---- fixture --------------------------------------------------------------------------------------

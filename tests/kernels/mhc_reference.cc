@@ -213,7 +213,7 @@ NormalYCheck CheckNormalModeY(const MhcHyperParams& hp, const MhcRefWeights& w, 
       const double diff = std::fabs(a - b);
       const int d = std::isnan(a) ? (1 << 20) : Bf16UlpDistance(got[i], want[i]);
       r.worst_ulp = std::max(r.worst_ulp, d);
-      if (d > ulp) ++r.beyond_ulp;
+      if (d > ulp && r.beyond_ulp++ == 0) r.first_beyond_ulp = int64_t(i);
       if (!(diff <= bound)) {  // NaN fails
         if (r.beyond_bound++ == 0) r.first_bad = int64_t(i);
       } else if (diff / bound > r.worst_use) {

@@ -63,6 +63,7 @@ struct NormalYCheck {
   int64_t beyond_bound = 0;    // must be 0
   int64_t beyond_ulp = 0;      // elements with ulp distance > `ulp`
   int64_t first_bad = -1;      // first element beyond the bound
+  int64_t first_beyond_ulp = -1;  // first element more than `ulp` ulps from `want`
   int worst_ulp = 0;           // largest ulp distance seen
   double worst_use = 0;        // largest |diff| / bound (the fraction of the allowance used)
 };
