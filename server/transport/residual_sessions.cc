@@ -90,29 +90,13 @@ ResidualSessionStore::ResidualSessionStore(ResidualSessionLimits limits, Backend
                       .Help("Backend (device) memory held by the open residual sessions (all identities)")
                       .Register(metrics)
                       .Add({});
-  if (enabled()) reaper_ = std::thread([this] { ReaperLoop(); });
-}
-
-ResidualSessionStore::~ResidualSessionStore() {
-  {
-    std::lock_guard<std::mutex> lock(reaper_mu_);
-    stopping_ = true;
-  }
-  reaper_cv_.notify_all();
-  if (reaper_.joinable()) reaper_.join();
-}
-
-void ResidualSessionStore::ReaperLoop() {
-  // Checks a few times per idle period, at most once a second: a session lives at most ~1.25x
-  // the idle time after its last call.
-  const auto period = std::chrono::duration<double>(std::clamp(limits_.idle_seconds / 4, 0.05, 1.0));
-  std::unique_lock<std::mutex> lock(reaper_mu_);
-  while (!reaper_cv_.wait_for(lock, period, [this] { return stopping_; })) {
-    lock.unlock();
-    CloseIdle(std::chrono::steady_clock::now());
-    lock.lock();
+  // Last: the reaper may run as soon as it exists.
+  if (enabled()) {
+    reaper_.emplace(ReaperPeriod(limits_.idle_seconds), [this] { CloseIdle(std::chrono::steady_clock::now()); });
   }
 }
+
+ResidualSessionStore::~ResidualSessionStore() = default;  // reaper_, declared last, stops first
 
 absl::Status ResidualSessionStore::CheckEnabled() const {
   if (enabled()) return absl::OkStatus();

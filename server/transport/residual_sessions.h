@@ -23,20 +23,19 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
+#include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/annotated_mutex.h"
+#include "common/periodic_task.h"
 #include "exec/device_range.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/tensor.h"
@@ -182,7 +181,6 @@ class ResidualSessionStore {
     return bytes <= limits_.total_bytes && total_bytes_ <= limits_.total_bytes - bytes;
   }
   absl::Status TotalExhausted(const std::string& name, uint64_t bytes) const;
-  void ReaperLoop();
 
   const ResidualSessionLimits limits_;
   Backend& backend_;
@@ -193,11 +191,8 @@ class ResidualSessionStore {
   std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
   int64_t total_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  // The reaper sleeps on its own std::mutex + condition variable (woken to stop).
-  std::mutex reaper_mu_;
-  std::condition_variable reaper_cv_;
-  bool stopping_ = false;
-  std::thread reaper_;
+  // Closes idle sessions (CloseIdle); declared last, so it stops before anything it uses goes.
+  std::optional<PeriodicTask> reaper_;
 };
 
 }  // namespace fusedlayer::server::transport
