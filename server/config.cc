@@ -1,5 +1,7 @@
 #include "config.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -143,6 +145,12 @@ absl::Status ServerConfig::Validate() const {
   }
   if (cuda_shared_memory_max_bytes < 1) {
     return absl::InvalidArgumentError("--cuda_shared_memory_max_bytes must be >= 1");
+  }
+  for (auto [flag, value] : {std::pair{"--shared_memory_idle_seconds", shared_memory_idle_seconds},
+                             {"--cuda_shared_memory_idle_seconds", cuda_shared_memory_idle_seconds}}) {
+    if (!(value >= 0 && value <= 604800)) {  // NaN fails too
+      return absl::InvalidArgumentError(absl::StrCat(flag, " must be in [0, 604800] (0 = never), got ", value));
+    }
   }
   if (residual_session_max_sessions < 0 || residual_session_max_sessions > 65536) {
     return absl::InvalidArgumentError(absl::StrCat("--residual_session_max_sessions must be in [0, 65536], got ",

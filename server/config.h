@@ -127,6 +127,9 @@ struct ServerConfig {
   // On a device backend with lanes: registered bytes (all identities) mapped and page-locked so the
   // device copies inputs from where they lie (transport/shared_memory.h); 0 = never.
   uint64_t shared_memory_locked_bytes = uint64_t{8} << 30;
+  // Regions (system / CUDA) no request has used for this long are unregistered; 0 = never.
+  double shared_memory_idle_seconds = 0;
+  double cuda_shared_memory_idle_seconds = 0;
   // CUDA shared memory (server/transport/cuda_shared_memory.h, docs/operations.md): off unless set,
   // and only on a GPU backend; per-identity limits.
   bool allow_cuda_shared_memory = false;

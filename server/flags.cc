@@ -107,6 +107,9 @@ ABSL_FLAG(uint64_t, shared_memory_max_bytes, uint64_t{16} << 30,
 ABSL_FLAG(uint64_t, shared_memory_locked_bytes, uint64_t{8} << 30,
           "on a device backend: bytes of registered regions (all identities) the server maps and page-locks so "
           "that the device reads inputs where they lie; regions beyond it are read with pread; 0 = never");
+ABSL_FLAG(double, shared_memory_idle_seconds, 0,
+          "a shared-memory region that no request has used for this long is unregistered, as if its identity had "
+          "unregistered it (frees what a client that died left registered); 0 = never (0 to 604800)");
 
 // CUDA shared memory (server/transport/cuda_shared_memory.h, docs/operations.md).
 ABSL_FLAG(bool, allow_cuda_shared_memory, false,
@@ -118,6 +121,10 @@ ABSL_FLAG(int64_t, cuda_shared_memory_max_regions, 64,
 ABSL_FLAG(uint64_t, cuda_shared_memory_max_bytes, uint64_t{64} << 30,
           "bytes of CUDA shared-memory regions one identity may hold registered (the memory is the client's; the "
           "limit bounds what one identity can make the server map)");
+ABSL_FLAG(double, cuda_shared_memory_idle_seconds, 0,
+          "a CUDA shared-memory region that no request has used for this long is unregistered, closing its IPC "
+          "opening once no other region uses it (the GPU memory of a client that died without unregistering is "
+          "held by that opening); 0 = never (0 to 604800)");
 
 // Residual sessions (server/transport/residual_sessions.h, docs/operations.md).
 ABSL_FLAG(int64_t, residual_session_max_sessions, 64,
@@ -194,8 +201,10 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.allow_unauthenticated_tls = absl::GetFlag(FLAGS_allow_unauthenticated_tls);
   c.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
   c.shared_memory_max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
+  c.shared_memory_idle_seconds = absl::GetFlag(FLAGS_shared_memory_idle_seconds);
   c.allow_cuda_shared_memory = absl::GetFlag(FLAGS_allow_cuda_shared_memory);
   c.cuda_shared_memory_max_regions = absl::GetFlag(FLAGS_cuda_shared_memory_max_regions);
+  c.cuda_shared_memory_idle_seconds = absl::GetFlag(FLAGS_cuda_shared_memory_idle_seconds);
   c.cuda_shared_memory_max_bytes = absl::GetFlag(FLAGS_cuda_shared_memory_max_bytes);
   c.shared_memory_max_bytes = absl::GetFlag(FLAGS_shared_memory_max_bytes);
   c.shared_memory_locked_bytes = absl::GetFlag(FLAGS_shared_memory_locked_bytes);

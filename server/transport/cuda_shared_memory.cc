@@ -23,6 +23,16 @@ CudaSharedMemoryRegistry::CudaSharedMemoryRegistry(CudaSharedMemoryLimits limits
                       .Help("Bytes of the registered CUDA shared-memory regions (all identities)")
                       .Register(metrics)
                       .Add({});
+  expired_counter_ = &prometheus::BuildCounter()
+                          .Name("fusedlayer_cuda_shared_memory_regions_expired_total")
+                          .Help("CUDA shared-memory regions unregistered because no request used them for "
+                                "--cuda_shared_memory_idle_seconds")
+                          .Register(metrics)
+                          .Add({});
+  // Last: the reaper may run as soon as it exists.
+  if (limits_.enabled && limits_.idle_seconds > 0) {
+    reaper_.emplace(ReaperPeriod(limits_.idle_seconds), [this] { ExpireIdle(std::chrono::steady_clock::now()); });
+  }
 }
 
 absl::Status CudaSharedMemoryRegistry::CheckEnabled() const {
@@ -133,6 +143,7 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& identity,
   regions_.emplace(Key{identity, req.name()},
                    std::make_shared<const CudaSharedMemoryRegion>(req.name(), req.raw_handle(), std::move(allocation), req.device_id(),
                                                                   req.offset(), req.byte_size()));
+  last_used_[Key{identity, req.name()}] = std::chrono::steady_clock::now();
   // Handles whose regions are all gone and whose last request completed: forget them.
   for (auto it = handles_.begin(); it != handles_.end();) {
     it = it->second.regions == 0 && it->second.allocation.expired() ? handles_.erase(it) : std::next(it);
@@ -149,8 +160,26 @@ void CudaSharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<const C
   if (u.regions == 0) usage_.erase(it->first.first);
   if (auto opened = handles_.find(r.handle()); opened != handles_.end()) opened->second.regions -= 1;
   total_bytes_ -= r.byte_size();
+  last_used_.erase(it->first);
   regions_.erase(it);  // the handle closes when its last region and in-flight request let go
   UpdateGaugesLocked();
+}
+
+void CudaSharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point now) {
+  if (!(limits_.idle_seconds > 0)) return;
+  const auto idle = std::chrono::duration<double>(limits_.idle_seconds);
+  MutexLock lock(&mu_);
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    auto next = std::next(it);
+    auto used = last_used_.find(it->first);
+    if (used == last_used_.end() || now - used->second >= idle) {
+      LogInfo("CUDA shared-memory region '", it->second->name(), "' unregistered: no request used it for ",
+              limits_.idle_seconds, " s (--cuda_shared_memory_idle_seconds)");
+      expired_counter_->Increment();
+      EraseLocked(it);  // the handle closes once no region and no request in flight holds it
+    }
+    it = next;
+  }
 }
 
 absl::StatusOr<v1::CudaSharedMemoryStatusResponse> CudaSharedMemoryRegistry::Status(const std::string& identity,
@@ -188,9 +217,13 @@ absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> CudaSharedMemoryRe
   MutexLock lock(&mu_);
   auto it = regions_.find({identity, name});
   if (it == regions_.end()) {
-    return absl::NotFoundError(absl::StrCat("tensor '", tensor, "': no CUDA shared-memory region named '", name,
-                                            "' is registered (by this identity)"));
+    return absl::NotFoundError(absl::StrCat(
+        "tensor '", tensor, "': no CUDA shared-memory region named '", name, "' is registered (by this identity)",
+        limits_.idle_seconds > 0 ? absl::StrCat("; regions no request used for ", limits_.idle_seconds,
+                                                " s are unregistered (--cuda_shared_memory_idle_seconds)")
+                                 : ""));
   }
+  last_used_[it->first] = std::chrono::steady_clock::now();
   return it->second;
 }
 

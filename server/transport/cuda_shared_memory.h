@@ -11,7 +11,10 @@
 //     allocation would fault the server's device context for every client.
 //   - A handle is opened once per process (cudaIpcOpenMemHandle), at registration, and shared by the
 //     regions registered on it; it is closed when its last region is unregistered and the last
-//     request that references it completed (requests hold the region).
+//     request that references it completed (requests hold the region). An opening keeps the client's
+//     allocation alive after the client exits, so a client that dies without unregistering holds
+//     that GPU memory until its identity unregisters the region or, with
+//     --cuda_shared_memory_idle_seconds, until no request has used the region for that long.
 //   - Ownership as for system shared memory (transport/shared_memory.h): a region belongs to the
 //     identity that registered it, names are per identity, another identity's region is NOT_FOUND,
 //     and a handle registered by one identity cannot be registered by another (PERMISSION_DENIED).
@@ -22,18 +25,22 @@
 //     without IPC (the CPU backend) makes every registration FAILED_PRECONDITION.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/annotated_mutex.h"
+#include "common/periodic_task.h"
 #include "exec/device_range.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
+#include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 
@@ -43,6 +50,7 @@ struct CudaSharedMemoryLimits {
   bool enabled = false;                     // --allow_cuda_shared_memory
   int64_t max_regions = 64;                 // per identity (--cuda_shared_memory_max_regions)
   uint64_t max_bytes = uint64_t{64} << 30;  // registered bytes per identity (--cuda_shared_memory_max_bytes)
+  double idle_seconds = 0;  // unregistered after this long unused (--cuda_shared_memory_idle_seconds; 0 = never)
 };
 
 // One registered region: a byte range of a client's device allocation, opened in this process.
@@ -95,6 +103,10 @@ class CudaSharedMemoryRegistry {
   absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> Lookup(const std::string& identity,
                                                                       const std::string& name, const char* tensor);
 
+  // Unregisters the regions (all identities) that no request has used since `now` - idle_seconds
+  // (registration counts as a use); the reaper's step, every ReaperPeriod when idle_seconds > 0.
+  void ExpireIdle(std::chrono::steady_clock::time_point now);
+
  private:
   using Key = std::pair<std::string, std::string>;  // (identity, region name)
   struct Usage {
@@ -120,14 +132,19 @@ class CudaSharedMemoryRegistry {
   Backend* const importer_;
   prometheus::Gauge* regions_gauge_;
   prometheus::Gauge* bytes_gauge_;
+  prometheus::Counter* expired_counter_;
   // Registrations one at a time (opening a handle takes milliseconds; it is done outside mu_, so
   // compute requests' lookups never wait for it).
   Mutex register_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   Mutex mu_;
   std::map<Key, std::shared_ptr<const CudaSharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
+  // When each region was registered or last looked up by a request (ExpireIdle).
+  std::map<Key, std::chrono::steady_clock::time_point> last_used_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Opened> handles_ ABSL_GUARDED_BY(mu_);  // by the handle's bytes
   uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Runs ExpireIdle (idle_seconds > 0); declared last, so it stops before anything it uses goes.
+  std::optional<PeriodicTask> reaper_;
 };
 
 }  // namespace fusedlayer::server::transport

@@ -192,6 +192,16 @@ SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus
                              "device copies their inputs where they lie (--shared_memory_locked_bytes)")
                        .Register(metrics)
                        .Add({});
+  expired_counter_ = &prometheus::BuildCounter()
+                          .Name("fusedlayer_shared_memory_regions_expired_total")
+                          .Help("System shared-memory regions unregistered because no request used them for "
+                                "--shared_memory_idle_seconds")
+                          .Register(metrics)
+                          .Add({});
+  // Last: the reaper may run as soon as it exists.
+  if (limits_.enabled && limits_.idle_seconds > 0) {
+    reaper_.emplace(ReaperPeriod(limits_.idle_seconds), [this] { ExpireIdle(std::chrono::steady_clock::now()); });
+  }
 }
 
 absl::Status SharedMemoryRegistry::CheckEnabled() const {
@@ -218,6 +228,7 @@ void SharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<SharedMemor
   total_regions_ -= 1;
   total_bytes_ -= r.byte_size();
   if (r.device_visible() != nullptr) locked_bytes_ -= r.byte_size();
+  last_used_.erase(it->first);
   regions_.erase(it);  // the descriptor closes when the last in-flight request lets go
   UpdateGaugesLocked();
 }
@@ -325,8 +336,26 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
     region->Unlock();  // another registration took the budget meanwhile: this one is read with pread
   }
   regions_.emplace(key, std::move(region));
+  last_used_[key] = std::chrono::steady_clock::now();
   UpdateGaugesLocked();
   return absl::OkStatus();
+}
+
+void SharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point now) {
+  if (!(limits_.idle_seconds > 0)) return;
+  const auto idle = std::chrono::duration<double>(limits_.idle_seconds);
+  MutexLock lock(&mu_);
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    auto next = std::next(it);
+    auto used = last_used_.find(it->first);
+    if (used == last_used_.end() || now - used->second >= idle) {
+      LogInfo("shared-memory region '", it->second->name(), "' (", it->second->key(),
+              ") unregistered: no request used it for ", limits_.idle_seconds, " s (--shared_memory_idle_seconds)");
+      expired_counter_->Increment();
+      EraseLocked(it);  // a request still holding it keeps its descriptor (and mapping) until done
+    }
+    it = next;
+  }
 }
 
 absl::StatusOr<v1::SystemSharedMemoryStatusResponse> SharedMemoryRegistry::Status(const std::string& identity,
@@ -366,13 +395,17 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::
     MutexLock lock(&mu_);
     auto it = regions_.find({identity, name});
     if (it == regions_.end()) {
-      return absl::NotFoundError(absl::StrCat("tensor '", tensor, "': no shared-memory region named '", name,
-                                              "' is registered (by this identity)"));
+      return absl::NotFoundError(absl::StrCat(
+          "tensor '", tensor, "': no shared-memory region named '", name, "' is registered (by this identity)",
+          limits_.idle_seconds > 0 ? absl::StrCat("; regions no request used for ", limits_.idle_seconds,
+                                                  " s are unregistered (--shared_memory_idle_seconds)")
+                                   : ""));
     }
     if (absl::Status s = it->second->CheckStillNamed(); !s.ok()) {
       EraseLocked(it);
       return absl::FailedPreconditionError(absl::StrCat("tensor '", tensor, "': ", s.message()));
     }
+    last_used_[it->first] = std::chrono::steady_clock::now();
     region = it->second;
   }
   if (absl::Status s = region->CheckSize(); !s.ok()) {

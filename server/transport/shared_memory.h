@@ -25,14 +25,18 @@
 // (descriptor closed, bytes given back) and the request fails with FAILED_PRECONDITION. The same
 // check at Status and Register frees the regions of a client that died and whose objects were
 // removed; regions whose objects still exist stay registered until their identity unregisters them
-// (they count against its limits: docs/operations.md).
+// (they count against its limits: docs/operations.md) or, with --shared_memory_idle_seconds, until no
+// request has used them for that long (a client that died without unregistering: its page-locked
+// mapping and its share of the limits come back).
 #pragma once
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,10 +44,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/annotated_mutex.h"
+#include "common/periodic_task.h"
 #include "exec/device_range.h"
 #include "exec/host_staging_pool.h"
 #include "exec/output_buffers.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
+#include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "transport/cuda_shared_memory.h"
@@ -71,6 +77,8 @@ struct SharedMemoryLimits {
   uint64_t max_bytes = uint64_t{16} << 30;  // registered bytes per identity (--shared_memory_max_bytes)
   // Registered bytes, all identities, mapped and page-locked (--shared_memory_locked_bytes; 0 = none).
   uint64_t max_locked_bytes = 0;
+  // A region no request has used for this long is unregistered (--shared_memory_idle_seconds; 0 = never).
+  double idle_seconds = 0;
 };
 
 // One registered region: the object's descriptor (never a mapping) and where the region lies.
@@ -158,6 +166,10 @@ class SharedMemoryRegistry {
   absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> Lookup(const std::string& identity, const std::string& name,
                                                                    const char* tensor);
 
+  // Unregisters the regions (all identities) that no request has used since `now` - idle_seconds
+  // (registration counts as a use); the reaper's step, every ReaperPeriod when idle_seconds > 0.
+  void ExpireIdle(std::chrono::steady_clock::time_point now);
+
  private:
   using Key = std::pair<std::string, std::string>;  // (identity, region name)
   struct Usage {
@@ -180,14 +192,19 @@ class SharedMemoryRegistry {
   prometheus::Gauge* regions_gauge_;
   prometheus::Gauge* bytes_gauge_;
   prometheus::Gauge* locked_gauge_;
+  prometheus::Counter* expired_counter_;
   Mutex mu_;
   std::map<Key, std::shared_ptr<SharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
+  // When each region was registered or last looked up by a request (ExpireIdle).
+  std::map<Key, std::chrono::steady_clock::time_point> last_used_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
   // Which identity holds each registered object, and in how many regions.
   std::map<std::pair<dev_t, ino_t>, std::pair<std::string, int>> object_owners_ ABSL_GUARDED_BY(mu_);
   int64_t total_regions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t locked_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the registered regions that are page-locked
+  // Runs ExpireIdle (idle_seconds > 0); declared last, so it stops before anything it uses goes.
+  std::optional<PeriodicTask> reaper_;
 };
 
 // One compute request's shared-memory tensors: inputs read into owned, aligned staging buffers at

@@ -10,7 +10,8 @@
 //  - every bad registration and reference, with its status code, and the server still serving;
 //  - off, or on the CPU backend: FAILED_PRECONDITION;
 //  - ownership across two bearer tokens, limits per identity, the gauges;
-//  - one opening per handle, closed when its last region is unregistered;
+//  - one opening per handle, closed when its last region is unregistered, or expires unused
+//    (--cuda_shared_memory_idle_seconds);
 //  - drain with requests in flight.
 #include <chrono>
 #include <cstring>
@@ -380,6 +381,55 @@ TEST(CudaSharedMemory, AHandleIsOpenedOnceAndClosedWithItsLastRegion) {
   const std::string scrape = s.ts->Scrape();
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_regions"), 0.0);
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_registered_bytes"), 0.0);
+}
+
+// --cuda_shared_memory_idle_seconds: a region no request uses (its client died without
+// unregistering, and the server's opening keeps the client's allocation alive) is unregistered
+// after the idle time, and the opening closes with it; a region requests use stays.
+TEST(CudaSharedMemory, ARegionNoRequestUsesIsUnregisteredAndItsOpeningClosed) {
+  std::mt19937_64 rng = MakeRng(101);
+  const PackedWeightSet set = MakeWeightSet(rng, "ipc/idle", MhcSetSpec{.hc_mult = 4, .hidden = 256}, std::nullopt);
+  server::ServerConfig cfg = CudaShmConfig();
+  cfg.cuda_shared_memory_idle_seconds = 1;
+  IpcServer s = StartIpcServer({set}, cfg);
+  ASSERT_NE(s.client, nullptr);
+  const MhcRequestSpec spec{.hc_mult = 4, .hidden = 256, .tokens = 1};
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng, "ipc/idle", spec);
+  absl::StatusOr<v1::MhcSeamResponse> tcp = s.client->MhcSeam(req);
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+
+  absl::StatusOr<IpcExportedBuffer> dead = s.device->AllocateIpcExportable(1 << 16);
+  absl::StatusOr<IpcExportedBuffer> used = s.device->AllocateIpcExportable(1 << 16);
+  ASSERT_TRUE(dead.ok() && used.ok());
+  ASSERT_TRUE(s.client->RegisterCudaSharedMemory("dead", dead->handle, 0, 0, 1 << 16).ok());
+  ASSERT_TRUE(s.client->RegisterCudaSharedMemory("used", used->handle, 0, 0, 1 << 16).ok());
+  EXPECT_EQ(s.control->open_ipc_handles.load(), 2);
+  // x in "used" (the rest inline), called every 300 ms for 2 s; "dead" never.
+  const std::string& x = req.x().data();
+  ASSERT_TRUE(s.device->CopyToDevice(static_cast<char*>(used->buffer.data()), x.data(), x.size()).ok());
+  v1::MhcSeamRequest by_ref = req;
+  *by_ref.mutable_x()->mutable_cuda_shared_memory() = Ref("used", 0, x.size());
+  by_ref.mutable_x()->clear_data();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (std::chrono::steady_clock::now() < until) {
+    absl::StatusOr<v1::MhcSeamResponse> got = s.client->MhcSeam(by_ref);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectMhcEqual(*got, *tcp);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  absl::StatusOr<v1::CudaSharedMemoryStatusResponse> listed = s.client->CudaSharedMemoryStatus();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->regions_size(), 1);
+  EXPECT_EQ(listed->regions(0).name(), "used");
+  EXPECT_EQ(s.control->open_ipc_handles.load(), 1);  // the dead client's allocation is let go
+  v1::MhcSeamRequest on_dead = by_ref;
+  *on_dead.mutable_x()->mutable_cuda_shared_memory() = Ref("dead", 0, x.size());
+  const absl::Status gone = s.client->MhcSeam(on_dead).status();
+  EXPECT_EQ(gone.code(), StatusCode::kNotFound) << gone;
+  EXPECT_NE(gone.message().find("--cuda_shared_memory_idle_seconds"), std::string::npos) << gone;
+  const std::string scrape = s.ts->Scrape();
+  EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_regions_expired_total"), 1.0);
+  EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_regions"), 1.0);
 }
 
 // Outputs the kernels write in the client's device buffers are neither sent nor held by the server:

@@ -378,6 +378,56 @@ TEST(SharedMemoryTransfer, PlacedOutputsAreWrittenFromTheCallsBuffersAndLeaveThe
   ::shm_unlink(key.c_str());
 }
 
+// ExpireIdle (the reaper's step of --shared_memory_idle_seconds) at chosen times: a region is
+// unregistered once no request has looked it up for the idle time, registration counting as a use,
+// whatever identity holds it; one looked up since stays; a name freed this way can be registered
+// again. (The idle time here is an hour, so the reaper thread itself never fires during the test.)
+TEST(SharedMemoryRegistry, ExpireIdleUnregistersWhatNoRequestUsedForTheIdleTime) {
+  const std::string key = "/fl-units-idle-" + std::to_string(::getpid());
+  const int fd = ::shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 3 * 4096), 0);
+  prometheus::Registry metrics;
+  transport::SharedMemoryRegistry registry(transport::SharedMemoryLimits{.enabled = true, .idle_seconds = 3600},
+                                           metrics);
+  auto reg = [&](const std::string& identity, const std::string& name, uint64_t offset) {
+    v1::RegisterSystemSharedMemoryRequest r;
+    r.set_name(name);
+    r.set_key(key);
+    r.set_offset(offset);
+    r.set_byte_size(4096);
+    return registry.Register(identity, r);
+  };
+  ASSERT_TRUE(reg("id", "a", 0).ok());
+  ASSERT_TRUE(reg("id", "b", 4096).ok());
+  ASSERT_TRUE(reg("id", "c", 8192).ok());
+  const auto registered = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() == registered) {
+  }
+  ASSERT_TRUE(registry.Lookup("id", "b", "x").ok());  // a use, after `registered`
+  const auto hour = std::chrono::seconds(3600);
+
+  registry.ExpireIdle(registered + hour - std::chrono::milliseconds(1));  // nothing idle for an hour yet
+  absl::StatusOr<v1::SystemSharedMemoryStatusResponse> st = registry.Status("id", "");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->regions_size(), 3);
+  registry.ExpireIdle(registered + hour);  // a and c: an hour since registration; b used since
+  st = registry.Status("id", "");
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->regions_size(), 1);
+  EXPECT_EQ(st->regions(0).name(), "b");
+  const absl::Status gone = registry.Lookup("id", "a", "x").status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound) << gone;
+  EXPECT_NE(gone.message().find("--shared_memory_idle_seconds"), std::string::npos) << gone;
+  EXPECT_TRUE(reg("id", "a", 0).ok());  // the name and its bytes are free again
+  registry.ExpireIdle(std::chrono::steady_clock::now() + 2 * hour);
+  st = registry.Status("id", "");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->regions_size(), 0);
+  ::close(fd);
+  ::shm_unlink(key.c_str());
+}
+
 std::string WireBytes(const grpc::ByteBuffer& wire) {
   std::vector<grpc::Slice> slices;
   EXPECT_TRUE(wire.Dump(&slices).ok());
@@ -604,6 +654,16 @@ TEST(Config, DisableFusedAndLimits) {
   }
   c.residual_session_idle_seconds = 1;
   EXPECT_TRUE(c.Validate().ok());
+  // Shared-memory regions: idle [0 (never), 604800] s, each kind.
+  for (double* idle : {&c.shared_memory_idle_seconds, &c.cuda_shared_memory_idle_seconds}) {
+    for (const double bad : {-1.0, 604'801.0, std::nan("")}) {
+      *idle = bad;
+      EXPECT_TRUE(absl::IsInvalidArgument(c.Validate())) << bad;
+    }
+    *idle = 0.25;
+    EXPECT_TRUE(c.Validate().ok());
+    *idle = 0;
+  }
   const decltype(c) defaults;  // both a quarter of memory
   EXPECT_EQ(defaults.EffectiveResidualSessionTotalBytes(), defaults.EffectiveMaxInflightBytes());
   c.residual_session_total_bytes = 777;

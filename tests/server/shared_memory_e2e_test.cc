@@ -6,7 +6,8 @@
 //  - every bad reference and registration, with its status code, and the server still serving;
 //  - ownership across two bearer tokens; limits per identity; the metrics gauges;
 //  - a region whose object shrinks (between requests, and while a request is queued) or is
-//    removed: FAILED_PRECONDITION, never a crash; a client that vanishes holding a region;
+//    removed: FAILED_PRECONDITION, never a crash; a client that vanishes holding a region (freed by
+//    unregistering all, by removing its object, or after --shared_memory_idle_seconds unused);
 //  - drain with shared-memory requests in flight.
 #include <fcntl.h>
 #include <stdlib.h>
@@ -777,6 +778,59 @@ TEST(SharedMemory, ARegionOfAClientThatDiedIsFreedByUnregisterAllOrByRemovingIts
   ASSERT_EQ(st->regions_size(), 1);
   EXPECT_EQ(st->regions(0).name(), "next");
   EXPECT_EQ(MetricValue(ts->Scrape(), "fusedlayer_shared_memory_registered_bytes"), 4096.0);
+}
+
+// --shared_memory_idle_seconds: a region no request uses (its client died without unregistering)
+// is unregistered after the idle time, as its identity would have: its slot and bytes come back,
+// a reference to it is NOT_FOUND naming the flag, the counter says why; a region requests use
+// stays. On the lane backend, so the expired region was page-locked and its lock is given back.
+TEST(SharedMemory, ARegionNoRequestUsesIsUnregisteredAfterTheIdleTime) {
+  std::mt19937_64 rng = MakeRng(53);
+  const PackedWeightSet set = MakeWeightSet(rng, "shm/idle", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
+  server::ServerConfig cfg = ShmConfig();
+  cfg.shared_memory_idle_seconds = 1;
+  cfg.shared_memory_max_regions = 2;
+  cfg.shared_memory_locked_bytes = uint64_t{1} << 20;
+  LaneShmServer server = StartLaneShmServer(set, cfg);
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* const c = server.client.get();
+  const MhcRequestSpec spec{.hc_mult = 4, .hidden = 320, .tokens = 1};
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng, "shm/idle", spec);
+  absl::StatusOr<v1::MhcSeamResponse> tcp = c->MhcSeam(req);
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+
+  TestObject dead(64 << 10), used(64 << 10);
+  ASSERT_TRUE(c->RegisterSystemSharedMemory("dead", dead.key(), 0, 64 << 10).ok());
+  ASSERT_TRUE(c->RegisterSystemSharedMemory("used", used.key(), 0, 64 << 10).ok());
+  EXPECT_EQ(server.control->page_locks.load(), 2);
+  dead.Truncate(64 << 10);  // unmaps: the "process" is gone, its object and registration stay
+  const v1::MhcSeamRequest by_ref =
+      InputsByReference(req, used, "used", 0, [](uint64_t at, uint64_t bytes) { return at + (bytes + 63) / 64 * 64; });
+  // "used" is used every 300 ms for 2 s; "dead" never.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (std::chrono::steady_clock::now() < until) {
+    ExpectSameAsTcp(*c, by_ref, *tcp);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  absl::StatusOr<v1::SystemSharedMemoryStatusResponse> st = c->SystemSharedMemoryStatus();
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->regions_size(), 1);
+  EXPECT_EQ(st->regions(0).name(), "used");
+  EXPECT_EQ(server.control->page_locks.load(), 1);  // the dead client's mapping is unlocked
+  v1::MhcSeamRequest on_dead = req;
+  *on_dead.mutable_x()->mutable_shared_memory() = Ref("dead", 0, req.x().data().size());
+  on_dead.mutable_x()->clear_data();
+  const absl::Status gone = c->MhcSeam(on_dead).status();
+  EXPECT_EQ(gone.code(), StatusCode::kNotFound) << gone;
+  EXPECT_NE(gone.message().find("--shared_memory_idle_seconds"), std::string::npos) << gone;
+  const std::string scrape = server.ts->Scrape();
+  EXPECT_EQ(MetricValue(scrape, "fusedlayer_shared_memory_regions_expired_total"), 1.0);
+  EXPECT_EQ(MetricValue(scrape, "fusedlayer_shared_memory_regions"), 1.0);
+  EXPECT_EQ(MetricValue(scrape, "fusedlayer_shared_memory_registered_bytes"), double(64 << 10));
+  // Its slot came back (at most 2 regions per identity here).
+  TestObject next(4096);
+  EXPECT_TRUE(c->RegisterSystemSharedMemory("next", next.key(), 0, 4096).ok());
+  ExpectSameAsTcp(*c, by_ref, *tcp);
 }
 
 // Outputs placed in shared memory are not sent, so they do not count against the send limit
