@@ -167,19 +167,13 @@ void CudaSharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<const C
 
 void CudaSharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point now) {
   if (!(limits_.idle_seconds > 0)) return;
-  const auto idle = std::chrono::duration<double>(limits_.idle_seconds);
   MutexLock lock(&mu_);
-  for (auto it = regions_.begin(); it != regions_.end();) {
-    auto next = std::next(it);
-    auto used = last_used_.find(it->first);
-    if (used == last_used_.end() || now - used->second >= idle) {
-      LogInfo("CUDA shared-memory region '", it->second->name(), "' unregistered: no request used it for ",
-              limits_.idle_seconds, " s (--cuda_shared_memory_idle_seconds)");
-      expired_counter_->Increment();
-      EraseLocked(it);  // the handle closes once no region and no request in flight holds it
-    }
-    it = next;
-  }
+  ExpireIdleRegions(regions_, last_used_, now, limits_.idle_seconds, [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    LogInfo("CUDA shared-memory region '", it->second->name(), "' unregistered: no request used it for ",
+            limits_.idle_seconds, " s (--cuda_shared_memory_idle_seconds)");
+    expired_counter_->Increment();
+    EraseLocked(it);  // the handle closes once no region and no request in flight holds it
+  });
 }
 
 absl::StatusOr<v1::CudaSharedMemoryStatusResponse> CudaSharedMemoryRegistry::Status(const std::string& identity,
@@ -217,11 +211,9 @@ absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> CudaSharedMemoryRe
   MutexLock lock(&mu_);
   auto it = regions_.find({identity, name});
   if (it == regions_.end()) {
-    return absl::NotFoundError(absl::StrCat(
-        "tensor '", tensor, "': no CUDA shared-memory region named '", name, "' is registered (by this identity)",
-        limits_.idle_seconds > 0 ? absl::StrCat("; regions no request used for ", limits_.idle_seconds,
-                                                " s are unregistered (--cuda_shared_memory_idle_seconds)")
-                                 : ""));
+    return absl::NotFoundError(absl::StrCat("tensor '", tensor, "': no CUDA shared-memory region named '", name,
+                                            "' is registered (by this identity)",
+                                            ExpiryNote(limits_.idle_seconds, "--cuda_shared_memory_idle_seconds")));
   }
   last_used_[it->first] = std::chrono::steady_clock::now();
   return it->second;

@@ -1,9 +1,10 @@
 // What the system and CUDA shared-memory registries (transport/shared_memory.h,
 // transport/cuda_shared_memory.h) do alike with their regions: a map keyed by (identity, region
-// name), listed and unregistered by name or all of an identity at once. The caller holds the
-// registry's mutex.
+// name), listed, unregistered by name or all of an identity at once, and expired when unused. The
+// caller holds the registry's mutex.
 #pragma once
 
+#include <chrono>
 #include <iterator>
 #include <string>
 
@@ -55,6 +56,27 @@ absl::StatusOr<Response> UnregisterRegions(Map& regions, const std::string& iden
   }
   take(it);
   return out;
+}
+
+// The reaper's step (--shared_memory_idle_seconds, --cuda_shared_memory_idle_seconds):
+// `expire(it)` for every region, all identities, whose entry in `last_used` (registration or the
+// last request's lookup) is at least `idle_seconds` before `now`; `expire` erases it.
+template <typename Map, typename LastUsed, typename Expire>
+void ExpireIdleRegions(Map& regions, const LastUsed& last_used, std::chrono::steady_clock::time_point now,
+                       double idle_seconds, Expire expire) {
+  const auto idle = std::chrono::duration<double>(idle_seconds);
+  for (auto it = regions.begin(); it != regions.end();) {
+    auto next = std::next(it);
+    auto used = last_used.find(it->first);
+    if (used == last_used.end() || now - used->second >= idle) expire(it);
+    it = next;
+  }
+}
+
+// What a NOT_FOUND for a region adds when regions expire unused: "" when they never do.
+inline std::string ExpiryNote(double idle_seconds, const char* flag) {
+  if (!(idle_seconds > 0)) return "";
+  return absl::StrCat("; regions no request used for ", idle_seconds, " s are unregistered (", flag, ")");
 }
 
 }  // namespace fusedlayer::server::transport

@@ -343,19 +343,13 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
 
 void SharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point now) {
   if (!(limits_.idle_seconds > 0)) return;
-  const auto idle = std::chrono::duration<double>(limits_.idle_seconds);
   MutexLock lock(&mu_);
-  for (auto it = regions_.begin(); it != regions_.end();) {
-    auto next = std::next(it);
-    auto used = last_used_.find(it->first);
-    if (used == last_used_.end() || now - used->second >= idle) {
-      LogInfo("shared-memory region '", it->second->name(), "' (", it->second->key(),
-              ") unregistered: no request used it for ", limits_.idle_seconds, " s (--shared_memory_idle_seconds)");
-      expired_counter_->Increment();
-      EraseLocked(it);  // a request still holding it keeps its descriptor (and mapping) until done
-    }
-    it = next;
-  }
+  ExpireIdleRegions(regions_, last_used_, now, limits_.idle_seconds, [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    LogInfo("shared-memory region '", it->second->name(), "' (", it->second->key(),
+            ") unregistered: no request used it for ", limits_.idle_seconds, " s (--shared_memory_idle_seconds)");
+    expired_counter_->Increment();
+    EraseLocked(it);  // a request still holding it keeps its descriptor (and mapping) until done
+  });
 }
 
 absl::StatusOr<v1::SystemSharedMemoryStatusResponse> SharedMemoryRegistry::Status(const std::string& identity,
@@ -395,11 +389,9 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::
     MutexLock lock(&mu_);
     auto it = regions_.find({identity, name});
     if (it == regions_.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          "tensor '", tensor, "': no shared-memory region named '", name, "' is registered (by this identity)",
-          limits_.idle_seconds > 0 ? absl::StrCat("; regions no request used for ", limits_.idle_seconds,
-                                                  " s are unregistered (--shared_memory_idle_seconds)")
-                                   : ""));
+      return absl::NotFoundError(absl::StrCat("tensor '", tensor, "': no shared-memory region named '", name,
+                                              "' is registered (by this identity)",
+                                              ExpiryNote(limits_.idle_seconds, "--shared_memory_idle_seconds")));
     }
     if (absl::Status s = it->second->CheckStillNamed(); !s.ok()) {
       EraseLocked(it);
