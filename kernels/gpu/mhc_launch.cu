@@ -212,7 +212,7 @@ void EnqueuePersistentPass(const FusedParams& fp, int nchunk, int sm_count, gpuS
   }();
   const int64_t items = (fp.tokens + 15) / 16 * nchunk;
   const int64_t grid = std::min<int64_t>(items, int64_t(per_sm) * std::max(sm_count, 1));
-  kernel<<<unsigned(grid), mhc::kStagedThreadsPerTile, smem, stream>>>(fp, nchunk);
+  kernel<<<unsigned(grid), mhc::kStagedThreadsPerTile, smem, stream>>>(fp);
 }
 
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false>

@@ -251,8 +251,7 @@ __global__ void __launch_bounds__(kStagedThreadsPerTile * kTiles, kMinBlocks) Mh
 // CTAs: a CTA meets one or two chunks, and each item's arithmetic is the one-tile kernel's, so the
 // launcher may choose either by T (batch invariance).
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, int kMinBlocks>
-__global__ void __launch_bounds__(kStagedThreadsPerTile, kMinBlocks) MhcPersistentPassKernel(FusedParams p,
-                                                                                             int nchunk) {
+__global__ void __launch_bounds__(kStagedThreadsPerTile, kMinBlocks) MhcPersistentPassKernel(FusedParams p) {
   LaunchDependents();  // see MhcFusedPassKernel
   using Smem = StagedSmem<kFirst, 1>;
   constexpr int kThreads = kStagedThreadsPerTile;
@@ -265,6 +264,7 @@ __global__ void __launch_bounds__(kStagedThreadsPerTile, kMinBlocks) MhcPersiste
 
   const int ti = threadIdx.x, lane = ti % 32, warp = ti / 32;
   const StagedLane ln(ti);
+  const int nchunk = int(p.C / kFusedChunkChannels);
   const int64_t ntiles = (p.tokens + 15) / 16;
   const int64_t items = ntiles * nchunk;
   const int64_t per_cta = (items + gridDim.x - 1) / gridDim.x;
@@ -273,9 +273,12 @@ __global__ void __launch_bounds__(kStagedThreadsPerTile, kMinBlocks) MhcPersiste
   // A thread's two coefficient slots of the tile (16 rows x 24 = 384 values over 256 threads).
   constexpr int kCoefPerThread = (16 * 24 + kThreads - 1) / kThreads;
 
+  // Item -> (chunk, first token of its tile): chunk-major.
+  auto chunk_of = [&](int64_t item) { return int(item / ntiles); };
+  auto tok_base_of = [&](int64_t item) { return (item % ntiles) * 16; };
   auto load_item = [&](int64_t item, uint4& rx, uint4 (&rr)[4], float (&cf)[kCoefPerThread]) {
-    const int chunk = int(item / ntiles);
-    const int64_t tok_base = (item % ntiles) * 16;
+    const int chunk = chunk_of(item);
+    const int64_t tok_base = tok_base_of(item);
     const int64_t t = tok_base + ln.row;
     if (t < p.tokens) StagedLoadRow<kFirst, false>(p, t, ln.Channel(chunk), rx, rr);
     if constexpr (!kFirst) {
@@ -292,8 +295,8 @@ __global__ void __launch_bounds__(kStagedThreadsPerTile, kMinBlocks) MhcPersiste
   if (first < last) load_item(first, raw_x, raw_r, cf);
   int frag_chunk = -1;
   for (int64_t item = first; item < last; ++item) {
-    const int chunk = int(item / ntiles);
-    const int64_t tok_base = (item % ntiles) * 16;
+    const int chunk = chunk_of(item);
+    const int64_t tok_base = tok_base_of(item);
     // The next item's loads go out now and land while this one is computed.
     uint4 next_x = make_uint4(0, 0, 0, 0), next_r[4];
     float next_cf[kCoefPerThread];
