@@ -33,8 +33,8 @@ class PeriodicTask {
   std::thread thread_;
 };
 
-// The period of a reaper that closes what was idle for `idle_seconds`: a few checks per idle time,
-// at most one a second and at least one every 50 ms, so a thing lives at most ~1.25x its idle time.
+// The period of a reaper that closes what was idle for `idle_seconds`: a quarter of it, but at most
+// a second and at least 50 ms, so a thing goes within one period after its idle time.
 inline std::chrono::duration<double> ReaperPeriod(double idle_seconds) {
   const double quarter = idle_seconds / 4;
   return std::chrono::duration<double>(quarter < 0.05 ? 0.05 : (quarter > 1.0 ? 1.0 : quarter));
