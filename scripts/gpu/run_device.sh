@@ -2,7 +2,8 @@
 # Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
 #   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab
-#                                                  samebits abclient sessions cudaipc profile mhcncu)
+#                                                  samebits abclient sessions cudaipc profile mhcncu
+#                                                  serversan)
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -210,6 +211,39 @@ if want cudaipc; then
       | grep -E '^fusedlayer_cuda_shared_memory'
   } >> "$OUT/cudaipc.log" 2>&1
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/cudaipc.log"
+fi
+# serversan: the server process itself under compute-sanitizer memcheck (its lanes, staging, the
+# kernels it launches, the IPC openings) while fusedctl drives every transport and both paths;
+# passes with 0 errors in the report written when the server exits (SIGTERM: drain, then exit).
+if want serversan; then
+  echo "== server under compute-sanitizer memcheck"
+  log="$OUT/sanitizer-server-memcheck.log"
+  compute-sanitizer --tool memcheck --error-exitcode 9 ./fusedlayer_server --demo_weights --backend=cuda \
+    --address=127.0.0.1:50201 --metrics_address=127.0.0.1:50202 --allow_shared_memory --allow_cuda_shared_memory \
+    > "$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 240); do ./fusedctl health --target=127.0.0.1:50201 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+  { C="--target=127.0.0.1:50201"
+    for transport in tcp shm cuda_ipc; do
+      ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64 --transport=$transport
+      ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=3 --transport=$transport --path=force_unfused
+      ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=64 --transport=$transport
+    done
+    ./fusedctl seam $C --weight_set=v4-pro/demo --session=s --stage=first --tokens=16
+    ./fusedctl seam $C --weight_set=v4-pro/demo --session=s --return_state
+    ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=1100              # the large-T finalize instances
+    ./fusedctl seam $C --weight_set=v41-flash/demo --tokens=1300 --mode=normal
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=16 --concurrency=4 --duration=3s
+    ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=16 --concurrency=4 --duration=3s --transport=cuda_ipc
+  } > "$OUT/serversan.log" 2>&1
+  # The server itself gets the SIGTERM (compute-sanitizer, $pid, waits for it and then reports).
+  pkill -TERM -x fusedlayer_serv; wait $pid; rc=$?
+  summary=$(grep -E "ERROR SUMMARY" "$log" | tail -1)
+  ok=1; [ $rc -eq 0 ] && [[ "$summary" == *"ERROR SUMMARY: 0 errors"* ]] || ok=0
+  echo "== server (memcheck): rc=$rc ${summary:-no summary} -> $([ $ok -eq 1 ] && echo PASS || echo FAIL)" | tee -a "$OUT/sanitizers.log"
+  [ $ok -eq 1 ] || failed=1
+  grep -cE "^(seam|swa|bench|request|requests) " "$OUT/serversan.log" || true
+  grep -iE "error|failed|refused" "$OUT/serversan.log" | head -20
 fi
 if want dataplane; then
   echo "== data path: end-to-end rows with their echo floor; batching on/off"
