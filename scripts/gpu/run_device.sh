@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"tests sanitize bench torch smoke dataplane sessions cudaipc shadow"}  # and "ab" (needs a baseline server, below)
+STEPS=${STEPS:-"tests sanitize serversan bench torch smoke dataplane sessions cudaipc shadow"}  # and "ab" (needs a baseline server, below)
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # start_server PORT METRICS_PORT LOG [extra flags...]: a CUDA-backend server with the demo weights in
 # the background (pid in $pid), returning once its health check answers (or after 60 s).
