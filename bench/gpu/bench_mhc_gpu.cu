@@ -1,5 +1,5 @@
-// mHC seam GPU benchmark (n = 4, shifted mode, norm weight present): fused vs unfused, timed as
-// CUDA graph replays with a cold L2, against the byte-model floor.
+// mHC seam GPU benchmark (n = 4, shifted mode unless --mode normal, norm weight present): fused vs
+// unfused, timed as CUDA graph replays with a cold L2, against the byte-model floor.
 //
 // Method (device/METHOD.md, background/kernel-performance.md):
 //   - each graph holds L launches of LaunchMhcGpu, each on its own input/output set
@@ -13,7 +13,7 @@
 //
 // Paths: fused (pass + finalize) and unfused, timed back to back in the same process.
 //
-// usage: bench_mhc_gpu [--quick] [--csv FILE] [--C c] [--T t] [--once]
+// usage: bench_mhc_gpu [--quick] [--csv FILE] [--C c] [--T t] [--once] [--mode shifted|normal]
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -106,12 +106,17 @@ int main(int argc, char** argv) {
   bool quick = false, once = false;
   const char* csv_path = nullptr;
   int64_t only_c = 0, only_t = 0;
+  fl::MhcMode mode = fl::MhcMode::kShifted;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--once")) once = true;  // one eager launch per path (for ncu)
     if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
     if (!std::strcmp(argv[i], "--C") && i + 1 < argc) only_c = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--T") && i + 1 < argc) only_t = std::atoll(argv[++i]);
+    // --mode normal: V4's normal mode (y from the new pre mix; no pre_mix input) instead of shifted.
+    if (!std::strcmp(argv[i], "--mode") && i + 1 < argc) {
+      mode = !std::strcmp(argv[++i], "normal") ? fl::MhcMode::kNormal : fl::MhcMode::kShifted;
+    }
   }
   auto ctx_or = gpu::GpuContext::Create(0);
   if (!ctx_or.ok()) {
@@ -183,13 +188,13 @@ int main(int argc, char** argv) {
       auto args_for = [&](const Set& st) {
         fl::MhcArgs a;
         a.stage = fl::MhcStage::kSeam;
-        a.mode = fl::MhcMode::kShifted;
+        a.mode = mode;
         a.tokens = T;
         a.x = fl::TensorView::Contiguous(st.x, fl::DType::kBF16, {T, C});
         a.residual = fl::TensorView::Contiguous(st.r, fl::DType::kBF16, {T, n, C});
         a.post_mix = fl::TensorView::Contiguous(st.post, fl::DType::kFP32, {T, n});
         a.comb_mix = fl::TensorView::Contiguous(st.comb, fl::DType::kFP32, {T, n, n});
-        a.pre_mix = fl::TensorView::Contiguous(st.pre, fl::DType::kFP32, {T, n});
+        if (mode == fl::MhcMode::kShifted) a.pre_mix = fl::TensorView::Contiguous(st.pre, fl::DType::kFP32, {T, n});
         a.new_residual = fl::TensorView::Contiguous(st.nr, fl::DType::kBF16, {T, n, C});
         a.new_pre_mix = fl::TensorView::Contiguous(st.npre, fl::DType::kFP32, {T, n});
         a.new_post_mix = fl::TensorView::Contiguous(st.npost, fl::DType::kFP32, {T, n});

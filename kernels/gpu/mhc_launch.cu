@@ -105,23 +105,32 @@ T* Offset(const TensorView& v, int64_t t0, int64_t per_token) {
 // token's arithmetic is the same in either (BatchInvariance crosses the boundary).
 constexpr int64_t kFinalizeNarrowMixMaxTokens = 1024;
 constexpr int kFinalizeNarrowMixWarps = 4;
+// Above these token counts the finalize takes its instances compiled for more resident blocks
+// (below): where its y blocks rescale z (the fused shifted seam), above the narrow-mix range (from
+// T = 257 it measured -8% to +2% by size, +2% at T = 512 for every C); where they collapse R' (the
+// unfused path, normal mode), from T = 257 (2-10% faster at every measured size: MHC_GPU_NOTES.md,
+// "Occupancy round", run 8).
+constexpr int64_t kFinalizeRescaleOccupancyMinTokens = kFinalizeNarrowMixMaxTokens + 1;
+constexpr int64_t kFinalizeCollapseOccupancyMinTokens = 257;
 
 template <int N, bool kVec>
 absl::Status LaunchFinalize(FinalizeParams fp, const GpuContext& ctx) {
-  const bool large = fp.tokens > kFinalizeNarrowMixMaxTokens;
-  fp.mix_warps = large ? mhc::kFinalizeWarps : kFinalizeNarrowMixWarps;
+  fp.mix_warps = fp.tokens > kFinalizeNarrowMixMaxTokens ? mhc::kFinalizeWarps : kFinalizeNarrowMixWarps;
   const int64_t nvec = (fp.C + 7) / 8, nchunk = (fp.C + 127) / 128;
   const size_t smem = size_t(nvec + nchunk) * sizeof(float);
-  // Above the narrow-mix range the y blocks' bandwidth sets the time: an instance compiled for
-  // more resident blocks (a launch choice like mix_warps; same bits). Measured at C = 7168, T = 4096
+  // At large T the y blocks' bandwidth sets the time: an instance compiled for more resident
+  // blocks (a launch choice like mix_warps; same bits). Measured at C = 7168, T = 4096
   // (MHC_GPU_NOTES.md, "Occupancy round"): rescaling z (the fused shifted seam) is fastest at 4
   // blocks per SM, collapsing R' (the unfused path, normal mode: 4x the loads per vector) at 3.
   // Only for n = 4 (DeepSeek's): each instance adds its code to every executable's fatbin.
   auto kernel = mhc::MhcFinalizeKernel<N, kVec, 2>;
   if constexpr (N == 4) {
-    if (large) {
-      kernel = fp.y_source == mhc::YSource::kRescaleZ ? mhc::MhcFinalizeKernel<N, kVec, mhc::kFinalizeRescaleMinBlocks>
-                                                       : mhc::MhcFinalizeKernel<N, kVec, mhc::kFinalizeCollapseMinBlocks>;
+    if (fp.y_source == mhc::YSource::kRescaleZ) {
+      if (fp.tokens >= kFinalizeRescaleOccupancyMinTokens) {
+        kernel = mhc::MhcFinalizeKernel<N, kVec, mhc::kFinalizeRescaleMinBlocks>;
+      }
+    } else if (fp.tokens >= kFinalizeCollapseOccupancyMinTokens) {
+      kernel = mhc::MhcFinalizeKernel<N, kVec, mhc::kFinalizeCollapseMinBlocks>;
     }
   }
   if (smem > 48 * 1024) {
