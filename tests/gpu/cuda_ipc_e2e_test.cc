@@ -8,7 +8,9 @@
 //    same request over TCP, outputs poisoned on the device before every call and read right after
 //    the response (the contract: the kernels completed before it was sent);
 //  - a client process that registers a region and exits without unregistering (its allocation
-//    freed by the driver): the server keeps serving, bitwise, and the region can be unregistered.
+//    freed by the driver): the server keeps serving, bitwise, and the region can be unregistered;
+//  - with --cuda_shared_memory_idle_seconds, such a region expires and the dead client's GPU
+//    memory, held until then by the server's opening, comes back (the device's free memory).
 //
 // The server binary: $FUSEDLAYER_SERVER, else fusedlayer_server next to this executable (the device
 // bundle), else the build tree's.
@@ -16,18 +18,22 @@
 
 #include "absl/strings/str_cat.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
 #include <regex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "client/cuda_shared_memory.h"
 #include "client/fusedlayer_client.h"
 #include "client/random_inputs.h"
 #include "client/shared_memory.h"
 #include "fusedlayer/backend.h"
+#include "gpu_runtime.h"
 #include "gtest/gtest.h"
 #include "server_process.h"
 
@@ -49,11 +55,17 @@ int PortOf(const std::string& line) {
   return std::regex_search(line, m, std::regex("\\(port ([0-9]+)\\)")) ? std::stoi(m[1]) : 0;
 }
 
-// A CUDA-backend server child process with the demo weights and CUDA shared memory on, and a client.
+std::vector<std::string> ServerFlags(std::vector<std::string> extra) {
+  std::vector<std::string> flags = {"--backend=cuda", "--demo_weights", "--allow_cuda_shared_memory",
+                                    "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0"};
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  return flags;
+}
+
+// A CUDA-backend server child process with the demo weights and CUDA shared memory on (and `extra`
+// flags), and a client.
 struct GpuServer {
-  GpuServer()
-      : process(ServerBinary(), {"--backend=cuda", "--demo_weights", "--allow_cuda_shared_memory",
-                                 "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0"}) {
+  explicit GpuServer(std::vector<std::string> extra = {}) : process(ServerBinary(), ServerFlags(std::move(extra))) {
     port = PortOf(process.ReadUntil(std::regex("serving fusedlayer\\.v1\\.FusedLayer .*\\(port [0-9]+\\)")));
     if (port == 0) return;
     absl::StatusOr<std::unique_ptr<FusedLayerClient>> c = FusedLayerClient::Connect(absl::StrCat("127.0.0.1:", port));
@@ -158,15 +170,15 @@ TEST(CudaIpc, MhcAndSwaThroughCudaSharedMemoryAreBitwiseTcp) {
   ASSERT_TRUE(got.ok()) << got.status();
 }
 
-// The child process of the test below (this executable with --ipc_child=PORT): registers a region of
-// a fresh allocation holding `x` of the request the parent sends, prints "registered", and exits
-// without unregistering.
-int RunChild(int port) {
+// The child process of the tests below (this executable with --ipc_child=PORT[,MiB]): registers a
+// region of a fresh allocation of MiB (default 8) holding `x` of the request the parent sends,
+// prints "registered", and exits without unregistering.
+int RunChild(int port, size_t mib) {
   absl::StatusOr<std::unique_ptr<FusedLayerClient>> c = FusedLayerClient::Connect(absl::StrCat("127.0.0.1:", port));
   if (!c.ok()) return 2;
-  absl::StatusOr<IpcExportedBuffer> mem = ClientGpu().AllocateIpcExportable(8 << 20);
+  absl::StatusOr<IpcExportedBuffer> mem = ClientGpu().AllocateIpcExportable(mib << 20);
   if (!mem.ok()) return 3;
-  std::string x(8 << 20, '\0');
+  std::string x(mib << 20, '\0');
   std::mt19937_64 rng(7);
   for (size_t i = 0; i < x.size(); i += 2) x[i + 1] = static_cast<char>(0x3c + rng() % 4), x[i] = static_cast<char>(rng());
   if (!ClientGpu().CopyToDevice(mem->buffer.data(), x.data(), x.size()).ok()) return 4;
@@ -215,12 +227,68 @@ TEST(CudaIpc, AClientThatDiesHoldingARegionLeavesTheServerServing) {
   ExpectSameOutputs(*again, *tcp);
 }
 
+// The device's free memory, as the driver reports it to this process.
+size_t FreeDeviceBytes() {
+  size_t free_bytes = 0, total = 0;
+  EXPECT_EQ(gpuMemGetInfo(&free_bytes, &total), gpuSuccess);
+  return free_bytes;
+}
+
+// --cuda_shared_memory_idle_seconds: the region of a client that died without unregistering is
+// unregistered once unused for the idle time, and the server's opening of the client's allocation
+// closes with it. Until then that GPU memory stays allocated (the opening holds it after the
+// client's exit); after, the driver frees it: the device's free memory comes back.
+TEST(CudaIpc, ADeadClientsRegionExpiresAndItsGpuMemoryComesBack) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
+  GpuServer s({"--cuda_shared_memory_idle_seconds=2"});
+  ASSERT_NE(s.client, nullptr) << s.process.ReadAll();
+  constexpr size_t kMiB = 1024;
+  const size_t before = FreeDeviceBytes();
+  {
+    ServerProcess child(std::filesystem::read_symlink("/proc/self/exe").string(),
+                        {absl::StrCat("--ipc_child=", s.port, ",", kMiB)});
+    ASSERT_FALSE(child.ReadUntil(std::regex("registered")).empty()) << child.ReadAll();
+    EXPECT_EQ(child.Wait(), 0);
+  }
+  // The client is gone; its 1 GiB is not: the server's opening holds it.
+  const size_t held = FreeDeviceBytes();
+  EXPECT_LT(held + (kMiB << 20) / 2, before) << "free " << before << " -> " << held;
+  absl::StatusOr<v1::CudaSharedMemoryStatusResponse> listed = s.client->CudaSharedMemoryStatus();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->regions_size(), 1);
+  // Unused for 2 s: unregistered (checked every 0.5 s), the opening closed, the memory freed.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  size_t after = held;
+  while (std::chrono::steady_clock::now() < until) {
+    listed = s.client->CudaSharedMemoryStatus();
+    ASSERT_TRUE(listed.ok()) << listed.status();
+    after = FreeDeviceBytes();
+    if (listed->regions_size() == 0 && after + (kMiB << 20) / 2 > before) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(listed->regions_size(), 0);
+  EXPECT_GT(after + (kMiB << 20) / 2, before) << "free " << before << " -> " << held << " -> " << after;
+  std::printf("device free memory: %zu MiB before the client, %zu MiB after it died, %zu MiB after expiry\n",
+              before >> 20, held >> 20, after >> 20);
+  // Still serving.
+  absl::StatusOr<v1::WeightSetInfo> ws = s.client->FindWeightSet("v4-pro/demo");
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  std::mt19937_64 rng(std::random_device{}());
+  absl::StatusOr<v1::MhcSeamRequest> req =
+      client::RandomMhcRequest(ws->mhc(), {.weight_set = "v4-pro/demo", .tokens = 8}, rng);
+  ASSERT_TRUE(req.ok());
+  EXPECT_TRUE(s.client->MhcSeam(*req).ok());
+}
+
 }  // namespace
 }  // namespace fusedlayer::testing
 
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--ipc_child=", 12) == 0) return fusedlayer::testing::RunChild(std::atoi(argv[i] + 12));
+    if (std::strncmp(argv[i], "--ipc_child=", 12) == 0) {
+      const char* mib = std::strchr(argv[i] + 12, ',');
+      return fusedlayer::testing::RunChild(std::atoi(argv[i] + 12), mib != nullptr ? std::atoll(mib + 1) : 8);
+    }
   }
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
