@@ -398,6 +398,9 @@ TEST(SharedMemoryRegistry, ExpireIdleUnregistersWhatNoRequestUsedForTheIdleTime)
     r.set_byte_size(4096);
     return registry.Register(identity, r);
   };
+  // The registrations happen between these two readings of the clock (and take their own), so
+  // the test chooses its times from the bounds, never from how long registering took.
+  const auto before_registering = std::chrono::steady_clock::now();
   ASSERT_TRUE(reg("id", "a", 0).ok());
   ASSERT_TRUE(reg("id", "b", 4096).ok());
   ASSERT_TRUE(reg("id", "c", 8192).ok());
@@ -407,7 +410,8 @@ TEST(SharedMemoryRegistry, ExpireIdleUnregistersWhatNoRequestUsedForTheIdleTime)
   ASSERT_TRUE(registry.Lookup("id", "b", "x").ok());  // a use, after `registered`
   const auto hour = std::chrono::seconds(3600);
 
-  registry.ExpireIdle(registered + hour - std::chrono::milliseconds(1));  // nothing idle for an hour yet
+  // Earlier than an hour after the first registration: nothing has been idle for an hour yet.
+  registry.ExpireIdle(before_registering + hour - std::chrono::nanoseconds(1));
   absl::StatusOr<v1::SystemSharedMemoryStatusResponse> st = registry.Status("id", "");
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->regions_size(), 3);
