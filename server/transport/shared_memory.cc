@@ -246,7 +246,8 @@ void SharedMemoryRegistry::PruneVanishedLocked(const std::string& identity) {
 }
 
 absl::Status SharedMemoryRegistry::Register(const std::string& identity,
-                                            const v1::RegisterSystemSharedMemoryRequest& req) {
+                                            const v1::RegisterSystemSharedMemoryRequest& req,
+                                            const auth::UnixPeer* caller) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   if (absl::Status s = CheckRegionName(req.name()); !s.ok()) return s;
   if (absl::Status s = CheckKey(req.key()); !s.ok()) return s;
@@ -279,6 +280,14 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(req.key(), " is not a shared-memory object"));
+  }
+  if (caller != nullptr && !auth::UnixPeerMayReadWrite(*caller, st)) {
+    ::close(fd);
+    // The server could open it; the caller could not: acting for it would make the server a
+    // confused deputy (docs/security.md).
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shared-memory object ", req.key(), " is not readable and writable by the calling process's user (uid ",
+        caller->uid, "); the server registers only objects its caller could open read-write itself"));
   }
   if (static_cast<uint64_t>(st.st_size) < end) {
     ::close(fd);

@@ -43,6 +43,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "auth/unix_peers.h"
 #include "common/annotated_mutex.h"
 #include "common/periodic_task.h"
 #include "exec/device_range.h"
@@ -153,7 +154,10 @@ class SharedMemoryRegistry {
   bool locks_regions() const { return locker_ != nullptr && limits_.max_locked_bytes > 0; }
 
   // The RPCs (rpc/shared_memory_rpcs.cc); `identity` is the caller's (auth/caller_identity.h).
-  absl::Status Register(const std::string& identity, const v1::RegisterSystemSharedMemoryRequest& request);
+  // `caller`: the credentials of a unix-socket caller (auth/unix_peers.h), or null (TCP, tokens):
+  // an object that caller could not open read-write itself is PERMISSION_DENIED.
+  absl::Status Register(const std::string& identity, const v1::RegisterSystemSharedMemoryRequest& request,
+                        const auth::UnixPeer* caller = nullptr);
   absl::StatusOr<v1::SystemSharedMemoryStatusResponse> Status(const std::string& identity, const std::string& name);
   absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> Unregister(const std::string& identity,
                                                                      const std::string& name);

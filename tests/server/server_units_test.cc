@@ -2,6 +2,8 @@
 // tensor codec's validation, the executor's bound, and flag parsing.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -14,6 +16,7 @@
 #include <optional>
 #include <thread>
 
+#include "auth/unix_peers.h"
 #include "common/byte_budget.h"
 #include "config.h"
 #include "exec/dispatcher.h"
@@ -428,6 +431,105 @@ TEST(SharedMemoryRegistry, ExpireIdleUnregistersWhatNoRequestUsedForTheIdleTime)
   st = registry.Status("id", "");
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->regions_size(), 0);
+  ::close(fd);
+  ::shm_unlink(key.c_str());
+}
+
+// The unix-socket peers' table (auth/unix_peers.h): a connection's credentials are found by the
+// name gRPC gives its calls' peer ("fd:N") while N is still the socket that was recorded; any other
+// name, or N reused by anything else, finds nothing.
+TEST(UnixPeerTable, FindsTheRecordedConnectionByItsGrpcPeerNameAndNothingElse) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  server::auth::UnixPeerTable table;
+  ASSERT_TRUE(table.Add(pair[0]));
+  const std::string name = "fd:" + std::to_string(pair[0]);
+  std::optional<server::auth::UnixPeer> peer = table.Find(name);
+  ASSERT_TRUE(peer.has_value());
+  EXPECT_EQ(peer->uid, ::getuid());  // the other end is this process
+  EXPECT_EQ(peer->gid, ::getgid());
+  EXPECT_EQ(peer->pid, ::getpid());
+  EXPECT_EQ(server::auth::UnixPeerIdentity(*peer), "uid:" + std::to_string(::getuid()));
+  EXPECT_TRUE(server::auth::UnixPeerTable::IsFdPeer(name));
+  EXPECT_FALSE(table.Find("fd:" + std::to_string(pair[1])).has_value());  // never recorded
+  for (const char* other : {"fd:", "fd:x", "fd:-1", "ipv4:127.0.0.1:5000", "unix:/tmp/s", ""}) {
+    EXPECT_FALSE(table.Find(other).has_value()) << other;
+  }
+  EXPECT_FALSE(table.Find(name + "0").has_value());
+  EXPECT_FALSE(server::auth::UnixPeerTable::IsFdPeer("ipv6:[::1]:1"));
+  // The number reused: by a file, then by another socket. Neither lends the recorded credentials.
+  const int file = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(file, 0);
+  ASSERT_EQ(::dup2(file, pair[0]), pair[0]);
+  EXPECT_FALSE(table.Find(name).has_value());
+  int other[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, other), 0);
+  ASSERT_EQ(::dup2(other[0], pair[0]), pair[0]);
+  EXPECT_FALSE(table.Find(name).has_value());
+  // Recorded again (a new connection accepted on that number): found again.
+  ASSERT_TRUE(table.Add(pair[0]));
+  EXPECT_TRUE(table.Find(name).has_value());
+  // A descriptor that is not a socket has no peer credentials: not recorded.
+  EXPECT_FALSE(table.Add(file));
+  for (int fd : {pair[0], pair[1], other[0], other[1], file}) ::close(fd);
+}
+
+// Whether a unix-socket caller could open an object read-write itself, from its mode bits.
+TEST(UnixPeerTable, MayReadWriteFollowsTheModeBitsForOwnerGroupAndOthers) {
+  using server::auth::UnixPeer;
+  using server::auth::UnixPeerMayReadWrite;
+  struct stat st {};
+  st.st_uid = 1000;
+  st.st_gid = 2000;
+  const UnixPeer owner{1000, 3000, 1}, group{1001, 2000, 1}, other{1002, 3000, 1}, root{0, 0, 1};
+  st.st_mode = S_IFREG | 0600;
+  EXPECT_TRUE(UnixPeerMayReadWrite(owner, st));
+  EXPECT_FALSE(UnixPeerMayReadWrite(group, st));
+  EXPECT_FALSE(UnixPeerMayReadWrite(other, st));
+  EXPECT_TRUE(UnixPeerMayReadWrite(root, st));
+  st.st_mode = S_IFREG | 0400;  // the owner may read only
+  EXPECT_FALSE(UnixPeerMayReadWrite(owner, st));
+  st.st_mode = S_IFREG | 0660;
+  EXPECT_TRUE(UnixPeerMayReadWrite(group, st));
+  EXPECT_FALSE(UnixPeerMayReadWrite(other, st));
+  st.st_mode = S_IFREG | 0066;  // others and group, not the owner: the owner's bits decide for it
+  EXPECT_FALSE(UnixPeerMayReadWrite(owner, st));
+  EXPECT_TRUE(UnixPeerMayReadWrite(other, st));
+  st.st_mode = S_IFREG | 0664;
+  EXPECT_FALSE(UnixPeerMayReadWrite(other, st));
+}
+
+// Registration for a unix-socket caller: an object it could not open read-write itself is
+// PERMISSION_DENIED (the server, which could, does not act for it), one it could is registered;
+// without a caller's credentials (TCP) nothing is checked beyond the server's own open.
+TEST(SharedMemoryRegistry, AUnixSocketCallerRegistersOnlyObjectsItCouldOpenItself) {
+  const std::string key = "/fl-units-peer-" + std::to_string(::getpid());
+  const int fd = ::shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  prometheus::Registry metrics;
+  transport::SharedMemoryRegistry registry(transport::SharedMemoryLimits{.enabled = true}, metrics);
+  v1::RegisterSystemSharedMemoryRequest r;
+  r.set_key(key);
+  r.set_byte_size(4096);
+  const uid_t someone = st.st_uid + 4242;  // neither the owner nor root
+  const server::auth::UnixPeer stranger{someone, st.st_gid + 4242, 1}, owner{st.st_uid, st.st_gid + 4242, 1};
+  r.set_name("stranger");
+  const absl::Status denied = registry.Register("uid:" + std::to_string(someone), r, &stranger);
+  EXPECT_EQ(denied.code(), absl::StatusCode::kPermissionDenied) << denied;
+  EXPECT_NE(denied.message().find("(uid " + std::to_string(someone) + ")"), std::string::npos) << denied;
+  r.set_name("owner");
+  EXPECT_TRUE(registry.Register("uid:" + std::to_string(st.st_uid), r, &owner).ok());
+  ASSERT_TRUE(registry.Unregister("uid:" + std::to_string(st.st_uid), "owner").ok());
+  ASSERT_EQ(::fchmod(fd, 0666), 0);  // now anyone could open it read-write
+  r.set_name("stranger");
+  EXPECT_TRUE(registry.Register("uid:" + std::to_string(someone), r, &stranger).ok());
+  ASSERT_TRUE(registry.Unregister("uid:" + std::to_string(someone), "stranger").ok());
+  ASSERT_EQ(::fchmod(fd, 0600), 0);
+  r.set_name("tcp");
+  EXPECT_TRUE(registry.Register("anonymous", r).ok());
   ::close(fd);
   ::shm_unlink(key.c_str());
 }
