@@ -154,12 +154,20 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   }
   srv->weights_->FinishStartup();
 
-  srv->service_ = std::make_unique<FusedLayerService>(cfg, identity, be, *srv->executor_, *srv->weights_,
-                                                      *srv->metrics_, *srv->shadow_, *srv->lanes_);
+  // A plaintext unix socket is accepted by the server itself, so calls know their peer's user
+  // (rpc/unix_listener.h); bound here, accepted from once gRPC runs.
+  if (listen_kind != ListenKind::kTcp && security->plaintext_open) {
+    absl::StatusOr<std::unique_ptr<UnixPeerListener>> listener = UnixPeerListener::Listen(cfg.address, listen_kind);
+    if (!listener.ok()) return listener.status();
+    srv->unix_listener_ = std::move(*listener);
+  }
+  srv->service_ = std::make_unique<FusedLayerService>(
+      cfg, identity, be, *srv->executor_, *srv->weights_, *srv->metrics_, *srv->shadow_, *srv->lanes_,
+      srv->unix_listener_ ? &srv->unix_listener_->peers() : nullptr);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(cfg.address, security->credentials, &srv->port_);
+  if (!srv->unix_listener_) builder.AddListeningPort(cfg.address, security->credentials, &srv->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(cfg.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(cfg.max_message_bytes));
   // gRPC's own buffers (messages being received, transport) are bounded by the quota, and a client
@@ -183,11 +191,14 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     return absl::UnavailableError(absl::StrCat("cannot listen on ", cfg.address, " (--address)"));
   }
   if (listen_kind != ListenKind::kTcp) srv->port_ = 0;
+  if (srv->unix_listener_) srv->unix_listener_->Start(srv->server_.get());
   srv->health_.Attach(srv->server_->GetHealthCheckService());
   const std::string where = listen_kind == ListenKind::kTcp ? absl::StrCat(" (port ", srv->port_, ")")
-                            : listen_kind == ListenKind::kUnix ? std::string(" (unix domain socket)")
-                                                               : std::string(" (abstract unix socket)");
-  LogInfo("serving fusedlayer.v1.FusedLayer on ", cfg.address, where, ", queue capacity ", cfg.queue_capacity,
+                            : listen_kind == ListenKind::kUnix ? std::string(" (unix domain socket")
+                                                               : std::string(" (abstract unix socket");
+  const std::string peers = srv->unix_listener_ ? "; callers identified by their user id, SO_PEERCRED)" : ")";
+  LogInfo("serving fusedlayer.v1.FusedLayer on ", cfg.address, where, listen_kind == ListenKind::kTcp ? "" : peers,
+          ", queue capacity ", cfg.queue_capacity,
           ", max message ", cfg.max_message_bytes, " bytes, compute bytes in flight at most ",
           cfg.EffectiveMaxInflightBytes(), ", gRPC memory quota ", cfg.EffectiveGrpcMemoryQuotaBytes(),
           " bytes, ", cfg.max_concurrent_streams, " streams per connection");
@@ -212,6 +223,7 @@ void FusedLayerServer::Shutdown(std::chrono::system_clock::time_point deadline) 
   LogInfo("draining: health NOT_SERVING, new calls refused with UNAVAILABLE");
   // Waits for in-flight RPCs (their executor tasks finish them) until the deadline, then cancels
   // what is left; queued tasks of cancelled calls are dropped at their launch check.
+  if (unix_listener_) unix_listener_->Stop();  // no new connections, as gRPC's own listener at Shutdown
   if (server_) server_->Shutdown(deadline);
   if (executor_) executor_->Stop();
   if (server_) server_->Wait();

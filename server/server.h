@@ -15,6 +15,7 @@
 #include "rpc/health.h"
 #include "common/metrics.h"
 #include "rpc/service.h"
+#include "rpc/unix_listener.h"
 #include "shadow/shadow_verifier.h"
 #include "exec/weight_manager.h"
 #include "weights/weight_set.h"
@@ -68,6 +69,9 @@ class FusedLayerServer {
   std::unique_ptr<Executor> executor_;
   Health health_;
   std::unique_ptr<WeightManager> weights_;
+  // A plaintext unix: / unix-abstract: address's own listener (rpc/unix_listener.h); before the
+  // service, which reads its table of peers.
+  std::unique_ptr<UnixPeerListener> unix_listener_;
   std::unique_ptr<FusedLayerService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;

@@ -8,7 +8,8 @@
 
 namespace fusedlayer::server::auth {
 
-std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_configured) {
+std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_configured,
+                           const UnixPeerTable* unix_peers) {
   if (tokens_configured) {
     const auto& md = ctx.client_metadata();
     if (auto it = md.find("authorization"); it != md.end()) {
@@ -30,6 +31,13 @@ std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_confi
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
     const std::vector<grpc::string_ref> peer = auth->GetPeerIdentity();
     if (!peer.empty()) return "cert:" + std::string(peer.front().data(), peer.front().size());
+  }
+  if (unix_peers != nullptr) {
+    const std::string grpc_peer = ctx.peer();
+    if (UnixPeerTable::IsFdPeer(grpc_peer)) {
+      const std::optional<UnixPeer> peer = unix_peers->Find(grpc_peer);
+      return peer ? UnixPeerIdentity(*peer) : std::string(kUnknownUnixPeer);
+    }
   }
   return "anonymous";
 }

@@ -6,17 +6,26 @@
 //     AuthContext is per connection, and two tokens can share one connection;
 //   - else a verified TLS client certificate (mutual TLS, per connection): "cert:" + its peer
 //     identity (subject alternative name, else common name, as gRPC reports it);
-//   - else "anonymous": with no authentication configured every caller is the one anonymous
-//     identity (docs/security.md), so same-host clients of a plaintext server share one region
+//   - else, on a plaintext unix socket the server accepts itself (rpc/unix_listener.h), the
+//     connecting process's user from the kernel: "uid:" + its user id (auth/unix_peers.h); a call
+//     whose connection is no longer known (it closed meanwhile) is "unix-peer:unknown", which owns
+//     nothing;
+//   - else "anonymous": with no authentication configured every TCP caller is the one anonymous
+//     identity (docs/security.md), so same-host clients of a plaintext TCP server share one region
 //     namespace and one set of limits.
 #pragma once
 
 #include <string>
 
+#include "auth/unix_peers.h"
 #include "grpcpp/server_context.h"
 
 namespace fusedlayer::server::auth {
 
-std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_configured);
+inline constexpr std::string_view kUnknownUnixPeer = "unix-peer:unknown";
+
+// `unix_peers`: the server's table of accepted unix-socket connections, null when it has none.
+std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_configured,
+                           const UnixPeerTable* unix_peers);
 
 }  // namespace fusedlayer::server::auth

@@ -13,12 +13,14 @@ namespace fusedlayer::server {
 
 FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend,
                                      Executor& executor, WeightManager& weights, Metrics& metrics,
-                                     shadow::ShadowVerifier& shadow, const DeviceLanes& lanes)
+                                     shadow::ShadowVerifier& shadow, const DeviceLanes& lanes,
+                                     const auth::UnixPeerTable* unix_peers)
     : config_(config),
       identity_(std::move(identity)),
       backend_(backend),
       executor_(executor),
       lanes_(lanes),
+      unix_peers_(unix_peers),
       weights_(weights),
       metrics_(metrics),
       shadow_(shadow),

@@ -48,7 +48,8 @@ using FusedLayerCallbackBase =
 class FusedLayerService final : public FusedLayerCallbackBase {
  public:
   FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend, Executor& executor,
-                    WeightManager& weights, Metrics& metrics, shadow::ShadowVerifier& shadow, const DeviceLanes& lanes);
+                    WeightManager& weights, Metrics& metrics, shadow::ShadowVerifier& shadow, const DeviceLanes& lanes,
+                    const auth::UnixPeerTable* unix_peers = nullptr);
 
   grpc::ServerUnaryReactor* MhcSeam(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
                                     grpc::ByteBuffer* response) override;
@@ -102,7 +103,7 @@ class FusedLayerService final : public FusedLayerCallbackBase {
  private:
   // The caller's identity, the owner of its shared-memory regions and sessions (auth/caller_identity.h).
   std::string CallerIdentity(const grpc::ServerContextBase& ctx) const {
-    return auth::CallerIdentity(ctx, !config_.auth_tokens_file.empty());
+    return auth::CallerIdentity(ctx, !config_.auth_tokens_file.empty(), unix_peers_);
   }
   // UNAVAILABLE while draining, OK otherwise.
   absl::Status AdmitDuringDrain() const;
@@ -139,6 +140,9 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   Backend& backend_;
   Executor& executor_;
   const DeviceLanes& lanes_;  // where each executor worker runs compute
+  // The connections of a plaintext unix socket the server accepts itself (rpc/unix_listener.h),
+  // with their peers' credentials; null otherwise.
+  const auth::UnixPeerTable* const unix_peers_;
   WeightManager& weights_;
   Metrics& metrics_;
   shadow::ShadowVerifier& shadow_;

@@ -15,7 +15,13 @@ grpc::ServerUnaryReactor* FusedLayerService::RegisterSystemSharedMemory(
   auto* call = new UnaryCall(metrics_, Method::kRegisterSystemSharedMemory, config_.max_message_bytes, ctx, request,
                              response);
   absl::Status s = AdmitDuringDrain();
-  if (s.ok()) s = shared_memory_.Register(CallerIdentity(*ctx), *request);
+  // On the server's own unix socket the object must be one the caller could open itself.
+  std::optional<auth::UnixPeer> peer;
+  if (s.ok() && unix_peers_ != nullptr) {
+    peer = unix_peers_->Find(ctx->peer());
+    if (!peer) s = absl::UnauthenticatedError("the unix-socket connection of this call is no longer known");
+  }
+  if (s.ok()) s = shared_memory_.Register(CallerIdentity(*ctx), *request, peer ? &*peer : nullptr);
   call->Complete(std::move(s));
   return call;
 }

@@ -3,11 +3,14 @@
 // over loopback; the socket file's lifecycle (stale ones replaced, live ones and other files
 // refused, removed at shutdown); fusedctl against it, `bench --echo_floor` included, whose echo
 // must carry exactly the real call's byte counts.
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <random>
@@ -25,6 +28,9 @@
 
 #ifndef FUSEDCTL_BINARY
 #error "FUSEDCTL_BINARY must point at the fusedctl executable"
+#endif
+#ifndef UNIX_PEER_PROBE_BINARY
+#error "UNIX_PEER_PROBE_BINARY must point at the fusedlayer_unix_peer_probe executable"
 #endif
 
 namespace fusedlayer::testing {
@@ -146,6 +152,80 @@ TEST_F(UnixSocketTest, AbstractSocketServesBothOps) {
   std::string out;
   EXPECT_EQ(Fusedctl({}, {"--target=" + config.address, "health"}, &out), 0) << out;
   EXPECT_NE(out.find("SERVING"), std::string::npos) << out;
+}
+
+// A plaintext unix socket is accepted by the server itself, which reads each connection's peer
+// credentials (SO_PEERCRED; server/rpc/unix_listener.h): a caller is the identity "uid:N" of its
+// user, so processes of different users have separate region namespaces, and the server registers
+// only shared-memory objects the caller could open read-write itself. The second process is
+// fusedlayer_unix_peer_probe; run as root, the test starts it as nobody (65534) with setpriv, and
+// the server, running as root too, could open the test's owner-only object: only the credential
+// check stops it (the confused deputy of docs/security.md). Run as another user, the probe runs as
+// that same user: the same identity, which may use the same object.
+TEST_F(UnixSocketTest, PeersAreIdentifiedByTheirUserAndActOnlyOnObjectsTheyCouldOpen) {
+  server::ServerConfig config = UnixConfig();
+  config.allow_shared_memory = true;
+  const std::string path = dir_ + "/fl.sock";
+  auto ts = TestServer::Start(config);
+  ASSERT_NE(ts, nullptr);
+  absl::StatusOr<std::unique_ptr<client::FusedLayerClient>> mine = client::FusedLayerClient::Connect(config.address);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  // Two owner-only objects of this process: one it registers, one nobody registers (so that no
+  // other rule, such as an object held by another identity, stands between the probe and it).
+  std::vector<int> fds;
+  auto make_object = [&](const std::string& key) {
+    const int fd = ::shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << key;
+    EXPECT_EQ(::ftruncate(fd, 4096), 0);
+    fds.push_back(fd);
+  };
+  const std::string registered = "/fl-peer-" + RandomHex(32), key = "/fl-peer-" + RandomHex(32);
+  make_object(registered);
+  make_object(key);
+  ASSERT_TRUE((*mine)->RegisterSystemSharedMemory("mine", registered, 0, 4096).ok());
+
+  const bool root = ::geteuid() == 0;
+  std::string binary = UNIX_PEER_PROBE_BINARY;
+  std::vector<std::string> args;
+  if (root) {
+    // nobody must reach the socket (the directory searchable, the socket writable) and run the
+    // probe, whose build folder may lie under a directory only root can enter: a copy goes next to
+    // the socket.
+    ASSERT_EQ(::chmod(dir_.c_str(), 0711), 0);
+    ASSERT_EQ(::chmod(path.c_str(), 0666), 0);
+    const std::string probe_copy = dir_ + "/probe";
+    std::filesystem::copy_file(UNIX_PEER_PROBE_BINARY, probe_copy);
+    ASSERT_EQ(::chmod(probe_copy.c_str(), 0755), 0);
+    binary = "/usr/bin/setpriv";
+    args = {"--reuid=65534", "--regid=65534", "--clear-groups", probe_copy};
+  }
+  args.push_back(config.address);
+  args.push_back(key);
+  ServerProcess probe(binary, args);
+  const std::string out = probe.ReadAll();
+  ASSERT_EQ(probe.Wait(), 0) << out;
+  absl::StatusOr<v1::SystemSharedMemoryStatusResponse> listed = (*mine)->SystemSharedMemoryStatus();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  if (root) {
+    EXPECT_NE(out.find("uid: 65534\n"), std::string::npos) << out;
+    EXPECT_NE(out.find("theirs: PERMISSION_DENIED shared-memory object " + key +
+                       " is not readable and writable by the calling process's user (uid 65534)"),
+              std::string::npos)
+        << out;
+    EXPECT_NE(out.find("own: OK"), std::string::npos) << out;  // its own object, mode 0600
+    EXPECT_NE(out.find("listed: own\n"), std::string::npos) << out;  // not "mine": another identity's
+    ASSERT_EQ(listed->regions_size(), 1);  // nor does this process see the probe's
+    EXPECT_EQ(listed->regions(0).name(), "mine");
+  } else {
+    EXPECT_NE(out.find("uid: " + std::to_string(::getuid()) + "\n"), std::string::npos) << out;
+    EXPECT_NE(out.find("theirs: OK"), std::string::npos) << out;
+    EXPECT_NE(out.find("own: OK"), std::string::npos) << out;
+    EXPECT_NE(out.find("listed: mine,own,theirs\n"), std::string::npos) << out;  // one identity
+    ASSERT_EQ(listed->regions_size(), 2);  // the probe unregistered "own" on its way out
+  }
+  for (const int fd : fds) ::close(fd);
+  ::shm_unlink(registered.c_str());
+  ::shm_unlink(key.c_str());
 }
 
 TEST_F(UnixSocketTest, TokensAreAcceptedOverAUnixSocketAsOverLoopback) {
