@@ -193,12 +193,12 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   if (listen_kind != ListenKind::kTcp) srv->port_ = 0;
   if (srv->unix_listener_) srv->unix_listener_->Start(srv->server_.get());
   srv->health_.Attach(srv->server_->GetHealthCheckService());
-  const std::string where = listen_kind == ListenKind::kTcp ? absl::StrCat(" (port ", srv->port_, ")")
-                            : listen_kind == ListenKind::kUnix ? std::string(" (unix domain socket")
-                                                               : std::string(" (abstract unix socket");
-  const std::string peers = srv->unix_listener_ ? "; callers identified by their user id, SO_PEERCRED)" : ")";
-  LogInfo("serving fusedlayer.v1.FusedLayer on ", cfg.address, where, listen_kind == ListenKind::kTcp ? "" : peers,
-          ", queue capacity ", cfg.queue_capacity,
+  const char* peers = srv->unix_listener_ ? "; callers identified by their user id, SO_PEERCRED" : "";
+  const std::string where =
+      listen_kind == ListenKind::kTcp
+          ? absl::StrCat(" (port ", srv->port_, ")")
+          : absl::StrCat(listen_kind == ListenKind::kUnix ? " (unix domain socket" : " (abstract unix socket", peers, ")");
+  LogInfo("serving fusedlayer.v1.FusedLayer on ", cfg.address, where, ", queue capacity ", cfg.queue_capacity,
           ", max message ", cfg.max_message_bytes, " bytes, compute bytes in flight at most ",
           cfg.EffectiveMaxInflightBytes(), ", gRPC memory quota ", cfg.EffectiveGrpcMemoryQuotaBytes(),
           " bytes, ", cfg.max_concurrent_streams, " streams per connection");
