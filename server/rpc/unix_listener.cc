@@ -85,7 +85,6 @@ void UnixPeerListener::AcceptLoop(grpc::Server* server) {
       ::close(conn);
       continue;
     }
-    accepted_.fetch_add(1);
     grpc::AddInsecureChannelFromFd(server, conn);  // gRPC owns and closes it from here
   }
 }

@@ -11,8 +11,6 @@
 // the token's or the certificate's.
 #pragma once
 
-#include <atomic>
-#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
@@ -38,8 +36,6 @@ class UnixPeerListener {
   void Stop();
 
   const auth::UnixPeerTable& peers() const { return peers_; }
-  // Connections accepted and handed to gRPC so far.
-  uint64_t accepted() const { return accepted_.load(); }
 
  private:
   UnixPeerListener(int fd, int stop_fd, std::string path) : fd_(fd), stop_fd_(stop_fd), path_(std::move(path)) {}
@@ -49,7 +45,6 @@ class UnixPeerListener {
   int stop_fd_ = -1;  // an eventfd that wakes the accept loop to stop
   const std::string path_;  // the socket file to unlink at Stop; empty for an abstract name
   auth::UnixPeerTable peers_;
-  std::atomic<uint64_t> accepted_{0};
   std::thread thread_;
 };
 
