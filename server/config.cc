@@ -30,6 +30,11 @@ std::string UnixSocketPath(std::string_view address) {
   return std::string(address.substr(kUnixPrefix.size()));
 }
 
+std::string UnixAbstractName(std::string_view address) {
+  if (ListenKindOf(address) != ListenKind::kUnixAbstract) return "";
+  return std::string(address.substr(kUnixAbstractPrefix.size()));
+}
+
 namespace {
 // When the memory cannot be read at all (no /proc, no cgroup): a conservative 16 GiB machine.
 uint64_t MemoryForDefaults() {

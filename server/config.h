@@ -22,6 +22,8 @@ enum class ListenKind : uint8_t { kTcp, kUnix, kUnixAbstract };
 ListenKind ListenKindOf(std::string_view address);
 // The filesystem path of a unix: address ("unix:/run/fl.sock" -> "/run/fl.sock"); empty otherwise.
 std::string UnixSocketPath(std::string_view address);
+// The name of a unix-abstract: address ("unix-abstract:fl" -> "fl"); empty otherwise.
+std::string UnixAbstractName(std::string_view address);
 
 // What --executor_spin_us=-1 means on a device backend with lanes: longer than the ~150-350 us
 // between one response and a closed-loop caller's next request on the H200 host (BENCHMARKS.md,

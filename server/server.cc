@@ -46,12 +46,11 @@ absl::Status PrepareUnixSocketPath(const std::string& address, const std::string
     return absl::FailedPreconditionError(
         absl::StrCat("--address=", address, ": ", path, " exists and is not a socket (not removing it)"));
   }
-  sockaddr_un sa{};
-  sa.sun_family = AF_UNIX;
-  std::memcpy(sa.sun_path, path.data(), path.size());  // Validate() bounded the length
+  sockaddr_un sa;
+  const socklen_t sa_len = UnixSocketAddress(address, &sa);
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::UnavailableError(absl::StrCat("socket(AF_UNIX): ", std::strerror(errno)));
-  const bool live = ::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 0;
+  const bool live = ::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sa_len) == 0;
   const int connect_errno = errno;
   ::close(fd);
   if (live) {
@@ -157,7 +156,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   // A plaintext unix socket is accepted by the server itself, so calls know their peer's user
   // (rpc/unix_listener.h); bound here, accepted from once gRPC runs.
   if (listen_kind != ListenKind::kTcp && security->plaintext_open) {
-    absl::StatusOr<std::unique_ptr<UnixPeerListener>> listener = UnixPeerListener::Listen(cfg.address, listen_kind);
+    absl::StatusOr<std::unique_ptr<UnixPeerListener>> listener = UnixPeerListener::Listen(cfg.address);
     if (!listener.ok()) return listener.status();
     srv->unix_listener_ = std::move(*listener);
   }

@@ -8,8 +8,7 @@
 
 namespace fusedlayer::server::auth {
 
-std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_configured,
-                           const UnixPeerTable* unix_peers) {
+Caller CallerOf(const grpc::ServerContextBase& ctx, bool tokens_configured, const UnixPeerTable* unix_peers) {
   if (tokens_configured) {
     const auto& md = ctx.client_metadata();
     if (auto it = md.find("authorization"); it != md.end()) {
@@ -23,23 +22,23 @@ std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_confi
           identity.push_back(kHex[digest[i] >> 4]);
           identity.push_back(kHex[digest[i] & 15]);
         }
-        return identity;
+        return {identity, std::nullopt};
       }
     }
   }
   const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
     const std::vector<grpc::string_ref> peer = auth->GetPeerIdentity();
-    if (!peer.empty()) return "cert:" + std::string(peer.front().data(), peer.front().size());
+    if (!peer.empty()) return {"cert:" + std::string(peer.front().data(), peer.front().size()), std::nullopt};
   }
   if (unix_peers != nullptr) {
     const std::string grpc_peer = ctx.peer();
     if (UnixPeerTable::IsFdPeer(grpc_peer)) {
-      const std::optional<UnixPeer> peer = unix_peers->Find(grpc_peer);
-      return peer ? UnixPeerIdentity(*peer) : std::string(kUnknownUnixPeer);
+      std::optional<UnixPeer> peer = unix_peers->Find(grpc_peer);
+      return {peer ? UnixPeerIdentity(*peer) : std::string(kUnknownUnixPeer), peer};
     }
   }
-  return "anonymous";
+  return {"anonymous", std::nullopt};
 }
 
 }  // namespace fusedlayer::server::auth

@@ -15,6 +15,7 @@
 //     namespace and one set of limits.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "auth/unix_peers.h"
@@ -24,8 +25,18 @@ namespace fusedlayer::server::auth {
 
 inline constexpr std::string_view kUnknownUnixPeer = "unix-peer:unknown";
 
+// Who a call is: its identity and, on the server's own unix socket, its peer's credentials (absent
+// when the connection is no longer known).
+struct Caller {
+  std::string identity;
+  std::optional<UnixPeer> unix_peer;
+};
+
 // `unix_peers`: the server's table of accepted unix-socket connections, null when it has none.
-std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_configured,
-                           const UnixPeerTable* unix_peers);
+Caller CallerOf(const grpc::ServerContextBase& ctx, bool tokens_configured, const UnixPeerTable* unix_peers);
+inline std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_configured,
+                                  const UnixPeerTable* unix_peers) {
+  return CallerOf(ctx, tokens_configured, unix_peers).identity;
+}
 
 }  // namespace fusedlayer::server::auth

@@ -102,9 +102,10 @@ class FusedLayerService final : public FusedLayerCallbackBase {
 
  private:
   // The caller's identity, the owner of its shared-memory regions and sessions (auth/caller_identity.h).
-  std::string CallerIdentity(const grpc::ServerContextBase& ctx) const {
-    return auth::CallerIdentity(ctx, !config_.auth_tokens_file.empty(), unix_peers_);
+  auth::Caller CallerOf(const grpc::ServerContextBase& ctx) const {
+    return auth::CallerOf(ctx, !config_.auth_tokens_file.empty(), unix_peers_);
   }
+  std::string CallerIdentity(const grpc::ServerContextBase& ctx) const { return CallerOf(ctx).identity; }
   // UNAVAILABLE while draining, OK otherwise.
   absl::Status AdmitDuringDrain() const;
   // Memory admission of a compute call with outputs of `response` bytes, before any of them is

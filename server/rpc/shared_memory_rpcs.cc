@@ -16,12 +16,11 @@ grpc::ServerUnaryReactor* FusedLayerService::RegisterSystemSharedMemory(
                              response);
   absl::Status s = AdmitDuringDrain();
   // On the server's own unix socket the object must be one the caller could open itself.
-  std::optional<auth::UnixPeer> peer;
-  if (s.ok() && unix_peers_ != nullptr) {
-    peer = unix_peers_->Find(ctx->peer());
-    if (!peer) s = absl::UnauthenticatedError("the unix-socket connection of this call is no longer known");
+  const auth::Caller caller = CallerOf(*ctx);
+  if (s.ok() && unix_peers_ != nullptr && !caller.unix_peer) {
+    s = absl::UnauthenticatedError("the unix-socket connection of this call is no longer known");
   }
-  if (s.ok()) s = shared_memory_.Register(CallerIdentity(*ctx), *request, peer ? &*peer : nullptr);
+  if (s.ok()) s = shared_memory_.Register(caller.identity, *request, caller.unix_peer ? &*caller.unix_peer : nullptr);
   call->Complete(std::move(s));
   return call;
 }

@@ -16,28 +16,23 @@
 
 namespace fusedlayer::server {
 
-namespace {
-
-constexpr std::string_view kAbstractPrefix = "unix-abstract:";
-
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<UnixPeerListener>> UnixPeerListener::Listen(const std::string& address,
-                                                                           ListenKind kind) {
-  sockaddr_un sa{};
-  sa.sun_family = AF_UNIX;
-  socklen_t len = 0;
-  std::string path;
-  if (kind == ListenKind::kUnixAbstract) {
-    const std::string_view name = std::string_view(address).substr(kAbstractPrefix.size());
-    // A leading NUL, then the name with no terminator: the length says where it ends (as gRPC does).
-    std::memcpy(sa.sun_path + 1, name.data(), name.size());  // Validate() bounded the length
-    len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
-  } else {
-    path = UnixSocketPath(address);
-    std::memcpy(sa.sun_path, path.data(), path.size());
-    len = static_cast<socklen_t>(sizeof(sa));
+socklen_t UnixSocketAddress(std::string_view address, sockaddr_un* sa) {
+  *sa = sockaddr_un{};
+  sa->sun_family = AF_UNIX;
+  if (ListenKindOf(address) == ListenKind::kUnixAbstract) {
+    const std::string name = UnixAbstractName(address);
+    std::memcpy(sa->sun_path + 1, name.data(), name.size());
+    return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
   }
+  const std::string path = UnixSocketPath(address);
+  std::memcpy(sa->sun_path, path.data(), path.size());
+  return static_cast<socklen_t>(sizeof(*sa));
+}
+
+absl::StatusOr<std::unique_ptr<UnixPeerListener>> UnixPeerListener::Listen(const std::string& address) {
+  sockaddr_un sa;
+  const socklen_t len = UnixSocketAddress(address, &sa);
+  std::string path = UnixSocketPath(address);  // unlinked at Stop; empty for an abstract name
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::UnavailableError(absl::StrCat("socket(AF_UNIX): ", std::strerror(errno)));
   if (::bind(fd, reinterpret_cast<const sockaddr*>(&sa), len) != 0 || ::listen(fd, SOMAXCONN) != 0) {

@@ -11,6 +11,9 @@
 // the token's or the certificate's.
 #pragma once
 
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <memory>
 #include <string>
 #include <thread>
@@ -22,11 +25,16 @@
 
 namespace fusedlayer::server {
 
+// The socket address of a unix: or unix-abstract: --address (its length bounded by Validate()),
+// in `*sa`; returns the address length to pass to bind or connect. An abstract name is a leading
+// NUL and the name, with no terminator: the length says where it ends (as gRPC does).
+socklen_t UnixSocketAddress(std::string_view address, sockaddr_un* sa);
+
 class UnixPeerListener {
  public:
   // Binds `address` (unix:PATH or unix-abstract:NAME) and listens; UNAVAILABLE naming --address
   // when it cannot.
-  static absl::StatusOr<std::unique_ptr<UnixPeerListener>> Listen(const std::string& address, ListenKind kind);
+  static absl::StatusOr<std::unique_ptr<UnixPeerListener>> Listen(const std::string& address);
   ~UnixPeerListener();
 
   // Starts accepting; every connection goes to `server` (built and started, outliving Stop).
