@@ -628,6 +628,135 @@ TEST_F(GpuMhcTest, GraphReplayMatchesEager) {
     }
 }
 
+// Layers back to back, as a model runs them: layer l + 1 reads layer l's new_residual and new mixes
+// (its pre mix delayed, shifted mode). Every mHC pass is launched with programmatic dependent
+// launch and a one-wave finalize lets the next kernel in early, so the next layer's CTAs are
+// resident while the previous layer's kernels run: a read of an activation before the pass's
+// GridDependencyWait would see the previous layer's poisoned or half-written outputs. The chain is
+// run eagerly with a synchronisation after each layer (nothing overlaps), then eagerly back to back
+// and as one CUDA graph (replayed 3 times), every output of every layer poisoned before each run and
+// compared bit for bit. Sizes: T = 1 (register pass), 64 (staged pass, early trigger), C = 5120
+// T = 300 (persistent pass).
+TEST_F(GpuMhcTest, ChainedLayersBackToBackMatchLayerByLayer) {
+  constexpr int kLayers = 4;
+  for (Path path : {Path::kFused, Path::kUnfused})
+    for (MhcMode mode : {MhcMode::kShifted, MhcMode::kNormal})
+      for (auto [C, T] : {std::pair<int64_t, int64_t>{7168, 1}, {7168, 64}, {5120, 300}}) {
+        Case c;
+        c.C = C;
+        c.T = T;
+        c.mode = mode;
+        SCOPED_TRACE(Name(c) + "_" + PathName(path));
+        const int n = c.n;
+        auto rng = MakeRng(uint64_t(C * 31 + T));
+        const Weights w = MakeWeights(c, rng);
+        auto gw = Prepare(w);
+        ASSERT_NE(gw, nullptr);
+        const Inputs first = MakeInputs(c, rng);
+        Dev r0 = Upload(first.r.data(), first.r.size() * 2, *ctx_);
+        Dev post0 = Upload(first.post.data(), first.post.size() * 4, *ctx_);
+        Dev comb0 = Upload(first.comb.data(), first.comb.size() * 4, *ctx_);
+        Dev pre0 = Upload(first.pre.data(), first.pre.size() * 4, *ctx_);
+        struct Layer {
+          Dev x, nr, y, npre, npost, ncomb;
+          MhcArgs args;
+        };
+        std::vector<Layer> layers(kLayers);
+        for (int l = 0; l < kLayers; ++l) {
+          Layer& L = layers[l];
+          const std::vector<uint16_t> x = RandomBf16(rng, size_t(T) * C);
+          L.x = Upload(x.data(), x.size() * 2, *ctx_);
+          L.nr = Alloc(size_t(T) * n * C * 2);
+          L.y = Alloc(size_t(T) * C * 2);
+          L.npre = Alloc(size_t(T) * n * 4);
+          L.npost = Alloc(size_t(T) * n * 4);
+          L.ncomb = Alloc(size_t(T) * n * n * 4);
+          const Dev& r = l == 0 ? r0 : layers[l - 1].nr;
+          const Dev& post = l == 0 ? post0 : layers[l - 1].npost;
+          const Dev& comb = l == 0 ? comb0 : layers[l - 1].ncomb;
+          const Dev& pre = l == 0 ? pre0 : layers[l - 1].npre;
+          MhcArgs& a = L.args;
+          a.stage = MhcStage::kSeam;
+          a.mode = mode;
+          a.tokens = T;
+          a.x = View(L.x, DType::kBF16, {T, C});
+          a.residual = View(r, DType::kBF16, {T, n, C});
+          a.post_mix = View(post, DType::kFP32, {T, n});
+          a.comb_mix = View(comb, DType::kFP32, {T, n, n});
+          if (mode == MhcMode::kShifted) a.pre_mix = View(pre, DType::kFP32, {T, n});
+          a.new_residual = View(L.nr, DType::kBF16, {T, n, C});
+          a.new_pre_mix = View(L.npre, DType::kFP32, {T, n});
+          a.new_post_mix = View(L.npost, DType::kFP32, {T, n});
+          a.new_comb_mix = View(L.ncomb, DType::kFP32, {T, n, n});
+          a.y = View(L.y, DType::kBF16, {T, C});
+        }
+        auto poison_all = [&] {
+          for (Layer& L : layers)
+            for (Dev* d : {&L.nr, &L.y, &L.npre, &L.npost, &L.ncomb}) Poison(*d, *ctx_);
+        };
+        auto read_all = [&] {
+          std::vector<Outputs> out(kLayers);
+          for (int l = 0; l < kLayers; ++l) {
+            out[l].nr = Download<uint16_t>(layers[l].nr, *ctx_);
+            out[l].y = Download<uint16_t>(layers[l].y, *ctx_);
+            out[l].pre = Download<float>(layers[l].npre, *ctx_);
+            out[l].post = Download<float>(layers[l].npost, *ctx_);
+            out[l].comb = Download<float>(layers[l].ncomb, *ctx_);
+          }
+          return out;
+        };
+        auto expect_same = [&](const std::vector<Outputs>& got, const std::vector<Outputs>& want, const char* run) {
+          for (int l = 0; l < kLayers; ++l) {
+            SCOPED_TRACE(absl::StrCat(run, ", layer ", l));
+            ExpectSameBits(got[l].nr, want[l].nr, "new_residual");
+            ExpectSameBits(got[l].y, want[l].y, "y");
+            ExpectSameBits(got[l].pre, want[l].pre, "new_pre_mix");
+            ExpectSameBits(got[l].post, want[l].post, "new_post_mix");
+            ExpectSameBits(got[l].comb, want[l].comb, "new_comb_mix");
+          }
+        };
+        auto enqueue_all = [&](bool sync_each) {
+          for (const Layer& L : layers) {
+            const absl::Status s = LaunchMhcGpu(*gw, L.args, path, *ctx_, kNoTokenLimit);
+            ASSERT_TRUE(s.ok()) << s;
+            if (sync_each) ASSERT_EQ(gpuStreamSynchronize(ctx_->stream), gpuSuccess);
+          }
+        };
+
+        poison_all();
+        enqueue_all(/*sync_each=*/true);
+        const std::vector<Outputs> layer_by_layer = read_all();
+        // Every output written (Poison fills 0xff bytes: a NaN that no kernel produces from these inputs).
+        auto no_poison = [](const std::vector<float>& v) {
+          return std::all_of(v.begin(), v.end(), [](float e) { return std::isfinite(e); });
+        };
+        for (const Outputs& o : layer_by_layer) {
+          ASSERT_TRUE(no_poison(o.pre) && no_poison(o.post) && no_poison(o.comb)) << "a mix was not written";
+          ASSERT_TRUE(std::none_of(o.nr.begin(), o.nr.end(), [](uint16_t b) { return b == 0xffff; })) << "R' not written";
+          ASSERT_TRUE(std::none_of(o.y.begin(), o.y.end(), [](uint16_t b) { return b == 0xffff; })) << "y not written";
+        }
+
+        poison_all();
+        enqueue_all(/*sync_each=*/false);
+        expect_same(read_all(), layer_by_layer, "eager back to back");
+
+        ASSERT_EQ(gpuStreamSynchronize(ctx_->stream), gpuSuccess);
+        gpuGraph_t graph = nullptr;
+        gpuGraphExec_t exec = nullptr;
+        ASSERT_EQ(gpuStreamBeginCapture(ctx_->stream, gpuStreamCaptureModeThreadLocal), gpuSuccess);
+        enqueue_all(/*sync_each=*/false);
+        ASSERT_EQ(gpuStreamEndCapture(ctx_->stream, &graph), gpuSuccess);
+        ASSERT_EQ(gpuGraphInstantiate(&exec, graph), gpuSuccess);
+        for (int rep = 0; rep < 3; ++rep) {
+          poison_all();
+          ASSERT_EQ(gpuGraphLaunch(exec, ctx_->stream), gpuSuccess);
+          expect_same(read_all(), layer_by_layer, "graph replay");
+        }
+        EXPECT_EQ(gpuGraphExecDestroy(exec), gpuSuccess);
+        EXPECT_EQ(gpuGraphDestroy(graph), gpuSuccess);
+      }
+}
+
 // The GPU paths against the CPU backend (the same contract implemented independently):
 // new_residual and aux bitwise, mixes within the contract tolerance, shifted y within 1 ulp,
 // normal-mode y within twice the contract's element-wise bound (both backends also against the
