@@ -196,10 +196,14 @@ __device__ __forceinline__ T Shfl(T v, int src_lane, int width = kWarpSize) {
 }
 // ---- Programmatic dependent launch (PDL), the one implementation for both ops --------------------
 // On CUDA sm_90+ a kernel launched with the programmatic-stream-serialization attribute may be
-// scheduled while the previous kernel on its stream is still finishing: what overlaps is launch
-// and block scheduling, never data, because every such kernel calls GridDependencyWait() (the
-// previous grid has completed and its memory is visible) before its first global access. A
-// producer may call LaunchDependents() to let its dependent be scheduled early; the dependent's
+// scheduled while the previous kernel on its stream is still finishing: what overlaps is launch,
+// block scheduling and reads of weights, never activations, because every such kernel calls
+// GridDependencyWait() (the previous grid has completed and its memory is visible) before its first
+// access to anything a previous kernel may have written. Before that wait a kernel may read only
+// weights: device buffers written once at upload, synchronously, before any launch can name them
+// (GpuUpload), and never written again. A producer may call LaunchDependents() to let its dependent
+// be scheduled early, and only after its own GridDependencyWait (otherwise a chain of such kernels,
+// e.g. a graph of mHC seams, lets every later kernel in, each resident and waiting); the dependent's
 // wait is still for the producer's whole grid. Both are no-ops on HIP and older targets.
 __device__ __forceinline__ void GridDependencyWait() {
 #if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -209,6 +213,16 @@ __device__ __forceinline__ void GridDependencyWait() {
 __device__ __forceinline__ void LaunchDependents() {
 #if !FL_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Asks L2 for the 128-byte line holding `p` without waiting for it (prefetch.global.L2): a kernel
+// warms the weights it will need after GridDependencyWait while the previous kernel still runs.
+// A hint only (no-op on HIP); never for activations, which the previous kernel may still write.
+__device__ __forceinline__ void PrefetchWeightL2(const void* p) {
+#if !FL_HIP && defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
 #endif
 }
 

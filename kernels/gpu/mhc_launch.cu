@@ -113,6 +113,14 @@ constexpr int kFinalizeNarrowMixWarps = 4;
 constexpr int64_t kFinalizeRescaleOccupancyMinTokens = kFinalizeNarrowMixMaxTokens + 1;
 constexpr int64_t kFinalizeCollapseOccupancyMinTokens = 257;
 
+// The finalize lets the next kernel's CTAs in early (FinalizeParams::launch_dependents_early) only
+// when it holds at most one SM in this many: those CTAs are then placed as on an idle GPU. On a
+// busier GPU they are crowded onto the SMs left free (the staged pass at C = 7168 T = 64, 224 CTAs,
+// after an 80-block finalize: 3 to an SM instead of 1-2) and the seam got 7% slower than with the
+// trigger at completion; at T = 1 and 16 (2 and 20 blocks) the early trigger gains 0.3-0.4 us
+// (MHC_GPU_NOTES.md, "Launch-overlap round", run 2).
+constexpr int64_t kFinalizeEarlyTriggerSmsPerBlock = 4;
+
 template <int N, bool kVec>
 absl::Status LaunchFinalize(FinalizeParams fp, const GpuContext& ctx) {
   fp.mix_warps = fp.tokens > kFinalizeNarrowMixMaxTokens ? mhc::kFinalizeWarps : kFinalizeNarrowMixWarps;
@@ -143,6 +151,8 @@ absl::Status LaunchFinalize(FinalizeParams fp, const GpuContext& ctx) {
     }
   }
   const int64_t blocks = fp.tokens + (fp.has_mixes ? (fp.tokens + fp.mix_warps - 1) / fp.mix_warps : 0);
+  fp.launch_dependents_early = kernel == mhc::MhcFinalizeKernel<N, kVec, 2> &&  // the only instance that can
+                               blocks * kFinalizeEarlyTriggerSmsPerBlock <= int64_t(ctx.sm_count);
   // Programmatic dependent launch: the finalize kernel is launched while its producer drains and
   // waits in GridDependencyWait (MhcFinalizeKernel) for the producer's memory, hiding the launch
   // gap between the two kernels (~1-2 us at decode sizes). The producer triggers early
@@ -183,7 +193,7 @@ constexpr int64_t kStagedMaxTokens = 1024;
 constexpr int kStagedMinBlocks = 3;
 
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix>
-void EnqueueStagedPass(const FusedParams& fp, int nchunk, gpuStream_t stream) {
+gpuError_t EnqueueStagedPass(const FusedParams& fp, int nchunk, gpuStream_t stream) {
   constexpr int kTiles = 1;
   auto kernel = mhc::MhcStagedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, false, kTiles, kStagedMinBlocks>;
   constexpr size_t smem = mhc::StagedSmem<kFirst, kTiles>::kBytes;
@@ -193,7 +203,7 @@ void EnqueueStagedPass(const FusedParams& fp, int nchunk, gpuStream_t stream) {
       gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel), kMaxDynamicSmemAttr, int(smem));
   (void)attr;
   const dim3 grid(unsigned((fp.tokens + 15) / 16), unsigned(nchunk));
-  kernel<<<grid, mhc::kStagedThreadsPerTile * kTiles, smem, stream>>>(fp);
+  return LaunchKernel(/*pdl=*/true, kernel, grid, dim3(mhc::kStagedThreadsPerTile * kTiles), smem, stream, fp);
 }
 
 // The persistent staged pass (same tile arithmetic, same bits) wherever the one-tile staged pass
@@ -208,7 +218,7 @@ bool UsePersistentPass(int64_t tokens, int nchunk, int sm_count) {
 }
 
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix>
-void EnqueuePersistentPass(const FusedParams& fp, int nchunk, int sm_count, gpuStream_t stream) {
+gpuError_t EnqueuePersistentPass(const FusedParams& fp, int nchunk, int sm_count, gpuStream_t stream) {
   auto kernel = mhc::MhcPersistentPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kPersistentMinBlocks>;
   constexpr size_t smem = mhc::StagedSmem<kFirst, 1>::kBytes;
   // One wave: the CTAs that fit the device at once (queried once per instance), each with an equal
@@ -221,37 +231,39 @@ void EnqueuePersistentPass(const FusedParams& fp, int nchunk, int sm_count, gpuS
   }();
   const int64_t items = (fp.tokens + 15) / 16 * nchunk;
   const int64_t grid = std::min<int64_t>(items, int64_t(per_sm) * std::max(sm_count, 1));
-  kernel<<<unsigned(grid), mhc::kStagedThreadsPerTile, smem, stream>>>(fp);
+  return LaunchKernel(/*pdl=*/true, kernel, dim3(unsigned(grid)), dim3(mhc::kStagedThreadsPerTile), smem, stream, fp);
 }
 
+// Every pass is launched with programmatic dependent launch: its CTAs become resident and start
+// fetching fn while the previous kernel on the stream (e.g. the previous seam's finalize, which
+// lets its dependents launch early) finishes; the pass waits (GridDependencyWait) before it reads
+// an activation.
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly = false>
-void EnqueueFusedPass(const FusedParams& fp, int nchunk, int sm_count, gpuStream_t stream) {
+gpuError_t EnqueueFusedPass(const FusedParams& fp, int nchunk, int sm_count, gpuStream_t stream) {
   if constexpr (!kGemmOnly) {
     if (UsePersistentPass(fp.tokens, nchunk, sm_count)) {
-      EnqueuePersistentPass<kFirst, kShifted, kHasPre, kAux, kMix>(fp, nchunk, sm_count, stream);
-      return;
+      return EnqueuePersistentPass<kFirst, kShifted, kHasPre, kAux, kMix>(fp, nchunk, sm_count, stream);
     }
     if (fp.tokens >= kStagedMinTokens && fp.tokens <= kStagedMaxTokens) {
-      EnqueueStagedPass<kFirst, kShifted, kHasPre, kAux, kMix>(fp, nchunk, stream);
-      return;
+      return EnqueueStagedPass<kFirst, kShifted, kHasPre, kAux, kMix>(fp, nchunk, stream);
     }
   }
+  const dim3 block(mhc::kFusedThreads);
   if (fp.tokens <= kSingleTileMaxTokens) {
     const int64_t tiles = (fp.tokens + 15) / 16;
     const dim3 grid{unsigned(tiles), unsigned(nchunk)};
     if (tiles * nchunk > int64_t(FL_MHC_TILE16_MIN_BLOCKS) * std::max(sm_count, 1) &&
         kTile16WideMinBlocks > FL_MHC_TILE16_MIN_BLOCKS) {
-      mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1, kTile16WideMinBlocks>
-          <<<grid, mhc::kFusedThreads, 0, stream>>>(fp);
-    } else {
-      mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1>
-          <<<grid, mhc::kFusedThreads, 0, stream>>>(fp);
+      return LaunchKernel(/*pdl=*/true,
+                          mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1, kTile16WideMinBlocks>,
+                          grid, block, 0, stream, fp);
     }
-  } else {
-    const dim3 grid(unsigned((fp.tokens + 31) / 32), unsigned(nchunk));
-    mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 2>
-        <<<grid, mhc::kFusedThreads, 0, stream>>>(fp);
+    return LaunchKernel(/*pdl=*/true, mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 1>, grid,
+                        block, 0, stream, fp);
   }
+  const dim3 grid(unsigned((fp.tokens + 31) / 32), unsigned(nchunk));
+  return LaunchKernel(/*pdl=*/true, mhc::MhcFusedPassKernel<kFirst, kShifted, kHasPre, kAux, kMix, kGemmOnly, 2>, grid,
+                      block, 0, stream, fp);
 }
 #endif
 
@@ -322,12 +334,10 @@ absl::Status LaunchUnfusedN(const GpuMhcWeights& w, const MhcArgs& a, GpuContext
         fp.partials = ws;
         fp.tokens = ts;
         fp.C = C;
-        if (first) {
-          EnqueueFusedPass<true, false, false, false, true, true>(fp, nsplit, ctx.sm_count, ctx.stream);
-        } else {
-          EnqueueFusedPass<false, false, false, false, true, true>(fp, nsplit, ctx.sm_count, ctx.stream);
-        }
-        if (absl::Status s = LaunchStatus("MhcFusedPassKernel (mixes GEMM)"); !s.ok()) return s;
+        const gpuError_t err =
+            first ? EnqueueFusedPass<true, false, false, false, true, true>(fp, nsplit, ctx.sm_count, ctx.stream)
+                  : EnqueueFusedPass<false, false, false, false, true, true>(fp, nsplit, ctx.sm_count, ctx.stream);
+        if (absl::Status s = LaunchStatus(err, "MhcFusedPassKernel (mixes GEMM)"); !s.ok()) return s;
       }
 #endif
     } else if (has_mixes) {
@@ -424,25 +434,26 @@ absl::Status LaunchFused(const GpuMhcWeights& w, const MhcArgs& a, GpuContext& c
     fp.tokens = ts;
     fp.C = C;
     // Template flags: (first, shifted, has_pre, aux, mix).
+    gpuError_t err;
     if (first) {
-      if (shifted) EnqueueFusedPass<true, true, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
-      else EnqueueFusedPass<true, false, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+      if (shifted) err = EnqueueFusedPass<true, true, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+      else err = EnqueueFusedPass<true, false, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
     } else if (head) {
-      if (has_pre) EnqueueFusedPass<false, true, true, false, false>(fp, nchunk, ctx.sm_count, ctx.stream);
-      else EnqueueFusedPass<false, true, false, false, false>(fp, nchunk, ctx.sm_count, ctx.stream);
+      if (has_pre) err = EnqueueFusedPass<false, true, true, false, false>(fp, nchunk, ctx.sm_count, ctx.stream);
+      else err = EnqueueFusedPass<false, true, false, false, false>(fp, nchunk, ctx.sm_count, ctx.stream);
     } else if (shifted) {
       if (has_pre) {
-        if (aux) EnqueueFusedPass<false, true, true, true, true>(fp, nchunk, ctx.sm_count, ctx.stream);
-        else EnqueueFusedPass<false, true, true, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+        if (aux) err = EnqueueFusedPass<false, true, true, true, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+        else err = EnqueueFusedPass<false, true, true, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
       } else {
-        if (aux) EnqueueFusedPass<false, true, false, true, true>(fp, nchunk, ctx.sm_count, ctx.stream);
-        else EnqueueFusedPass<false, true, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+        if (aux) err = EnqueueFusedPass<false, true, false, true, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+        else err = EnqueueFusedPass<false, true, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
       }
     } else {
-      if (aux) EnqueueFusedPass<false, false, false, true, true>(fp, nchunk, ctx.sm_count, ctx.stream);
-      else EnqueueFusedPass<false, false, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+      if (aux) err = EnqueueFusedPass<false, false, false, true, true>(fp, nchunk, ctx.sm_count, ctx.stream);
+      else err = EnqueueFusedPass<false, false, false, false, true>(fp, nchunk, ctx.sm_count, ctx.stream);
     }
-    if (absl::Status s = LaunchStatus("MhcFusedPassKernel"); !s.ok()) return s;
+    if (absl::Status s = LaunchStatus(err, "MhcFusedPassKernel"); !s.ok()) return s;
 
     FinalizeParams f{};
     f.partials = ws;

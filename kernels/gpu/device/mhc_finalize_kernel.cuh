@@ -51,6 +51,10 @@ struct FinalizeParams {
   int64_t tokens;
   int64_t C;
   int mix_warps;           // tokens per mix block (1..kFinalizeWarps), a launch choice: same bits
+  // Let the next kernel on the stream (programmatic dependent launch: the next seam's pass) become
+  // resident and fetch its weights while this one runs. The launcher sets it only for a grid small
+  // enough to leave most SMs free (mhc_launch.cu, kFinalizeEarlyTriggerSmsPerBlock).
+  bool launch_dependents_early;
 };
 
 __device__ __forceinline__ void WarpSync() {
@@ -118,8 +122,31 @@ __global__ void __launch_bounds__(kFinalizeThreads, kMinBlocks) MhcFinalizeKerne
 
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t T = p.tokens, C = p.C;
-  // Launched with programmatic dependent launch: wait for the producer kernel's writes.
+  // Launched with programmatic dependent launch, so this block may start while the pass still
+  // runs. The decode instance first warms L2 with the weights it reads after the wait
+  // (norm_weight for a y block; scale and base for a mix block); the large-T instances do not, as
+  // their thousands of blocks would only repeat L2 hits. Then wait for the pass's writes, and only
+  // then let the next kernel in (a trigger before the wait chains: see MhcFusedPassKernel).
+  if constexpr (kMinBlocks == 2) {
+    if (int64_t(blockIdx.x) < T) {
+      if (p.norm_weight != nullptr) {
+        const unsigned char* g = reinterpret_cast<const unsigned char*>(p.norm_weight);
+        for (int64_t l = threadIdx.x; l < (C * 2 + 127) / 128; l += kFinalizeThreads) PrefetchWeightL2(g + l * 128);
+      }
+    } else if (threadIdx.x == 0 && p.has_mixes) {
+      PrefetchWeightL2(p.scale);
+      PrefetchWeightL2(p.base);
+      PrefetchWeightL2(p.base + M - 1);
+    }
+  }
   GridDependencyWait();
+  // Only the decode instance may trigger early (the launcher asks for it only for grids of a few
+  // dozen blocks, far below the large-T instances' threshold). Keeping the branch out of the
+  // large-T instances keeps their code as it was: with it, the normal-mode collapse instance ran
+  // 3-4% slower in ncu at T = 4096 with the same registers ("Launch-overlap round", run 4).
+  if constexpr (kMinBlocks == 2) {
+    if (p.launch_dependents_early) LaunchDependents();
+  }
 
   if (int64_t(blockIdx.x) >= T) {
     // ---- mix block: one warp per token ----

@@ -181,9 +181,6 @@ __global__ void __launch_bounds__(kFusedThreads, kMinBlocks > 0 ? kMinBlocks
                                                                 : 3)
     MhcFusedPassKernel(FusedParams p) {
   static_assert(!kGemmOnly || (kMix && !kShifted && !kAux), "the GEMM-only pass writes partials only");
-  // Let the finalize kernel (programmatic dependent launch) become resident now; its
-  // GridDependencyWait still waits for this whole grid to finish and its writes to be visible.
-  LaunchDependents();
   constexpr int N = 4;
   constexpr int kStreams = kFirst ? 1 : N;   // distinct streams feeding the GEMM
   constexpr int kSteps = kStreams * 2;       // k16 steps per warp: 8 channels x streams per lane / 4
@@ -204,6 +201,37 @@ __global__ void __launch_bounds__(kFusedThreads, kMinBlocks > 0 ? kMinBlocks
   const int64_t tok_base = int64_t(blockIdx.x) * kTileTokens;
   const int64_t C = p.C;
 
+  // B fragments: fn as bf16 hi + lo parts, laid out per (32-channel quad, k16 step, n-tile, lane)
+  // by the host (mhc_launch.cu BuildFragments), read with ld.global.nc (L2-resident weights). They
+  // are weights, so they are requested before GridDependencyWait: while the previous kernel on the
+  // stream finishes (programmatic dependent launch), the warp's fragments of every step go to L2
+  // and, with kEarlyB, the first kAhead steps to registers.
+  const uint4* frag = p.frag + size_t(quad) * kSteps * 3 * 32 + lane;
+  uint4 bq[kSteps][3];  // compile-time indices only: a register lives from its load to its MMA
+  // Only the first token tile's CTAs prefetch: the others of the chunk then hit the same lines in L2,
+  // and at large T (many waves, all past the wait) a prefetch per CTA would only double fn's L2
+  // traffic (measured: the unfused chain +8% at C = 7168 T = 1024, MHC_GPU_NOTES.md, "Launch-overlap
+  // round").
+  if constexpr (kMix) {
+    if (blockIdx.x == 0) {
+      constexpr int kFragLines = kSteps * 3 * 32 * 16 / 128;
+      const unsigned char* frag_bytes = reinterpret_cast<const unsigned char*>(frag - lane);
+      for (int l = lane; l < kFragLines; l += 32) PrefetchWeightL2(frag_bytes + l * 128);
+    }
+    if constexpr (kEarlyB) {
+#pragma unroll
+      for (int s = 0; s < kAhead; ++s)
+#pragma unroll
+        for (int nt = 0; nt < 3; ++nt) bq[s][nt] = __ldg(frag + (s * 3 + nt) * 32);
+    }
+  }
+  GridDependencyWait();  // x, R and the mixes may come from the previous kernel
+  // Now let the finalize (programmatic dependent launch) become resident; its GridDependencyWait
+  // still waits for this whole grid. Not before this kernel's own wait: a trigger there would let
+  // the finalize in, which lets the next seam's pass in, and so on, until every later kernel of a
+  // graph sat resident and waiting (measured: +15% at C = 7168 T = 16, "Launch-overlap round").
+  LaunchDependents();
+
   // Row r = mt*16 + h*8 + g of the CTA's token tile: m-tile mt, fragment half h.
   uint4 raw_x[kTiles][2], raw_r[kTiles][2][N];
 #pragma unroll
@@ -220,17 +248,6 @@ __global__ void __launch_bounds__(kFusedThreads, kMinBlocks > 0 ? kMinBlocks
         }
       }
     }
-
-  // B fragments: fn as bf16 hi + lo parts, laid out per (32-channel quad, k16 step, n-tile, lane)
-  // by the host (mhc_launch.cu BuildFragments), read with ld.global.nc (L2-resident weights).
-  const uint4* frag = p.frag + size_t(quad) * kSteps * 3 * 32 + lane;
-  uint4 bq[kSteps][3];  // compile-time indices only: a register lives from its load to its MMA
-  if constexpr (kMix && kEarlyB) {
-#pragma unroll
-    for (int s = 0; s < kAhead; ++s)
-#pragma unroll
-      for (int nt = 0; nt < 3; ++nt) bq[s][nt] = __ldg(frag + (s * 3 + nt) * 32);
-  }
 
   // The tile's mixing coefficients (post[4], comb[16], pre[4] per token) go through shared memory:
   // one cooperative load round, overlapping the data loads above, instead of a dependent round of

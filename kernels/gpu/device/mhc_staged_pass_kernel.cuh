@@ -190,7 +190,6 @@ __device__ __forceinline__ void StagedWritePartials(const FusedParams& p, const 
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, bool kGemmOnly, int kTiles, int kMinBlocks>
 __global__ void __launch_bounds__(kStagedThreadsPerTile * kTiles, kMinBlocks) MhcStagedPassKernel(FusedParams p) {
   static_assert(!kGemmOnly || (kMix && !kShifted && !kAux), "the GEMM-only pass writes partials only");
-  LaunchDependents();  // see MhcFusedPassKernel
   using Smem = StagedSmem<kFirst, kTiles>;
   constexpr int kStreams = Smem::kStreams;
   constexpr int kThreads = kStagedThreadsPerTile * kTiles;
@@ -205,11 +204,15 @@ __global__ void __launch_bounds__(kStagedThreadsPerTile * kTiles, kMinBlocks) Mh
   const int chunk = blockIdx.y, nchunk = gridDim.y;
   const int64_t tok_base = int64_t(blockIdx.x) * kTileTokens;
 
-  // Phase 0: the chunk's B fragments (4 consecutive quads of the host layout are contiguous).
+  // Phase 0: the chunk's B fragments (4 consecutive quads of the host layout are contiguous). They
+  // are weights, so the copy starts before GridDependencyWait, while the previous kernel on the
+  // stream finishes (programmatic dependent launch).
   if constexpr (kMix) {
     const uint4* src = p.frag + size_t(chunk) * Smem::kFrag;
     for (int i = threadIdx.x; i < Smem::kFrag; i += kThreads) CpAsync16(frag_s + i, src + i);
   }
+  GridDependencyWait();  // x, R and the mixes may come from the previous kernel
+  LaunchDependents();    // after the wait, never before: see MhcFusedPassKernel
 
   const int mt = threadIdx.x / kStagedThreadsPerTile, ti = threadIdx.x % kStagedThreadsPerTile;
   const int lane = ti % 32;
@@ -252,7 +255,6 @@ __global__ void __launch_bounds__(kStagedThreadsPerTile * kTiles, kMinBlocks) Mh
 // launcher may choose either by T (batch invariance).
 template <bool kFirst, bool kShifted, bool kHasPre, bool kAux, bool kMix, int kMinBlocks>
 __global__ void __launch_bounds__(kStagedThreadsPerTile, kMinBlocks) MhcPersistentPassKernel(FusedParams p) {
-  LaunchDependents();  // see MhcFusedPassKernel
   using Smem = StagedSmem<kFirst, 1>;
   constexpr int kThreads = kStagedThreadsPerTile;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -290,6 +292,8 @@ __global__ void __launch_bounds__(kStagedThreadsPerTile, kMinBlocks) MhcPersiste
     }
   };
 
+  GridDependencyWait();  // programmatic dependent launch: x, R and the mixes may come from the previous kernel
+  LaunchDependents();    // after the wait, never before: see MhcFusedPassKernel
   uint4 raw_x = make_uint4(0, 0, 0, 0), raw_r[4];
   float cf[kCoefPerThread];
   if (first < last) load_item(first, raw_x, raw_r, cf);
