@@ -123,20 +123,26 @@ __global__ void __launch_bounds__(kFinalizeThreads, kMinBlocks) MhcFinalizeKerne
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t T = p.tokens, C = p.C;
   // Launched with programmatic dependent launch, so this block may start while the pass still
-  // runs. The decode instance first warms L2 with the weights it reads after the wait
-  // (norm_weight for a y block; scale and base for a mix block); the large-T instances do not, as
-  // their thousands of blocks would only repeat L2 hits. Then wait for the pass's writes, and only
-  // then let the next kernel in (a trigger before the wait chains: see MhcFusedPassKernel).
+  // runs. The decode instance first fetches the weights it reads after the wait: a y block warms L2
+  // with norm_weight; a mix block copies scale and base into shared memory, so the gates and the
+  // Sinkhorn logits, on the decode-size critical path, read them there instead of from L2 after
+  // the split reduction. The large-T instances do neither (thousands of blocks would only repeat
+  // L2 hits, and there the mix warps are off the critical path). Then wait for the pass's writes,
+  // and only then let the next kernel in (a trigger before the wait chains: see MhcFusedPassKernel).
+  __shared__ float mix_weights_s[3 + M];  // scale[3], base[M] (decode instance, mix blocks)
+  const float* scale = p.scale;
+  const float* base = p.base;
   if constexpr (kMinBlocks == 2) {
     if (int64_t(blockIdx.x) < T) {
       if (p.norm_weight != nullptr) {
         const unsigned char* g = reinterpret_cast<const unsigned char*>(p.norm_weight);
         for (int64_t l = threadIdx.x; l < (C * 2 + 127) / 128; l += kFinalizeThreads) PrefetchWeightL2(g + l * 128);
       }
-    } else if (threadIdx.x == 0 && p.has_mixes) {
-      PrefetchWeightL2(p.scale);
-      PrefetchWeightL2(p.base);
-      PrefetchWeightL2(p.base + M - 1);
+    } else if (p.has_mixes) {
+      if (threadIdx.x < 3 + M) mix_weights_s[threadIdx.x] = threadIdx.x < 3 ? p.scale[threadIdx.x] : p.base[threadIdx.x - 3];
+      __syncthreads();
+      scale = mix_weights_s;
+      base = mix_weights_s + 3;
     }
   }
   GridDependencyWait();
@@ -155,7 +161,7 @@ __global__ void __launch_bounds__(kFinalizeThreads, kMinBlocks) MhcFinalizeKerne
     const float* part = p.partials + t * p.nsplit * p.stride;
     if constexpr (N == 4 && kWarpSize >= 16) {
       // The whole warp runs the Sinkhorn (CombSinkhornRegs4) and the gates.
-      MixWarp4<kSplitBatch>(part, p.nsplit, p.stride, p.k_count, p.scale, p.base, p.hyper, dsum[warp], t, p.new_pre,
+      MixWarp4<kSplitBatch>(part, p.nsplit, p.stride, p.k_count, scale, base, p.hyper, dsum[warp], t, p.new_pre,
                             p.new_post, p.new_comb, lane);
     } else {
       for (int o = lane; o <= M; o += kWarpSize)
@@ -163,8 +169,8 @@ __global__ void __launch_bounds__(kFinalizeThreads, kMinBlocks) MhcFinalizeKerne
       WarpSync();
       if (lane == 0) {
         float pre[N], post[N], comb[N * N];
-        ComputePre<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, pre);
-        ComputePostComb<N>(dsum[warp], dsum[warp][M], p.k_count, p.scale, p.base, p.hyper, post, comb);
+        ComputePre<N>(dsum[warp], dsum[warp][M], p.k_count, scale, base, p.hyper, pre);
+        ComputePostComb<N>(dsum[warp], dsum[warp][M], p.k_count, scale, base, p.hyper, post, comb);
 #pragma unroll
         for (int j = 0; j < N; ++j) {
           p.new_pre[t * N + j] = pre[j];
