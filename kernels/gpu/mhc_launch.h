@@ -14,6 +14,11 @@
 //     is kept out of the sources as bench/gpu/experiments/mhc_one_launch.patch.)
 //   Every reduction order depends on C only, so results are batch invariant; where both paths run,
 //   they agree bit for bit (new_residual, mixes, y in both modes).
+// Launch overlap: every pass and the finalize are launched with programmatic dependent launch
+// (gpu_runtime.h). Each kernel reads only weights (fn, norm_weight, scale, base: written once by
+// PrepareMhcGpu, synchronously) before its GridDependencyWait and lets its dependent in only after
+// it, so seams back to back on ctx.stream (a model's layers, or a graph of them) overlap launches
+// and weight fetches, never activations (tests/gpu: ChainedLayersBackToBackMatchLayerByLayer).
 // Graph capture: the first call for a shape grows ctx.Workspace (a gpuMalloc), so run each shape
 // once eagerly before capturing it.
 #pragma once
