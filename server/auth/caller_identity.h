@@ -34,9 +34,5 @@ struct Caller {
 
 // `unix_peers`: the server's table of accepted unix-socket connections, null when it has none.
 Caller CallerOf(const grpc::ServerContextBase& ctx, bool tokens_configured, const UnixPeerTable* unix_peers);
-inline std::string CallerIdentity(const grpc::ServerContextBase& ctx, bool tokens_configured,
-                                  const UnixPeerTable* unix_peers) {
-  return CallerOf(ctx, tokens_configured, unix_peers).identity;
-}
 
 }  // namespace fusedlayer::server::auth

@@ -88,7 +88,7 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata, grp
   // AuthContext given here belongs to the connection, not the call (gRPC 1.51's server auth filter
   // passes the channel's context), so a per-call identity cannot ride in it: two tokens on one
   // connection would read as whichever called first. A call that reaches a handler carried at most
-  // one header, and a valid token in it; CallerIdentity reads it only as a digest.
+  // one header, and a valid token in it; CallerOf (caller_identity.h) reads it only as a digest.
   (void)consumed_auth_metadata;
   int headers = 0;
   absl::string_view value;
