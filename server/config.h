@@ -61,11 +61,10 @@ struct ServerConfig {
   // request whose tensors need more is RESOURCE_EXHAUSTED. GPU backends only.
   uint64_t host_staging_bytes = uint64_t{1} << 30;
   // Helper threads that split the host copies into and out of staging (exec/parallel_copy.h):
-  // -1 = auto (a quarter of the cores, at most 3, none below 4 cores), 0 = the lane's worker copies
-  // alone (the default: on the H200 host the helpers cut the mHC T = 64 server p50 at concurrency 1
-  // by 14% but cost 22% of the requests per second at concurrency 16, docs/operations.md). GPU
-  // backends only. At most 64.
-  int host_copy_threads = 0;
+  // -1 = auto (a quarter of the cores, at most 3, none below 4 cores; the default), 0 = each copy on
+  // its caller alone. One call is split at a time (exec/parallel_copy.h), so under load the helpers
+  // idle rather than take cores from gRPC's threads (docs/operations.md). GPU backends only. At most 64.
+  int host_copy_threads = -1;
   // The bound on page-locked host memory that compute requests' tensor data is read into straight
   // from gRPC's buffers (rpc/wire_messages.h, ReadWireRequest), so the lanes copy it to the device
   // from there. When it is taken, a request is parsed as usual instead (never waits). 0 = off.

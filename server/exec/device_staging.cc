@@ -173,7 +173,7 @@ absl::Status LaneStaging::Stage() {
     const char* const src = static_cast<const char*>(t.host.data);
     for (size_t done = 0; done < t.bytes;) {
       const size_t n = std::min(kStageChunkBytes, t.bytes - done);
-      pool_.copier().Copy(staging + t.offset + done, src + done, n);
+      pool_.copier().Copy(staging + t.offset + done, src + done, n, ParallelCopy::Destination::kPinnedStaging);
       done += n;
       if (t.offset + done - sent_up_to >= kStageChunkBytes) {
         if (absl::Status s = enqueue_to(t.offset + done); !s.ok()) return s;
@@ -225,7 +225,7 @@ absl::StatusOr<RunStats> LaneStaging::Finish(bool copy_out, StageTimes* times,
       if (t.input || t.bytes == 0 || t.direct) continue;
       char* const staged = staging + (t.offset - staging_base_);
       if (lent != nullptr && lend_to->Move(t.host.data, t.bytes, staged, lent)) continue;
-      pool_.copier().Copy(t.host.data, staged, t.bytes);
+      pool_.copier().Copy(t.host.data, staged, t.bytes, ParallelCopy::Destination::kHostMemory);
     }
     if (times != nullptr) times->copy_out += SecondsBetween(waited_at, std::chrono::steady_clock::now());
   }

@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <cstring>
 
+#include "exec/streaming_copy.h"
+
 namespace fusedlayer::server {
 
 struct ParallelCopy::Call {
   int pending = 0;  // shares handed to the queue and not finished (mu_)
+  bool streaming = false;  // into pinned staging, and large enough for streaming stores
 };
 
 ParallelCopy::ParallelCopy(int helper_threads) {
@@ -30,7 +33,14 @@ size_t ParallelCopy::helper_shares() const {
 }
 
 void ParallelCopy::Run(const Share& s) {
-  for (const Piece* p = s.begin; p != s.end; ++p) std::memcpy(p->dst, p->src, p->n);
+  if (!s.call->streaming) {
+    for (const Piece* p = s.begin; p != s.end; ++p) std::memcpy(p->dst, p->src, p->n);
+    return;
+  }
+  for (const Piece* p = s.begin; p != s.end; ++p) StreamingCopy(p->dst, p->src, p->n);
+  // Before the share is reported done (a helper's unlock, or the caller's return): the streaming
+  // stores are not ordered by a lock's release.
+  StreamingCopyFence();
 }
 
 void ParallelCopy::Work() {
@@ -49,15 +59,27 @@ void ParallelCopy::Work() {
   }
 }
 
-void ParallelCopy::Copy(void* dst, const void* src, size_t n) {
-  CopyPieces({Piece{static_cast<char*>(dst), static_cast<const char*>(src), n}});
+void ParallelCopy::Copy(void* dst, const void* src, size_t n, Destination to) {
+  CopyPieces({Piece{static_cast<char*>(dst), static_cast<const char*>(src), n}}, to);
 }
 
-void ParallelCopy::CopyPieces(const std::vector<Piece>& pieces) {
+void ParallelCopy::CopyPieces(const std::vector<Piece>& pieces, Destination to) {
   size_t total = 0;
   for (const Piece& p : pieces) total += p.n;
-  if (threads_.empty() || total < kMinSplitBytes) {
-    for (const Piece& p : pieces) std::memcpy(p.dst, p.src, p.n);
+  Call call;
+  call.streaming = to == Destination::kPinnedStaging && total >= kMinStreamingBytes;
+  // One split call at a time (see the header).
+  bool split = !threads_.empty() && total >= kMinSplitBytes;
+  if (split) {
+    std::lock_guard<std::mutex> lock(mu_);
+    split = splitting_ == 0;
+    if (split) {
+      ++splitting_;
+      ++split_calls_;
+    }
+  }
+  if (!split) {
+    Run(Share{pieces.data(), pieces.data() + pieces.size(), &call});
     return;
   }
   const size_t parts = threads_.size() + 1;
@@ -72,7 +94,6 @@ void ParallelCopy::CopyPieces(const std::vector<Piece>& pieces) {
   }
   // Consecutive pieces grouped into shares; the caller's is the first.
   std::vector<Share> shares;
-  Call call;
   size_t in_share = 0;
   const Piece* first = cut.data();
   for (const Piece* p = cut.data(); p != cut.data() + cut.size(); ++p) {
@@ -109,6 +130,22 @@ void ParallelCopy::CopyPieces(const std::vector<Piece>& pieces) {
     it = queue_.begin();  // the queue may have changed while unlocked
   }
   done_.wait(lock, [&call] { return call.pending == 0; });
+  --splitting_;
+}
+
+size_t ParallelCopy::split_calls() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return split_calls_;
+}
+
+ParallelCopy::SplitInProgressForTest::SplitInProgressForTest(ParallelCopy& copier) : copier_(copier) {
+  std::lock_guard<std::mutex> lock(copier_.mu_);
+  ++copier_.splitting_;
+}
+
+ParallelCopy::SplitInProgressForTest::~SplitInProgressForTest() {
+  std::lock_guard<std::mutex> lock(copier_.mu_);
+  --copier_.splitting_;
 }
 
 }  // namespace fusedlayer::server

@@ -5,9 +5,19 @@
 // (ExecutionReport.stages, docs/device-runs/2026-12-02-h200-session7-run6-*.log), against 167 us
 // for the copies to and from the device and the kernels together.
 //
-// The caller always copies one share itself and, when the helpers are busy with other lanes'
-// copies, takes its own queued shares back and copies them too: a copy never waits for another
-// request's work, and with 0 helpers it is a plain memcpy. Thread-safe.
+// Only one call is split at a time: a call that starts while another is split is copied by its
+// caller alone. Why: under load every caller copies its own call anyway, and helpers would take
+// cores from gRPC's threads (session 10, every call split: -8% req/s at concurrency 16); the split
+// pays when one call's copy is the critical path, as for a per-layer caller (session 20, mHC
+// C = 7168 T = 64 with 3 helpers, one split at a time: server p50 -32 to -40% at concurrency 1 and
+// -45% at 16, req/s at 16 no lower). The caller of a split call copies one share itself and, when
+// the helpers are busy, takes its own queued shares back and copies them too: a copy never waits
+// for another request's work. Thread-safe.
+//
+// A call into pinned staging (Destination::kPinnedStaging: the device reads it, the CPU does not)
+// of kMinStreamingBytes or more is copied with streaming stores (exec/streaming_copy.h): on the
+// H200 host 1.2-1.6x memcpy's rate into pinned memory, but 0.5-0.9x into pageable memory
+// (bench/experiments/host_copy_bandwidth, docs/device-runs/2026-12-04-h200-session20-run1-*.log).
 #pragma once
 
 #include <condition_variable>
@@ -21,8 +31,15 @@ namespace fusedlayer::server {
 
 class ParallelCopy {
  public:
-  // Copies shorter than this stay on the caller (a hand-off costs a few microseconds).
-  static constexpr size_t kMinSplitBytes = size_t{256} << 10;
+  // Copies shorter than this stay on the caller. A hand-off costs tens of microseconds on a busy
+  // host: splitting an SWA M = 64 call's 256 KiB made its decode 10-15 us slower (session 20).
+  static constexpr size_t kMinSplitBytes = size_t{1} << 20;
+
+  // Where a call's bytes go: whether the CPU reads them again decides the kind of store.
+  enum class Destination {
+    kPinnedStaging,  // page-locked memory the device copies from by DMA: streaming stores
+    kHostMemory,     // anything else (a response's buffers): plain memcpy
+  };
 
   // `helper_threads` (>= 0) threads besides the callers.
   explicit ParallelCopy(int helper_threads);
@@ -31,7 +48,7 @@ class ParallelCopy {
   ParallelCopy& operator=(const ParallelCopy&) = delete;
 
   // memcpy(dst, src, n) for non-overlapping ranges, split into helper_threads() + 1 shares.
-  void Copy(void* dst, const void* src, size_t n);
+  void Copy(void* dst, const void* src, size_t n, Destination to);
   // One memcpy of many: e.g. a request's tensor data gathered from gRPC's slices (rpc/wire_messages.h).
   struct Piece {
     char* dst;
@@ -40,11 +57,21 @@ class ParallelCopy {
   };
   // Every piece copied (none may overlap another's destination), in helper_threads() + 1 shares
   // of about equal bytes; a piece larger than a share is split.
-  void CopyPieces(const std::vector<Piece>& pieces);
+  void CopyPieces(const std::vector<Piece>& pieces, Destination to);
 
   int helper_threads() const { return static_cast<int>(threads_.size()); }
-  // Shares copied by the helpers so far (tests).
+  // Shares copied by the helpers so far, and calls split (tests).
   size_t helper_shares() const;
+  size_t split_calls() const;
+  // For tests: while one exists, every call is copied as if another call were being split.
+  class SplitInProgressForTest {
+   public:
+    explicit SplitInProgressForTest(ParallelCopy& copier);
+    ~SplitInProgressForTest();
+
+   private:
+    ParallelCopy& copier_;
+  };
 
   // The helpers `--host_copy_threads=-1` (auto) gets on a machine with `cores` cores: a quarter
   // of them, at most 3 (4 lanes copying at once then use up to 16 cores), none below 4 cores.
@@ -66,6 +93,8 @@ class ParallelCopy {
   std::deque<Share> queue_;
   bool stop_ = false;
   size_t helper_shares_ = 0;
+  int splitting_ = 0;  // calls split now (at most one, plus tests' SplitInProgressForTest)
+  size_t split_calls_ = 0;
   std::vector<std::thread> threads_;
 };
 

@@ -267,7 +267,7 @@ absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* 
     return ParseWireRequest(wire, request);
   }
   wire->Clear();
-  copier->CopyPieces(pieces);
+  copier->CopyPieces(pieces, ParallelCopy::Destination::kPinnedStaging);  // a pinned block
   data->block_ = std::move(*block);
   data->used_ = used;
   const google::protobuf::Reflection* reflection = request->GetReflection();

@@ -472,7 +472,10 @@ TEST(ParallelCopy, CopiesEveryByteOfEverySizeFromConcurrentCallers) {
         for (size_t n : sizes) {
           std::vector<unsigned char> src(n + 2), dst(n + 2, 0xAB);
           for (auto& b : src) b = static_cast<unsigned char>(r());
-          copier.Copy(dst.data() + 1, src.data() + 1, n);  // unaligned on both sides
+          // Unaligned on both sides; streaming stores (pinned staging) for half the callers.
+          copier.Copy(dst.data() + 1, src.data() + 1, n,
+                      c % 2 == 0 ? server::ParallelCopy::Destination::kPinnedStaging
+                                 : server::ParallelCopy::Destination::kHostMemory);
           if (dst[0] != 0xAB || dst[n + 1] != 0xAB || std::memcmp(dst.data() + 1, src.data() + 1, n) != 0) ++bad;
         }
       }
@@ -512,11 +515,35 @@ TEST(StreamingCopy, EveryAlignmentAndSizeCopiesExactlyItsBytes) {
 #endif
 }
 
+// A call of many small pieces (a request's data in gRPC's slices) that add up to a streamed call:
+// every piece lands where it should, with or without helpers.
+TEST(ParallelCopy, ManySmallPiecesOfOneLargeCallAreEachCopied) {
+  std::mt19937_64 r(11);
+  for (int helpers : {0, 2}) {
+    SCOPED_TRACE(helpers);
+    server::ParallelCopy copier(helpers);
+    std::vector<unsigned char> src(size_t{3} << 20), dst(src.size() + 4096, 0xAB);
+    for (auto& b : src) b = static_cast<unsigned char>(r());
+    std::vector<server::ParallelCopy::Piece> pieces;
+    size_t s = 0, d = 0;
+    while (s < src.size()) {
+      const size_t n = std::min<size_t>(src.size() - s, 1 + r() % 9000);
+      pieces.push_back({reinterpret_cast<char*>(dst.data()) + d, reinterpret_cast<const char*>(src.data()) + s, n});
+      s += n;
+      d += n;
+    }
+    ASSERT_GE(src.size(), server::kMinStreamingBytes);
+    copier.CopyPieces(pieces, server::ParallelCopy::Destination::kPinnedStaging);
+    EXPECT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0) << helpers << " helpers";
+    EXPECT_TRUE(std::all_of(dst.begin() + src.size(), dst.end(), [](unsigned char b) { return b == 0xAB; }));
+  }
+}
+
 TEST(ParallelCopy, HelpersTakeSharesAndNoHelpersMeansPlainMemcpy) {
   std::vector<unsigned char> src(size_t{4} << 20), dst(src.size());
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
   server::ParallelCopy none(0);
-  none.Copy(dst.data(), src.data(), src.size());
+  none.Copy(dst.data(), src.data(), src.size(), server::ParallelCopy::Destination::kHostMemory);
   EXPECT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0);
   EXPECT_EQ(none.helper_shares(), 0u);
   server::ParallelCopy three(3);
@@ -524,7 +551,7 @@ TEST(ParallelCopy, HelpersTakeSharesAndNoHelpersMeansPlainMemcpy) {
   // copies of 4 MiB (3 of 4 shares queued each time) the helpers run some of them.
   for (int i = 0; i < 200 && three.helper_shares() == 0; ++i) {
     std::fill(dst.begin(), dst.end(), 0);
-    three.Copy(dst.data(), src.data(), src.size());
+    three.Copy(dst.data(), src.data(), src.size(), server::ParallelCopy::Destination::kHostMemory);
     ASSERT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0);
   }
   EXPECT_GT(three.helper_shares(), 0u);
@@ -532,6 +559,27 @@ TEST(ParallelCopy, HelpersTakeSharesAndNoHelpersMeansPlainMemcpy) {
   EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(4), 1);
   EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(16), 3);
   EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(128), 3);
+}
+
+// One split call at a time: while another call is split, a call is copied by its caller alone
+// (correctly), and once none is, calls are split again.
+TEST(ParallelCopy, ACallIsSplitOnlyWhenNoOtherCallIs) {
+  std::vector<unsigned char> src(size_t{2} << 20), dst(src.size());
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 29 + 3);
+  server::ParallelCopy copier(2);
+  {
+    server::ParallelCopy::SplitInProgressForTest busy(copier);
+    for (int i = 0; i < 20; ++i) {
+      std::fill(dst.begin(), dst.end(), 0);
+      copier.Copy(dst.data(), src.data(), src.size(), server::ParallelCopy::Destination::kPinnedStaging);
+      ASSERT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0);
+    }
+    EXPECT_EQ(copier.split_calls(), 0u);
+    EXPECT_EQ(copier.helper_shares(), 0u);
+  }
+  copier.Copy(dst.data(), src.data(), src.size(), server::ParallelCopy::Destination::kPinnedStaging);
+  EXPECT_EQ(copier.split_calls(), 1u);
+  EXPECT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0);
 }
 
 // Many requests of both ops from many threads through an executor with one worker per lane:
