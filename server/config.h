@@ -61,7 +61,7 @@ struct ServerConfig {
   // request whose tensors need more is RESOURCE_EXHAUSTED. GPU backends only.
   uint64_t host_staging_bytes = uint64_t{1} << 30;
   // Helper threads that split the host copies into and out of staging (exec/parallel_copy.h):
-  // -1 = auto (a quarter of the cores, at most 3, none below 4 cores; the default), 0 = each copy on
+  // -1 = auto (half the cores, at most 7, none below 4 cores; the default), 0 = each copy on
   // its caller alone. One call is split at a time (exec/parallel_copy.h), so under load the helpers
   // idle rather than take cores from gRPC's threads (docs/operations.md). GPU backends only. At most 64.
   int host_copy_threads = -1;

@@ -41,8 +41,8 @@ ABSL_FLAG(uint64_t, host_staging_bytes, uint64_t{1} << 30,
           "whose tensors need more is RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, host_copy_threads, -1,
           "GPU: helper threads that split a large host memcpy into pinned staging (a request's data read from the "
-          "socket, or staged for the device) when no other copy is being split (-1 = auto: a quarter of the cores, "
-          "at most 3, none below 4 cores; 0 = none; at most 64). Lowers a large call's latency (docs/operations.md)");
+          "socket, or staged for the device) when no other copy is being split (-1 = auto: half the cores, "
+          "at most 7, none below 4 cores; 0 = none; at most 64). Lowers a large call's latency (docs/operations.md)");
 ABSL_FLAG(uint64_t, request_staging_bytes, uint64_t{256} << 20,
           "GPU: bound on the page-locked host memory that compute requests' tensor data is read into from the "
           "socket's buffers, for the lanes to copy to the device without a staging copy; when it is taken a "

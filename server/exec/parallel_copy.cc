@@ -25,7 +25,7 @@ ParallelCopy::~ParallelCopy() {
   for (std::thread& t : threads_) t.join();
 }
 
-int ParallelCopy::AutoHelperThreads(unsigned cores) { return cores < 4 ? 0 : static_cast<int>(std::min(3u, cores / 4)); }
+int ParallelCopy::AutoHelperThreads(unsigned cores) { return cores < 4 ? 0 : static_cast<int>(std::min(7u, cores / 2)); }
 
 size_t ParallelCopy::helper_shares() const {
   std::lock_guard<std::mutex> lock(mu_);

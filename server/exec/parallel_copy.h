@@ -73,8 +73,10 @@ class ParallelCopy {
     ParallelCopy& copier_;
   };
 
-  // The helpers `--host_copy_threads=-1` (auto) gets on a machine with `cores` cores: a quarter
-  // of them, at most 3 (4 lanes copying at once then use up to 16 cores), none below 4 cores.
+  // The helpers `--host_copy_threads=-1` (auto) gets on a machine with `cores` cores: half of
+  // them, at most 7, none below 4 cores. Only one call is split at a time, so at most 8 cores copy
+  // one call while the rest serve gRPC. On the H200 host (16 cores) 7 helpers read an mHC
+  // C = 7168 T = 64 request in 211-247 us against 282-314 with 3 (session 20, run 3).
   static int AutoHelperThreads(unsigned cores);
 
  private:

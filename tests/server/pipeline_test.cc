@@ -556,9 +556,10 @@ TEST(ParallelCopy, HelpersTakeSharesAndNoHelpersMeansPlainMemcpy) {
   }
   EXPECT_GT(three.helper_shares(), 0u);
   EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(2), 0);
-  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(4), 1);
-  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(16), 3);
-  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(128), 3);
+  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(3), 0);
+  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(4), 2);
+  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(16), 7);
+  EXPECT_EQ(server::ParallelCopy::AutoHelperThreads(128), 7);
 }
 
 // One split call at a time: while another call is split, a call is copied by its caller alone
