@@ -9,8 +9,8 @@
 // caller alone. Why: under load every caller copies its own call anyway, and helpers would take
 // cores from gRPC's threads (session 10, every call split: -8% req/s at concurrency 16); the split
 // pays when one call's copy is the critical path, as for a per-layer caller (session 20, mHC
-// C = 7168 T = 64 with 3 helpers, one split at a time: server p50 -32 to -40% at concurrency 1 and
-// -45% at 16, req/s at 16 no lower). The caller of a split call copies one share itself and, when
+// C = 7168 T = 64 on the H200 with the auto 7 helpers, one split at a time: server p50 -43 to -48%
+// at concurrency 1 and -55 to -61% at 16, req/s at 16 no lower; BENCHMARKS.md). The caller of a split call copies one share itself and, when
 // the helpers are busy, takes its own queued shares back and copies them too: a copy never waits
 // for another request's work. Thread-safe.
 //
@@ -32,7 +32,7 @@ namespace fusedlayer::server {
 class ParallelCopy {
  public:
   // Copies shorter than this stay on the caller. A hand-off costs tens of microseconds on a busy
-  // host: splitting an SWA M = 64 call's 256 KiB made its decode 10-15 us slower (session 20).
+  // host: splitting an SWA M = 64 call's 256 KiB made its decode 14-16 us slower (session 20).
   static constexpr size_t kMinSplitBytes = size_t{1} << 20;
 
   // Where a call's bytes go: whether the CPU reads them again decides the kind of store.
@@ -47,7 +47,8 @@ class ParallelCopy {
   ParallelCopy(const ParallelCopy&) = delete;
   ParallelCopy& operator=(const ParallelCopy&) = delete;
 
-  // memcpy(dst, src, n) for non-overlapping ranges, split into helper_threads() + 1 shares.
+  // memcpy(dst, src, n) for non-overlapping ranges, split into helper_threads() + 1 shares when
+  // n >= kMinSplitBytes and no other call is split.
   void Copy(void* dst, const void* src, size_t n, Destination to);
   // One memcpy of many: e.g. a request's tensor data gathered from gRPC's slices (rpc/wire_messages.h).
   struct Piece {
@@ -56,7 +57,8 @@ class ParallelCopy {
     size_t n;
   };
   // Every piece copied (none may overlap another's destination), in helper_threads() + 1 shares
-  // of about equal bytes; a piece larger than a share is split.
+  // of about equal bytes when split (as Copy decides, by the pieces' total); a piece larger than a
+  // share is split.
   void CopyPieces(const std::vector<Piece>& pieces, Destination to);
 
   int helper_threads() const { return static_cast<int>(threads_.size()); }
