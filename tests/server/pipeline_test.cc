@@ -509,7 +509,8 @@ TEST(StreamingCopy, EveryAlignmentAndSizeCopiesExactlyItsBytes) {
     }
   }
   EXPECT_EQ(bad, 0);
-  // The build machine's x86-64 (CI) has AVX2: the streaming stores ran above, not a memcpy.
+  // The dispatch was initialised from the CPU (before main, a static): on an x86-64 with AVX2, such
+  // as CI's machine, the copies above took the streaming path.
 #if defined(__x86_64__)
   EXPECT_EQ(server::StreamingCopySupported(), __builtin_cpu_supports("avx2") != 0);
 #endif
