@@ -7,6 +7,7 @@
 #       deploy checks, Prometheus integration) built with ASan+UBSan (-DFUSEDLAYER_SANITIZE=ON) and run
 #       with ctest, leak checking on. Debug build type at -O1: asserts stay on, and -O1 keeps the
 #       contract suites (millions of elements per case) fast enough for 2 CI cores, where -O0 is not.
+#       The server and client suites' own code is at -Og -g1 in every build (tests/CMakeLists.txt).
 # tsan: the concurrency tests and the concurrency-heavy gRPC end-to-end suites built with
 #       ThreadSanitizer (only their targets are built). gRPC-free: Concurrency.*
 #       (tests/server/concurrency_test.cc: producers on the executor while it stops, the CPU thread
