@@ -66,11 +66,10 @@ double MedianUs(const std::function<void()>& call, const std::vector<cudaStream_
 struct Buffers {
   char* host_in;
   char* host_out;
-  bool registered;
 };
 
 Buffers MakeHost(size_t bytes, bool registered) {
-  Buffers b{nullptr, nullptr, registered};
+  Buffers b{nullptr, nullptr};
   for (char** p : {&b.host_in, &b.host_out}) {
     if (registered) {
       *p = static_cast<char*>(std::aligned_alloc(4096, bytes));
