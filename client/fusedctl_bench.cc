@@ -15,6 +15,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <thread>
@@ -195,6 +196,42 @@ absl::StatusOr<std::vector<PerThreadCaller<v1::MhcSeamRequest, int>::Slot>> Make
   return slots;
 }
 
+// A row's callers. `caller` sends the measured calls; with a region or session transport,
+// `tcp_caller` sends the same request with its tensors inline, for the comparison row after it.
+struct RowCallers {
+  std::unique_ptr<Caller> caller;
+  std::function<uint64_t()> response_bytes;
+  uint64_t inline_request_bytes = 0;  // shm, session: what the request weighs with its tensors inline
+  std::unique_ptr<Caller> tcp_caller;
+  std::function<uint64_t()> tcp_response_bytes;
+};
+
+// `request` over TCP when `slots` is null; else the slots' requests (one region or session per
+// thread), with `request` inline over TCP beside them.
+template <typename Request, typename Response>
+RowCallers MakeRowCallers(const FusedLayerClient& client, Request request, bool copy_requests,
+                          std::vector<typename PerThreadCaller<Request, int>::Slot>* slots) {
+  RowCallers row;
+  if (slots != nullptr) row.inline_request_bytes = request.ByteSizeLong();
+  auto tcp = std::make_unique<TypedCaller<Request, Response>>(client, std::move(request), copy_requests);
+  TypedCaller<Request, Response>* const tcp_raw = tcp.get();
+  if (slots == nullptr) {
+    row.response_bytes = [tcp_raw] { return tcp_raw->ResponseBytes(); };
+    row.caller = std::move(tcp);
+    return row;
+  }
+  using PerThread = PerThreadCaller<Request, Response>;
+  std::vector<typename PerThread::Slot> typed;
+  for (auto& slot : *slots) typed.push_back(typename PerThread::Slot{std::move(slot.held), std::move(slot.request)});
+  auto per_thread = std::make_unique<PerThread>(client, std::move(typed));
+  PerThread* const raw = per_thread.get();
+  row.response_bytes = [raw] { return raw->ResponseBytes(); };
+  row.caller = std::move(per_thread);
+  row.tcp_response_bytes = [tcp_raw] { return tcp_raw->ResponseBytes(); };
+  row.tcp_caller = std::move(tcp);
+  return row;
+}
+
 // `concurrency` threads, each calling `call` back to back until `duration` has passed.
 struct ClosedLoopResult {
   BenchStats stats;
@@ -347,12 +384,7 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
   if (session_transport && *op != BenchOp::kMhc) {
     return absl::InvalidArgumentError("--transport=session applies to --op=mhc only (SWA has no state between calls)");
   }
-  std::unique_ptr<Caller> caller;
-  std::function<uint64_t()> response_bytes;
-  uint64_t inline_request_bytes = 0;  // shm: what the request would weigh with its tensors inline
-  // shm, session: the same request with its tensors inline, measured after the row for comparison.
-  std::unique_ptr<Caller> tcp_caller;
-  std::function<uint64_t()> tcp_response_bytes;
+  RowCallers row;
   std::string what;
   if (*op == BenchOp::kMhc) {
     if (!ws->has_mhc()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no mHC part"));
@@ -365,35 +397,21 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
                         .include_pre_mix = !cl.no_pre_mix, .capture_aux = cl.capture_aux, .path = *path};
     absl::StatusOr<v1::MhcSeamRequest> req = RandomMhcRequest(ws->mhc(), spec, rng);
     if (!req.ok()) return req.status();
+    std::optional<std::vector<PerThreadCaller<v1::MhcSeamRequest, int>::Slot>> slots;
     if (region_transport || session_transport) {
       if (session_transport && *stage != v1::MHC_STAGE_SEAM) {
         return absl::InvalidArgumentError("--transport=session measures SEAM calls (--stage=seam)");
       }
       const v1::MhcConfig mhc = ws->mhc();
-      auto slots = session_transport
-                       ? MakeSessionSlots(client, *req, mhc, cl.concurrency + 1)
-                       : MakeSlots(make_region, *req, MhcRequestSharedBytes(*req, mhc), cl.concurrency + 1,
-                                   [&](ClientRegion& m, v1::MhcSeamRequest& r) { return m.Prepare(r, mhc); });
-      if (!slots.ok()) return slots.status();
-      using C = PerThreadCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>;
-      std::vector<C::Slot> typed;
-      for (auto& s : *slots) typed.push_back(C::Slot{std::move(s.held), std::move(s.request)});
-      auto c = std::make_unique<C>(client, std::move(typed));
-      tcp_caller = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(
-          client, *req, cl.copy_requests);
-      auto* tcp_raw = static_cast<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>*>(tcp_caller.get());
-      tcp_response_bytes = [tcp_raw] { return tcp_raw->ResponseBytes(); };
-      auto* raw = c.get();
-      response_bytes = [raw] { return raw->ResponseBytes(); };
-      inline_request_bytes = req->ByteSizeLong();
-      caller = std::move(c);
-    } else {
-      auto c = std::make_unique<TypedCaller<v1::MhcSeamRequest, v1::MhcSeamResponse>>(
-          client, *std::move(req), cl.copy_requests);
-      auto* raw = c.get();
-      response_bytes = [raw] { return raw->ResponseBytes(); };
-      caller = std::move(c);
+      auto made = session_transport
+                      ? MakeSessionSlots(client, *req, mhc, cl.concurrency + 1)
+                      : MakeSlots(make_region, *req, MhcRequestSharedBytes(*req, mhc), cl.concurrency + 1,
+                                  [&](ClientRegion& m, v1::MhcSeamRequest& r) { return m.Prepare(r, mhc); });
+      if (!made.ok()) return made.status();
+      slots = *std::move(made);
     }
+    row = MakeRowCallers<v1::MhcSeamRequest, v1::MhcSeamResponse>(client, *std::move(req), cl.copy_requests,
+                                                                   slots ? &*slots : nullptr);
     what = absl::StrCat("stage=", MhcStageName(*stage), " mode=", MhcModeName(*mode));
   } else {
     if (!ws->has_swa()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no SWA part"));
@@ -403,32 +421,18 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
     SwaRequestSpec spec{.weight_set = cl.weight_set, .tokens = cl.tokens, .row_stride = cl.row_stride, .path = *path};
     absl::StatusOr<v1::SwaNormQuantRequest> req = RandomSwaRequest(ws->swa(), spec, rng);
     if (!req.ok()) return req.status();
+    std::optional<std::vector<PerThreadCaller<v1::SwaNormQuantRequest, int>::Slot>> slots;
     if (region_transport) {
       const v1::SwaConfig swa = ws->swa();
       const int64_t rows = ws->wq_b_rows();
-      auto slots =
+      auto made =
           MakeSlots(make_region, *req, SwaRequestSharedBytes(*req, swa, rows), cl.concurrency + 1,
                     [&](ClientRegion& m, v1::SwaNormQuantRequest& r) { return m.Prepare(r, swa, rows); });
-      if (!slots.ok()) return slots.status();
-      using C = PerThreadCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>;
-      std::vector<C::Slot> typed;
-      for (auto& s : *slots) typed.push_back(C::Slot{std::move(s.held), std::move(s.request)});
-      auto c = std::make_unique<C>(client, std::move(typed));
-      tcp_caller = std::make_unique<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>>(
-          client, *req, cl.copy_requests);
-      auto* tcp_raw = static_cast<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>*>(tcp_caller.get());
-      tcp_response_bytes = [tcp_raw] { return tcp_raw->ResponseBytes(); };
-      auto* raw = c.get();
-      response_bytes = [raw] { return raw->ResponseBytes(); };
-      inline_request_bytes = req->ByteSizeLong();
-      caller = std::move(c);
-    } else {
-      auto c = std::make_unique<TypedCaller<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>>(
-          client, *std::move(req), cl.copy_requests);
-      auto* raw = c.get();
-      response_bytes = [raw] { return raw->ResponseBytes(); };
-      caller = std::move(c);
+      if (!made.ok()) return made.status();
+      slots = *std::move(made);
     }
+    row = MakeRowCallers<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>(client, *std::move(req), cl.copy_requests,
+                                                                             slots ? &*slots : nullptr);
     what = absl::StrCat("row_stride=", cl.row_stride ? cl.row_stride : ws->swa().q_rank() + ws->swa().head_dim());
   }
 
@@ -437,45 +441,45 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       << " duration=" << absl::FormatDuration(cl.duration) << " seed=" << seed
       << " transport=" << transport_name
       << " requests=" << (cl.copy_requests ? "serialized" : "shared") << "\n";
-  out << "request " << FormatBytes(double(caller->RequestBytes()));
+  out << "request " << FormatBytes(double(row.caller->RequestBytes()));
   if (region_transport) {
     out << " (tensors in " << cl.concurrency + 1 << (cuda_transport ? " CUDA shared-memory allocations; " : " shared-memory objects; ")
-        << FormatBytes(double(inline_request_bytes)) << " inline)";
+        << FormatBytes(double(row.inline_request_bytes)) << " inline)";
   }
   if (session_transport) {
     out << " (x only: residual and mixes in " << cl.concurrency + 1 << " residual sessions; "
-        << FormatBytes(double(inline_request_bytes)) << " inline)";
+        << FormatBytes(double(row.inline_request_bytes)) << " inline)";
   }
   out << "\n";
 
   // A probe call first: a wrong weight set or an unreachable server fails here with its real
   // error instead of as N x thousands of identical errors. It also warms the connection.
   {
-    CallOutcome probe = caller->Call();
+    CallOutcome probe = row.caller->Call();
     if (!probe.status.ok()) {
       return absl::Status(probe.status.code(), absl::StrCat("probe call failed: ", probe.status.message()));
     }
     out << "probe   " << FormatSeconds(probe.round_trip_seconds) << " round trip, path " << PathName(probe.report.path())
-        << ", response " << FormatBytes(double(response_bytes())) << "\n";
+        << ", response " << FormatBytes(double(row.response_bytes())) << "\n";
     out.flush();
   }
 
-  const ClosedLoopResult measured = RunClosedLoop(cl.concurrency, cl.duration, [&] { return caller->Call(); });
+  const ClosedLoopResult measured = RunClosedLoop(cl.concurrency, cl.duration, [&] { return row.caller->Call(); });
   const BenchStats& total = measured.stats;
   BenchStats::RunInfo info{.op = cl.op,
                            .tokens_per_request = cl.tokens,
-                           .request_bytes = caller->RequestBytes(),
-                           .response_bytes = response_bytes(),
+                           .request_bytes = row.caller->RequestBytes(),
+                           .response_bytes = row.response_bytes(),
                            .elapsed_seconds = measured.elapsed_seconds};
   out << total.Format(info);
   out.flush();
   uint64_t floor_request_bytes = info.request_bytes, floor_response_bytes = info.response_bytes;
   bool inline_refused = false;  // the TCP row's request cannot go inline (e.g. over a message limit)
-  if (tcp_caller != nullptr) {
+  if (row.tcp_caller != nullptr) {
     // The TCP row of the same request, same concurrency and duration: what shm or the session is
     // measured against. A call that only fits by reference (its tensors over a message limit) has
     // no TCP row: the refusal is printed, and the row above stands on its own.
-    if (CallOutcome probe = tcp_caller->Call(); !probe.status.ok()) {
+    if (CallOutcome probe = row.tcp_caller->Call(); !probe.status.ok()) {
       if (probe.status.code() != absl::StatusCode::kResourceExhausted) {
         return absl::Status(probe.status.code(), absl::StrCat("tcp probe call failed: ", probe.status.message()));
       }
@@ -484,12 +488,12 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       inline_refused = true;
     }
   }
-  if (tcp_caller != nullptr && !inline_refused) {
-    const ClosedLoopResult tcp = RunClosedLoop(cl.concurrency, cl.duration, [&] { return tcp_caller->Call(); });
+  if (row.tcp_caller != nullptr && !inline_refused) {
+    const ClosedLoopResult tcp = RunClosedLoop(cl.concurrency, cl.duration, [&] { return row.tcp_caller->Call(); });
     BenchStats::RunInfo tcp_info{.op = cl.op,
                                  .tokens_per_request = cl.tokens,
-                                 .request_bytes = tcp_caller->RequestBytes(),
-                                 .response_bytes = tcp_response_bytes(),
+                                 .request_bytes = row.tcp_caller->RequestBytes(),
+                                 .response_bytes = row.tcp_response_bytes(),
                                  .elapsed_seconds = tcp.elapsed_seconds};
     out << "tcp (the same request, tensors inline)\n" << tcp.stats.Format(tcp_info);
     if (tcp.stats.ok() > 0 && total.ok() > 0) {

@@ -103,6 +103,40 @@ std::string RegionLine(const CommandLine& cl, const ClientRegion& region) {
   return absl::StrCat("transport ", cl.transport, ":", shm != nullptr ? absl::StrCat(" object ", shm->key(), ",") : "",
                       " region ", region.region_name(), ", ", FormatBytes(double(region.byte_size())), "\n");
 }
+
+// Sends `req` with `send` and prints its request and response sizes and its report. With
+// --transport=shm|cuda_ipc the tensors go in a region of the caller's first (`region_bytes` of it,
+// filled by `prepare`), and the outputs are fetched from there into the response.
+template <typename Request, typename Send>
+auto SendAndReport(const FusedLayerClient& client, const CommandLine& cl, Request& req,
+                   const std::function<absl::StatusOr<uint64_t>()>& region_bytes,
+                   const std::function<absl::Status(ClientRegion&)>& prepare, Send send, std::ostream& out)
+    -> decltype(send(req)) {
+  absl::StatusOr<bool> region_transport = ParseRegionTransport(cl.transport);
+  if (!region_transport.ok()) return region_transport.status();
+  std::unique_ptr<ClientRegion> region;
+  if (*region_transport) {
+    absl::StatusOr<uint64_t> bytes = region_bytes();
+    if (!bytes.ok()) return bytes.status();
+    absl::StatusOr<std::unique_ptr<ClientRegion>> created = MakeRegion(client, cl, *bytes);
+    if (!created.ok()) return created.status();
+    region = *std::move(created);
+    if (absl::Status s = prepare(*region); !s.ok()) return s;
+    out << RegionLine(cl, *region);
+  }
+  const Clock::time_point t0 = Clock::now();
+  auto resp = send(req);
+  const double rtt = Since(t0);
+  if (!resp.ok()) return resp.status();
+  const uint64_t response_wire_bytes = resp->ByteSizeLong();  // before the outputs are fetched from the region
+  if (region != nullptr) {
+    if (absl::Status s = region->Fetch(*resp); !s.ok()) return s;
+  }
+  out << "request " << FormatBytes(double(req.ByteSizeLong())) << ", response "
+      << FormatBytes(double(response_wire_bytes)) << ", request_id " << resp->request_id() << "\n";
+  out << FormatReport(resp->report(), rtt);
+  return resp;
+}
 }  // namespace
 
 std::string FormatReport(const v1::ExecutionReport& r, double round_trip_seconds) {
@@ -270,29 +304,16 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
       << origin << ")\n";
 
   req.set_verify(cl.verify);
-  absl::StatusOr<bool> region_transport = ParseRegionTransport(cl.transport);
-  if (!region_transport.ok()) return region_transport.status();
-  std::unique_ptr<ClientRegion> shm;
-  if (*region_transport) {
-    absl::StatusOr<v1::MhcConfig> config = mhc();
-    if (!config.ok()) return config.status();
-    absl::StatusOr<std::unique_ptr<ClientRegion>> created = MakeRegion(client, cl, MhcRequestSharedBytes(req, *config));
-    if (!created.ok()) return created.status();
-    shm = *std::move(created);
-    if (absl::Status s = shm->Prepare(req, *config); !s.ok()) return s;
-    out << RegionLine(cl, *shm);
-  }
-  const Clock::time_point t0 = Clock::now();
-  absl::StatusOr<v1::MhcSeamResponse> resp = client.MhcSeam(req);
-  const double rtt = Since(t0);
+  absl::StatusOr<v1::MhcSeamResponse> resp = SendAndReport(
+      client, cl, req,
+      [&]() -> absl::StatusOr<uint64_t> {
+        absl::StatusOr<v1::MhcConfig> config = mhc();
+        if (!config.ok()) return config.status();
+        return MhcRequestSharedBytes(req, *config);
+      },
+      [&](ClientRegion& region) { return region.Prepare(req, *mhc()); },  // mhc() is known by now
+      [&](const v1::MhcSeamRequest& r) { return client.MhcSeam(r); }, out);
   if (!resp.ok()) return resp.status();
-  const uint64_t response_wire_bytes = resp->ByteSizeLong();  // before the outputs are fetched from shm
-  if (shm != nullptr) {
-    if (absl::Status s = shm->Fetch(*resp); !s.ok()) return s;
-  }
-  out << "request " << FormatBytes(double(req.ByteSizeLong())) << ", response "
-      << FormatBytes(double(response_wire_bytes)) << ", request_id " << resp->request_id() << "\n";
-  out << FormatReport(resp->report(), rtt);
   out << "outputs\n";
   PrintSummary(out, "new_residual", resp->has_new_residual(), resp->new_residual());
   PrintSummary(out, "new_pre_mix", resp->has_new_pre_mix(), resp->new_pre_mix());
@@ -357,28 +378,12 @@ absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::
       << ShapeString(in_shape) << " path=" << PathPreferenceName(*path) << " (" << origin << ")\n";
 
   req.set_verify(cl.verify);
-  absl::StatusOr<bool> region_transport = ParseRegionTransport(cl.transport);
-  if (!region_transport.ok()) return region_transport.status();
-  std::unique_ptr<ClientRegion> shm;
-  if (*region_transport) {
-    absl::StatusOr<std::unique_ptr<ClientRegion>> created =
-        MakeRegion(client, cl, SwaRequestSharedBytes(req, ws->swa(), ws->wq_b_rows()));
-    if (!created.ok()) return created.status();
-    shm = *std::move(created);
-    if (absl::Status s = shm->Prepare(req, ws->swa(), ws->wq_b_rows()); !s.ok()) return s;
-    out << RegionLine(cl, *shm);
-  }
-  const Clock::time_point t0 = Clock::now();
-  absl::StatusOr<v1::SwaNormQuantResponse> resp = client.SwaNormQuant(req);
-  const double rtt = Since(t0);
+  absl::StatusOr<v1::SwaNormQuantResponse> resp = SendAndReport(
+      client, cl, req,
+      [&]() -> absl::StatusOr<uint64_t> { return SwaRequestSharedBytes(req, ws->swa(), ws->wq_b_rows()); },
+      [&](ClientRegion& region) { return region.Prepare(req, ws->swa(), ws->wq_b_rows()); },
+      [&](const v1::SwaNormQuantRequest& r) { return client.SwaNormQuant(r); }, out);
   if (!resp.ok()) return resp.status();
-  const uint64_t response_wire_bytes = resp->ByteSizeLong();  // before the outputs are fetched from shm
-  if (shm != nullptr) {
-    if (absl::Status s = shm->Fetch(*resp); !s.ok()) return s;
-  }
-  out << "request " << FormatBytes(double(req.ByteSizeLong())) << ", response "
-      << FormatBytes(double(response_wire_bytes)) << ", request_id " << resp->request_id() << "\n";
-  out << FormatReport(resp->report(), rtt);
   out << "outputs\n";
   PrintSummary(out, "q_fp8", resp->has_q_fp8(), resp->q_fp8());
   if (resp->has_q_fp8() && resp->has_q_scale()) {
