@@ -79,6 +79,7 @@ size_t Executor::background_queued() const {
 }
 
 absl::Status Executor::Enqueue(Item item) {
+  enum class Wake { kNone, kOne, kAll } wake = Wake::kOne;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
@@ -89,14 +90,22 @@ absl::Status Executor::Enqueue(Item item) {
     if (item.bounded) ++bounded_queued_;
     queue_.push_back(std::move(item));
     PublishQueueState();
+    // Whom to wake. A worker forming a batch waits for arrivals beside idle workers that may not
+    // take them (Loop): everyone. Else one sleeper is enough, and none when the queue was empty
+    // and a worker is polling it (SpinForWork): that worker takes this task, since it clears
+    // `spinning_` before it takes the lock and then looks at the queue under it. Why not always
+    // everyone: with 4 lanes, waking the 3 sleepers for every task that the spinner takes anyway
+    // cost a c1 caller ~3 context switches per call and its executor's cores the CPU of them
+    // (bench/experiments/executor_wakeups). A second task queued behind the first still wakes a
+    // sleeper, so a burst never waits for the spinner's task to finish.
+    if (forming_batches_ > 0) {
+      wake = Wake::kAll;
+    } else if (queue_.size() == 1 && spinning_.load(std::memory_order_acquire)) {
+      wake = Wake::kNone;
+    }
   }
-  // With several workers, every one must see the arrival: a worker forming a batch waits for it
-  // beside idle ones that may not take it (Loop).
-  if (workers_.size() > 1) {
-    cv_.notify_all();
-  } else {
-    cv_.notify_one();
-  }
+  if (wake == Wake::kAll) cv_.notify_all();
+  if (wake == Wake::kOne) cv_.notify_one();
   return absl::OkStatus();
 }
 

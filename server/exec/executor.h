@@ -78,8 +78,8 @@ struct BatchingOptions {
 // `idle_spin` before it sleeps on the condition variable, so a task that arrives meanwhile starts
 // at once instead of after a futex wake-up (tens of microseconds on a host whose idle cores sit in
 // deep sleep states, measured as the queue stage of a small call). One worker spins at a time; the
-// others sleep as before, and a worker spins only after it ran a task or started, so an idle server
-// burns no CPU. 0: never spin.
+// others sleep as before (a task the spinning worker takes wakes none of them: Enqueue), and a
+// worker spins only after it ran a task or started, so an idle server burns no CPU. 0: never spin.
 struct SpinOptions {
   std::chrono::microseconds idle_spin{0};
 };

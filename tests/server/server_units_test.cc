@@ -676,6 +676,38 @@ TEST(Executor, IdleWorkerSpinsAndTakesWorkWithoutAWakeUp) {
   EXPECT_EQ(count.load(), 201);
 }
 
+// A task queued while a worker spins wakes no one (that worker takes it), but a second task queued
+// behind it must wake a sleeping worker: here the first task waits for the second to start, which
+// only the other worker can do. Many rounds, so the second task lands both before and after the
+// spinner has taken the first.
+TEST(Executor, ATaskQueuedBehindTheSpinnersWakesASleepingWorker) {
+  Executor ex(8, {}, /*workers=*/2, SpinOptions{std::chrono::seconds(100)});
+  const auto wait_until = [](auto done) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!done() && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+    return done();
+  };
+  for (int round = 0; round < 200; ++round) {
+    SCOPED_TRACE(round);
+    ASSERT_TRUE(wait_until([&] { return ex.spinning(); }));
+    std::atomic<bool> second_started{false}, first_saw_second{false};
+    std::atomic<int> finished{0};
+    ASSERT_TRUE(ex.Submit([&](double) {
+                    first_saw_second = wait_until([&] { return second_started.load(); });
+                    ++finished;
+                  }).ok());
+    if (round % 2 == 1) std::this_thread::sleep_for(std::chrono::microseconds(50));  // the spinner has taken it
+    ASSERT_TRUE(ex.Submit([&](double) {
+                    second_started = true;
+                    ++finished;
+                  }).ok());
+    ASSERT_TRUE(wait_until([&] { return finished.load() == 2; }));
+    ASSERT_TRUE(first_saw_second.load());
+  }
+  EXPECT_GT(ex.taken_while_spinning(), 0u);
+  ex.Stop();
+}
+
 TEST(Config, DisableFusedAndLimits) {
   ServerConfig c;
   ASSERT_TRUE(ParseDisableFused(" mhc , swa", c).ok());
