@@ -210,7 +210,11 @@ absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* 
         // Once per tensor, and never beside a shared-memory reference (protobuf would resolve the
         // oneof by order: left to it).
         if (!length_delimited || t.has_data || t.has_shared_memory) return false;
-        if (!in.ReadVarint(&t.data_bytes, nullptr) || t.data_bytes > in.remaining() - end) return false;
+        // The key and the length may not run past the tensor's end either (fuzz_wire_reader found
+        // one that did: its data then took bytes of the enclosing message, which protobuf refuses).
+        if (!in.ReadVarint(&t.data_bytes, nullptr) || in.remaining() < end || t.data_bytes > in.remaining() - end) {
+          return false;
+        }
         t.has_data = true;
         t.data_offset = (used + WireTensorData::kAlign - 1) / WireTensorData::kAlign * WireTensorData::kAlign;
         // Cannot happen (block_bytes has room for every byte at every alignment); never write past it.
