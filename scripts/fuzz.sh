@@ -28,7 +28,7 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_C_COMPILER="$CLANG" -DCMAKE_CXX_CO
 
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=(fuzz_safetensors fuzz_manifest fuzz_request_validation fuzz_weight_set_header
-                                     fuzz_auth_files)
+                                     fuzz_auth_files fuzz_wire_reader)
 
 step "fuzz: build ${TARGETS[*]} (clang, libFuzzer + ASan + UBSan)"
 cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"

@@ -10,6 +10,10 @@
 //                                   payload_bytes, a hyper-parameter out of range, a bad name)
 //   <out>/fuzz_auth_files/          a token file and an identity file with every right, comments
 //                                   and CRLF, plus near misses
+//   <out>/fuzz_wire_reader/         the fuzz_request_validation seeds (the same selector bit 0), the
+//                                   C++ client's shared form (data as one more occurrence of each
+//                                   tensor field), a tensor split over occurrences, data twice,
+//                                   an unknown field in a tensor, data without a dtype
 // Seeds are deterministic (fixed RNG seed), so regenerating them changes nothing.
 #include <cstdint>
 #include <cstdio>
@@ -22,6 +26,7 @@
 
 #include "fusedlayer/numeric.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
+#include "fusedlayer/wire/tensor_patch.h"
 #include "fuzz_weights_fixture.h"
 #include "weights/safetensors_writer.h"
 
@@ -210,6 +215,76 @@ void RequestSeeds(const std::string& dir) {
   WriteRequest(dir, "swa_shm", 5, shm_swa);
 }
 
+// The request reader's seeds (fuzz_wire_reader: byte 0 bit 0 the message, bits 1-7 the slicing
+// seed). Besides RequestSeeds' requests, the shapes the reader treats apart: the C++ client's
+// shared form (client/wire_request.h), tensors in several occurrences, and what it leaves to protobuf.
+// Field `field` of the wire type LEN holding `body`.
+std::string LengthDelimited(int field, const std::string& body) {
+  std::string out;
+  auto varint = [&](uint64_t v) {
+    for (; v >= 0x80; v >>= 7) out.push_back(static_cast<char>(v | 0x80));
+    out.push_back(static_cast<char>(v));
+  };
+  varint(static_cast<uint64_t>(field) << 3 | 2);
+  varint(body.size());
+  return out + body;
+}
+
+void WireReaderSeeds(const std::string& dir) {
+  RequestSeeds(dir);
+  const auto number = [](const google::protobuf::Message& m, const char* field) {
+    return m.GetDescriptor()->FindFieldByName(field)->number();
+  };
+  // mHC seam, T = 2, in the client's shared form: the message without x's and residual's data, then
+  // one patch per tensor (header, then the data), each seed with another slicing.
+  v1::MhcSeamRequest m;
+  m.set_weight_set("fuzz/base");
+  SetTensor(m.mutable_x(), v1::DATA_TYPE_BF16, {2, kHidden});
+  SetTensor(m.mutable_residual(), v1::DATA_TYPE_BF16, {2, kHcMult, kHidden});
+  SetTensor(m.mutable_post_mix(), v1::DATA_TYPE_FP32, {2, kHcMult});
+  SetTensor(m.mutable_comb_mix(), v1::DATA_TYPE_FP32, {2, kHcMult, kHcMult});
+  v1::MhcSeamRequest head = m;
+  head.mutable_x()->clear_data();
+  head.mutable_residual()->clear_data();
+  std::string shared = head.SerializeAsString();
+  for (const char* f : {"x", "residual"}) {
+    const std::string& data = f[0] == 'x' ? m.x().data() : m.residual().data();
+    fusedlayer::wire::AppendTensorPatchHeader(&shared, number(m, f), data.size());
+    shared += data;
+  }
+  for (uint8_t seed : {0, 1, 2, 3}) {
+    WriteFile(dir + "/mhc_shared_form_" + std::to_string(seed), std::string(1, static_cast<char>(seed << 1)) + shared);
+  }
+  // SWA: qr_kv's dtype, shape and data in three occurrences, with request_id between them.
+  v1::SwaNormQuantRequest w;
+  w.set_weight_set("fuzz/base");
+  SetTensor(w.mutable_qr_kv(), v1::DATA_TYPE_BF16, {3, kQRank + kHeadDim});
+  const int qr = number(w, "qr_kv");
+  v1::Tensor dtype_only, shape_only, data_only;
+  dtype_only.set_dtype(w.qr_kv().dtype());
+  *shape_only.mutable_shape() = w.qr_kv().shape();
+  data_only.set_data(w.qr_kv().data());
+  v1::SwaNormQuantRequest rest;
+  rest.set_weight_set("fuzz/base");
+  rest.set_request_id("split");
+  const std::string split = LengthDelimited(qr, dtype_only.SerializeAsString()) + rest.SerializeAsString() +
+                            LengthDelimited(qr, shape_only.SerializeAsString()) +
+                            LengthDelimited(qr, data_only.SerializeAsString());
+  WriteFile(dir + "/swa_split_occurrences", std::string(1, '\x03') + split);
+  // Left to protobuf: x's data twice (protobuf keeps the last), an unknown field inside a tensor,
+  // and data without a dtype.
+  v1::Tensor again;
+  again.set_data(std::string(m.x().data().size(), '\x11'));
+  WriteFile(dir + "/mhc_data_twice", std::string(1, '\x04') + m.SerializeAsString() +
+                                         LengthDelimited(number(m, "x"), again.SerializeAsString()));
+  v1::SwaNormQuantRequest unknown = w;
+  unknown.mutable_qr_kv()->GetReflection()->MutableUnknownFields(unknown.mutable_qr_kv())->AddVarint(99, 7);
+  WriteFile(dir + "/swa_unknown_in_tensor", std::string(1, '\x05') + unknown.SerializeAsString());
+  v1::SwaNormQuantRequest no_dtype = w;
+  no_dtype.mutable_qr_kv()->clear_dtype();
+  WriteFile(dir + "/swa_data_without_dtype", std::string(1, '\x07') + no_dtype.SerializeAsString());
+}
+
 void HeaderSeeds(const std::string& dir) {
   for (uint8_t variant : {0, 1}) {
     const v1::WeightSetHeader header = SmallPackedSet(variant).first;
@@ -246,7 +321,7 @@ void AuthFileSeeds(const std::string& dir) {
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: %s OUT_DIR (holding fuzz_safetensors/, fuzz_manifest/, fuzz_request_validation/, "
-                 "fuzz_weight_set_header/, fuzz_auth_files/)\n", argv[0]);
+                 "fuzz_weight_set_header/, fuzz_auth_files/, fuzz_wire_reader/)\n", argv[0]);
     return 2;
   }
   const std::string out = argv[1];
@@ -255,5 +330,6 @@ int main(int argc, char** argv) {
   RequestSeeds(out + "/fuzz_request_validation");
   HeaderSeeds(out + "/fuzz_weight_set_header");
   AuthFileSeeds(out + "/fuzz_auth_files");
+  WireReaderSeeds(out + "/fuzz_wire_reader");
   return 0;
 }

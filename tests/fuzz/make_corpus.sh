@@ -9,7 +9,7 @@ BUILD="${FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
 "$ROOT/scripts/fuzz.sh" --configure-only
 cmake --build "$BUILD" -j"${JOBS:-$(nproc)}" --target fuzz_make_corpus
 OUT="$ROOT/tests/fuzz/corpus"
-for t in fuzz_safetensors fuzz_manifest fuzz_request_validation fuzz_weight_set_header fuzz_auth_files; do
+for t in fuzz_safetensors fuzz_manifest fuzz_request_validation fuzz_weight_set_header fuzz_auth_files fuzz_wire_reader; do
   rm -rf "${OUT:?}/$t"
   mkdir -p "$OUT/$t"
 done
