@@ -51,10 +51,10 @@ class SliceReader {
   }
   uint64_t remaining() const { return remaining_; }
 
-  // A varint of at most 10 bytes; its bytes are appended to `echo` when set.
-  bool ReadVarint(uint64_t* value, std::string* echo) {
+  // A varint of at most `max_bytes` (<= 10) bytes; its bytes are appended to `echo` when set.
+  bool ReadVarint(uint64_t* value, std::string* echo, int max_bytes = 10) {
     uint64_t v = 0;
-    for (int i = 0; i < 10; ++i) {
+    for (int i = 0; i < max_bytes; ++i) {
       if (remaining_ == 0) return false;
       const uint8_t b = *p_;
       Advance(1);
@@ -68,6 +68,14 @@ class SliceReader {
     }
     return false;
   }
+  // What the reader decodes itself (instead of echoing the bytes for protobuf) must be refused
+  // wherever protobuf would refuse it, or the reader would accept a request protobuf refuses
+  // (fuzz_wire_reader found a 6-byte key that did just that). Protobuf 3.21 reads a key in at
+  // most 5 bytes, and a length in at most 5 bytes and below 2^31 - 16 (parse_context.cc,
+  // ReadTagFallback, ReadSizeFallback). Anything else returns false: the request is then left to
+  // protobuf, whose verdict it gets.
+  bool ReadKey(uint64_t* key) { return ReadVarint(key, nullptr, 5) && *key <= UINT32_MAX; }
+  bool ReadLength(uint64_t* length) { return ReadVarint(length, nullptr, 5) && *length <= INT32_MAX - 16; }
   // The next n bytes appended to `out`.
   bool Append(std::string* out, uint64_t n) {
     if (n > remaining_) return false;
@@ -203,7 +211,7 @@ absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* 
     TensorState& t = *it;
     while (in.remaining() > end) {
       uint64_t key = 0;
-      if (!in.ReadVarint(&key, nullptr) || key > UINT32_MAX) return false;
+      if (!in.ReadKey(&key)) return false;
       const int number = static_cast<int>(key >> 3), type = static_cast<int>(key & 7);
       const bool length_delimited = type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
       if (number == kTensorDataField) {
@@ -212,7 +220,7 @@ absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* 
         if (!length_delimited || t.has_data || t.has_shared_memory) return false;
         // The key and the length may not run past the tensor's end either (fuzz_wire_reader found
         // one that did: its data then took bytes of the enclosing message, which protobuf refuses).
-        if (!in.ReadVarint(&t.data_bytes, nullptr) || in.remaining() < end || t.data_bytes > in.remaining() - end) {
+        if (!in.ReadLength(&t.data_bytes) || in.remaining() < end || t.data_bytes > in.remaining() - end) {
           return false;
         }
         t.has_data = true;
@@ -243,12 +251,12 @@ absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* 
   bool readable = true;
   while (readable && in.remaining() > 0) {
     uint64_t key = 0;
-    readable = in.ReadVarint(&key, nullptr) && key <= UINT32_MAX && (key >> 3) != 0;
+    readable = in.ReadKey(&key) && (key >> 3) != 0;
     if (!readable) break;
     const int number = static_cast<int>(key >> 3), type = static_cast<int>(key & 7);
     if (number < 64 && (tensor_fields >> number & 1) != 0) {
       uint64_t length = 0;
-      readable = type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && in.ReadVarint(&length, nullptr) &&
+      readable = type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && in.ReadLength(&length) &&
                  read_tensor(number, length);
       continue;
     }

@@ -248,6 +248,12 @@ TEST(WireReader, MergedMalformedAndHostileRequestsReadAsProtobufParsesThem) {
       // The data's length varint itself outside the tensor (found by fuzz_wire_reader).
       {"data's length after the tensor's end", key(4, 2) + varint(3) + dtype + key(3, 2) + varint(2) + "ab"},
       {"data right after the tensor (a field of the request)", key(4, 2) + varint(2) + dtype + key(3, 2) + varint(2) + "ab"},
+      // Encodings protobuf refuses that a varint reader would take (found by fuzz_wire_reader): a key
+      // in more than 5 bytes, at the top and in a tensor, and a length in more than 5.
+      {"a key of 6 bytes", std::string("\x8a\x80\x80\x80\x80\x00", 6) + varint(1) + "w"},
+      {"a tensor's key of 6 bytes", ld(4, dtype + std::string("\x9a\x80\x80\x80\x80\x00", 6) + varint(2) + "ab")},
+      {"a length of 6 bytes", key(4, 2) + std::string("\x80\x80\x80\x80\x80\x00", 6)},
+      {"a key of 5 bytes", std::string("\x8a\x80\x80\x80\x00", 5) + varint(1) + "w"},
       {"varint of 11 bytes", key(2, 0) + std::string(10, static_cast<char>(0xff)) + varint(1)},
       {"field number 0", key(0, 0) + varint(0)},
       {"dtype as a length", ld(4, key(1, 2) + varint(1) + "a" + ld(3, "ab"))},
