@@ -100,6 +100,13 @@ class TypedCaller : public Caller {
   mutable std::atomic<uint64_t> last_response_bytes_{0};
 };
 
+// One thread's request of a PerThreadCaller, and what it refers to (its object or its session).
+template <typename Request>
+struct CallerSlot {
+  std::shared_ptr<void> held;
+  Request request;
+};
+
 // Callers that need state of their own per thread: --transport=shm (each thread's shared-memory
 // object holds its request's inputs, written once as the TCP caller builds its request once, and
 // its outputs: one object serves one call at a time) and --transport=session (each thread's
@@ -107,10 +114,7 @@ class TypedCaller : public Caller {
 template <typename Request, typename Response>
 class PerThreadCaller : public Caller {
  public:
-  struct Slot {
-    std::shared_ptr<void> held;  // what the slot's request refers to (its object or its session)
-    Request request;
-  };
+  using Slot = CallerSlot<Request>;
   PerThreadCaller(const FusedLayerClient& client, std::vector<Slot> slots) : client_(client), slots_(std::move(slots)) {}
 
   CallOutcome Call() const override {
@@ -149,11 +153,9 @@ using RegionMaker = std::function<absl::StatusOr<std::unique_ptr<ClientRegion>>(
 
 // The shm and cuda_ipc callers' slots: `count` regions, each registered and holding a copy of `request`.
 template <typename Request, typename Prepare>
-absl::StatusOr<std::vector<typename PerThreadCaller<Request, int>::Slot>> MakeSlots(const RegionMaker& make,
-                                                                                    const Request& request,
-                                                                                    uint64_t bytes, int count,
-                                                                                    Prepare prepare) {
-  std::vector<typename PerThreadCaller<Request, int>::Slot> slots;
+absl::StatusOr<std::vector<CallerSlot<Request>>> MakeSlots(const RegionMaker& make, const Request& request,
+                                                           uint64_t bytes, int count, Prepare prepare) {
+  std::vector<CallerSlot<Request>> slots;
   for (int i = 0; i < count; ++i) {
     absl::StatusOr<std::unique_ptr<ClientRegion>> region = make(bytes);
     if (!region.ok()) return region.status();
@@ -167,9 +169,9 @@ absl::StatusOr<std::vector<typename PerThreadCaller<Request, int>::Slot>> MakeSl
 // The session callers' slots: `count` residual sessions of `seam`'s shape, each started with a
 // FIRST-stage call, and `seam` turned into a call of each: x only, the state stays on the server.
 // A session is closed when its slot goes.
-absl::StatusOr<std::vector<PerThreadCaller<v1::MhcSeamRequest, int>::Slot>> MakeSessionSlots(
+absl::StatusOr<std::vector<CallerSlot<v1::MhcSeamRequest>>> MakeSessionSlots(
     const FusedLayerClient& client, const v1::MhcSeamRequest& seam, const v1::MhcConfig& mhc, int count) {
-  std::vector<PerThreadCaller<v1::MhcSeamRequest, int>::Slot> slots;
+  std::vector<CallerSlot<v1::MhcSeamRequest>> slots;
   const int64_t tokens = seam.x().shape(0);
   for (int i = 0; i < count; ++i) {
     const std::string name = absl::StrCat("fusedctl-bench-", ::getpid(), "-", i);
@@ -210,7 +212,7 @@ struct RowCallers {
 // thread), with `request` inline over TCP beside them.
 template <typename Request, typename Response>
 RowCallers MakeRowCallers(const FusedLayerClient& client, Request request, bool copy_requests,
-                          std::vector<typename PerThreadCaller<Request, int>::Slot>* slots) {
+                          std::vector<CallerSlot<Request>>* slots) {
   RowCallers row;
   if (slots != nullptr) row.inline_request_bytes = request.ByteSizeLong();
   auto tcp = std::make_unique<TypedCaller<Request, Response>>(client, std::move(request), copy_requests);
@@ -221,9 +223,7 @@ RowCallers MakeRowCallers(const FusedLayerClient& client, Request request, bool 
     return row;
   }
   using PerThread = PerThreadCaller<Request, Response>;
-  std::vector<typename PerThread::Slot> typed;
-  for (auto& slot : *slots) typed.push_back(typename PerThread::Slot{std::move(slot.held), std::move(slot.request)});
-  auto per_thread = std::make_unique<PerThread>(client, std::move(typed));
+  auto per_thread = std::make_unique<PerThread>(client, std::move(*slots));
   PerThread* const raw = per_thread.get();
   row.response_bytes = [raw] { return raw->ResponseBytes(); };
   row.caller = std::move(per_thread);
@@ -397,7 +397,7 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
                         .include_pre_mix = !cl.no_pre_mix, .capture_aux = cl.capture_aux, .path = *path};
     absl::StatusOr<v1::MhcSeamRequest> req = RandomMhcRequest(ws->mhc(), spec, rng);
     if (!req.ok()) return req.status();
-    std::optional<std::vector<PerThreadCaller<v1::MhcSeamRequest, int>::Slot>> slots;
+    std::optional<std::vector<CallerSlot<v1::MhcSeamRequest>>> slots;
     if (region_transport || session_transport) {
       if (session_transport && *stage != v1::MHC_STAGE_SEAM) {
         return absl::InvalidArgumentError("--transport=session measures SEAM calls (--stage=seam)");
@@ -421,7 +421,7 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
     SwaRequestSpec spec{.weight_set = cl.weight_set, .tokens = cl.tokens, .row_stride = cl.row_stride, .path = *path};
     absl::StatusOr<v1::SwaNormQuantRequest> req = RandomSwaRequest(ws->swa(), spec, rng);
     if (!req.ok()) return req.status();
-    std::optional<std::vector<PerThreadCaller<v1::SwaNormQuantRequest, int>::Slot>> slots;
+    std::optional<std::vector<CallerSlot<v1::SwaNormQuantRequest>>> slots;
     if (region_transport) {
       const v1::SwaConfig swa = ws->swa();
       const int64_t rows = ws->wq_b_rows();
