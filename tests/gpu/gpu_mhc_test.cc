@@ -504,6 +504,31 @@ TEST_F(GpuMhcTest, SeamVariants) {
   for (const Case& c : cases) CheckCase(c);
 }
 
+// One-token seams, the per-layer decode call (on the fused path the 16-token-tile register pass and
+// the finalize's decode instance with two blocks and its early trigger): every stage and variant (first
+// stage, pre mix given or not, aux, with and without norm weight, head stage, normal mode, one
+// Sinkhorn iteration) at one chunk, 40 and 56 chunks: bits against the unfused path and the fp64
+// reference, each run twice with its outputs poisoned before each run. (Written for the one-kernel
+// form of this seam, bench/gpu/experiments/mhc_one_token_seam.patch, which it also passed.)
+TEST_F(GpuMhcTest, OneTokenSeams) {
+  for (int64_t C : {int64_t(128), int64_t(5120), int64_t(7168)})
+    for (int variant = 0; variant < 7; ++variant) {
+      Case c;
+      c.C = C;
+      c.T = 1;
+      switch (variant) {
+        case 0: break;                                   // pre mix given, norm weight
+        case 1: c.has_pre = false; c.aux = true; break;  // stream 0, aux
+        case 2: c.has_g = false; c.aux = true; break;    // y is z
+        case 3: c.stage = MhcStage::kFirst; break;
+        case 4: c.stage = MhcStage::kHead; break;         // no mixes
+        case 5: c.mode = MhcMode::kNormal; break;
+        case 6: c.iters = 1; c.has_pre = false; break;
+      }
+      CheckCase(c);
+    }
+}
+
 // T = 19 runs the fused path's staged pass; at C = 5120, T = 300 (19 tiles x 40 chunks, more than 3
 // staged CTAs per SM on any GPU with < 254 SMs) its persistent pass (mhc_launch.cu).
 TEST_F(GpuMhcTest, FirstAndHeadStages) {
