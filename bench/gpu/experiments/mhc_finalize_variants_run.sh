@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Device script for mhc_finalize_decode_stride26.patch (prepared in session 25, not yet run: no
-# device time was left). Bundle, from the repository root (carry [".gpu-packG"]):
+# Device script for the prepared finalize variants (mhc_finalize_decode_stride26.patch, "ys", and
+# mhc_finalize_split_pointer.patch, "sp"; session 25, not yet run: no device time was left). Bundle,
+# from the repository root (carry [".gpu-packG"]):
 #   mkdir -p /tmp/stG && cp build-cuda/bench/gpu/bench_mhc_gpu /tmp/stG/bench_main
 #   cp <patched build>/bench/gpu/bench_mhc_gpu /tmp/stG/bench_ys
 #   cp <patched build>/tests/gpu/gpu_mhc_tests /tmp/stG/gpu_mhc_tests_ys
 #   (and, built with mhc_finalize_split_pointer.patch instead, bench_sp and gpu_mhc_tests_sp)
 #   bash ../shared/tools/bundle-runtime.sh /tmp/bG /tmp/stG/* && mkdir -p .gpu-packG
 #   tar cJf .gpu-packG/bundle.tar.xz -C /tmp/bG .
-# Runs: main against the patch (graph replay, cold L2, medians, two interleaved passes; decode
-# sizes, one large T, normal mode at T = 1), then the patch's bits (gpu_mhc_tests in full) and
+# Runs: main against each variant (graph replay, cold L2, medians, two interleaved passes; decode
+# sizes, one large T, normal mode at T = 1), then each variant's bits (gpu_mhc_tests in full) and
 # memcheck / racecheck of its seam tests.
 set -uo pipefail
 mkdir -p /tmp/g && tar xJf .gpu-packG/bundle.tar.xz -C /tmp/g
