@@ -186,6 +186,22 @@ __device__ __forceinline__ float SinkhornRcp(float x) {
 #endif
 }
 
+// exp of the Sinkhorn's first step (a row's logits minus their maximum, so x <= 0). On CUDA the
+// MUFU exp2 approximation after one multiply by log2(e) (__expf: a few ulp, 2 + 1.16|x| at most, a
+// relative error that matters only where exp(x) is negligible beside the row's 1) instead of
+// expf's range-reduced sequence. With the row's normalisation by one SinkhornRcp instead of four
+// IEEE divisions (each a branch to a slow path), the first step lost 16 branch regions from the mix
+// warp's serial chain: the seam -0.4..-0.5 us at every C for T <= 128 on an H100 (MHC_GPU_NOTES.md,
+// "Split-load round"), and it stays far inside the mixes tolerance, as the later steps do. The
+// gates keep expf and IEEE division: pre is collapsed into normal mode's y.
+__device__ __forceinline__ float SinkhornExp(float x) {
+#if FL_HIP
+  return expf(x);
+#else
+  return __expf(x);
+#endif
+}
+
 __device__ __forceinline__ float Sigmoid(float a) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-a))); }
 
 // a[o] = (r * d[o]) * alpha[g(o)] + b[o].
@@ -234,10 +250,11 @@ __device__ __forceinline__ float CombSinkhornRegs4(const float* d, float r, cons
     for (int j = 0; j < N; ++j) P[i][j] = MixLogit(r, d[2 * N + N * i + j], scale[2], base[2 * N + N * i + j]);
     const float mx = fmaxf(fmaxf(P[i][0], P[i][1]), fmaxf(P[i][2], P[i][3]));
 #pragma unroll
-    for (int j = 0; j < N; ++j) P[i][j] = expf(__fsub_rn(P[i][j], mx));
+    for (int j = 0; j < N; ++j) P[i][j] = SinkhornExp(__fsub_rn(P[i][j], mx));
     const float s = __fadd_rn(__fadd_rn(P[i][0], P[i][1]), __fadd_rn(P[i][2], P[i][3]));
+    const float inv = SinkhornRcp(s);
 #pragma unroll
-    for (int j = 0; j < N; ++j) P[i][j] = __fadd_rn(__fdiv_rn(P[i][j], s), h.sinkhorn_eps);
+    for (int j = 0; j < N; ++j) P[i][j] = __fadd_rn(__fmul_rn(P[i][j], inv), h.sinkhorn_eps);
   }
   auto column_step = [&] {
 #pragma unroll
@@ -292,11 +309,12 @@ __device__ __forceinline__ void ComputePostComb(const float* d, float S, float K
     float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      P[i][j] = expf(__fsub_rn(P[i][j], mx));
+      P[i][j] = SinkhornExp(__fsub_rn(P[i][j], mx));
       s = __fadd_rn(s, P[i][j]);
     }
+    const float inv = SinkhornRcp(s);
 #pragma unroll
-    for (int j = 0; j < N; ++j) P[i][j] = __fadd_rn(__fdiv_rn(P[i][j], s), h.sinkhorn_eps);
+    for (int j = 0; j < N; ++j) P[i][j] = __fadd_rn(__fmul_rn(P[i][j], inv), h.sinkhorn_eps);
   }
   auto column_step = [&] {
 #pragma unroll
