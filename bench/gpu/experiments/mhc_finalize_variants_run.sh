@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device script for the prepared finalize variants (mhc_finalize_decode_stride26.patch, "ys", and
-# mhc_finalize_split_pointer.patch, "sp"; session 25, not yet run: no device time was left).
+# mhc_finalize_split_pointer.patch, "sp"; session 25; both measured slower in session 26: MHC_GPU_NOTES.md, split-load round).
 # Bundle with the project's own script, from the repository root, after building each patched tree
 # (cmake --build <dir> --target bench_mhc_gpu gpu_mhc_tests):
 #   GPU_TARGETS="bench_mhc_gpu" GPU_PACK=.gpu-packG GPU_STAGE=.gpuG EXTRA_EXES="<ys build>/bench/gpu/bench_mhc_gpu:bench_ys
