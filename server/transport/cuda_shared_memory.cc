@@ -140,10 +140,11 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& identity,
   u.regions += 1;
   u.bytes += req.byte_size();
   total_bytes_ += req.byte_size();
-  regions_.emplace(Key{identity, req.name()},
-                   std::make_shared<const CudaSharedMemoryRegion>(req.name(), req.raw_handle(), std::move(allocation), req.device_id(),
-                                                                  req.offset(), req.byte_size()));
-  last_used_[Key{identity, req.name()}] = std::chrono::steady_clock::now();
+  regions_.emplace(RegionKey{identity, req.name()},
+                   RegionEntry<const CudaSharedMemoryRegion>{
+                       std::make_shared<const CudaSharedMemoryRegion>(req.name(), req.raw_handle(), std::move(allocation),
+                                                                      req.device_id(), req.offset(), req.byte_size()),
+                       std::chrono::steady_clock::now()});
   // Handles whose regions are all gone and whose last request completed: forget them.
   for (auto it = handles_.begin(); it != handles_.end();) {
     it = it->second.regions == 0 && it->second.allocation.expired() ? handles_.erase(it) : std::next(it);
@@ -152,15 +153,14 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& identity,
   return absl::OkStatus();
 }
 
-void CudaSharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<const CudaSharedMemoryRegion>>::iterator it) {
-  const CudaSharedMemoryRegion& r = *it->second;
+void CudaSharedMemoryRegistry::EraseLocked(RegionMap<const CudaSharedMemoryRegion>::iterator it) {
+  const CudaSharedMemoryRegion& r = *it->second.region;
   Usage& u = usage_[it->first.first];
   u.regions -= 1;
   u.bytes -= r.byte_size();
   if (u.regions == 0) usage_.erase(it->first.first);
   if (auto opened = handles_.find(r.handle()); opened != handles_.end()) opened->second.regions -= 1;
   total_bytes_ -= r.byte_size();
-  last_used_.erase(it->first);
   regions_.erase(it);  // the handle closes when its last region and in-flight request let go
   UpdateGaugesLocked();
 }
@@ -168,8 +168,8 @@ void CudaSharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<const C
 void CudaSharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point now) {
   if (!(limits_.idle_seconds > 0)) return;
   MutexLock lock(&mu_);
-  ExpireIdleRegions(regions_, last_used_, now, limits_.idle_seconds, [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    LogInfo("CUDA shared-memory region '", it->second->name(), "' unregistered: no request used it for ",
+  ExpireIdleRegions(regions_, now, limits_.idle_seconds, [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    LogInfo("CUDA shared-memory region '", it->second.region->name(), "' unregistered: no request used it for ",
             limits_.idle_seconds, " s (--cuda_shared_memory_idle_seconds)");
     expired_counter_->Increment();
     EraseLocked(it);  // the handle closes once no region and no request in flight holds it
@@ -215,8 +215,8 @@ absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> CudaSharedMemoryRe
                                             "' is registered (by this identity)",
                                             ExpiryNote(limits_.idle_seconds, "--cuda_shared_memory_idle_seconds")));
   }
-  last_used_[it->first] = std::chrono::steady_clock::now();
-  return it->second;
+  it->second.last_used = std::chrono::steady_clock::now();
+  return it->second.region;
 }
 
 }  // namespace fusedlayer::server::transport

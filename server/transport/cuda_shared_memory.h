@@ -43,6 +43,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
+#include "transport/region_map.h"
 
 namespace fusedlayer::server::transport {
 
@@ -108,7 +109,6 @@ class CudaSharedMemoryRegistry {
   void ExpireIdle(std::chrono::steady_clock::time_point now);
 
  private:
-  using Key = std::pair<std::string, std::string>;  // (identity, region name)
   struct Usage {
     int64_t regions = 0;
     uint64_t bytes = 0;
@@ -124,7 +124,7 @@ class CudaSharedMemoryRegistry {
   // Name free, handle not another identity's, the identity's limits: before and after the opening.
   absl::Status CheckRegisterLocked(const std::string& identity, const v1::RegisterCudaSharedMemoryRequest& req)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EraseLocked(std::map<Key, std::shared_ptr<const CudaSharedMemoryRegion>>::iterator it)
+  void EraseLocked(RegionMap<const CudaSharedMemoryRegion>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -137,9 +137,7 @@ class CudaSharedMemoryRegistry {
   // compute requests' lookups never wait for it).
   Mutex register_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   Mutex mu_;
-  std::map<Key, std::shared_ptr<const CudaSharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
-  // When each region was registered or last looked up by a request (ExpireIdle).
-  std::map<Key, std::chrono::steady_clock::time_point> last_used_ ABSL_GUARDED_BY(mu_);
+  RegionMap<const CudaSharedMemoryRegion> regions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Opened> handles_ ABSL_GUARDED_BY(mu_);  // by the handle's bytes
   uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;

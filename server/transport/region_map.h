@@ -6,7 +6,10 @@
 
 #include <chrono>
 #include <iterator>
+#include <map>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -16,6 +19,19 @@ namespace fusedlayer::server::transport {
 
 absl::Status CheckRegionName(const std::string& name);  // transport/shared_memory.cc
 
+using RegionKey = std::pair<std::string, std::string>;  // (identity, region name)
+
+// A registered region and when it was registered or last looked up by a request (the reaper's
+// clock: ExpireIdleRegions).
+template <typename Region>
+struct RegionEntry {
+  std::shared_ptr<Region> region;
+  std::chrono::steady_clock::time_point last_used;
+};
+
+template <typename Region>
+using RegionMap = std::map<RegionKey, RegionEntry<Region>>;
+
 // The Status RPC: `describe(region, out.add_regions())` for `name` (NOT_FOUND when `identity` has no
 // such region) or, with an empty name, for every region of `identity`. `kind` names the regions in
 // messages ("shared-memory", "CUDA shared-memory").
@@ -24,7 +40,7 @@ absl::StatusOr<Response> ListRegions(const Map& regions, const std::string& iden
                                      const char* kind, Describe describe) {
   Response out;
   for (auto it = regions.lower_bound({identity, ""}); it != regions.end() && it->first.first == identity; ++it) {
-    if (name.empty() || it->first.second == name) describe(*it->second, out.add_regions());
+    if (name.empty() || it->first.second == name) describe(*it->second.region, out.add_regions());
   }
   if (!name.empty() && out.regions_size() == 0) {
     return absl::NotFoundError(absl::StrCat("no ", kind, " region named '", name, "' is registered"));
@@ -40,7 +56,7 @@ absl::StatusOr<Response> UnregisterRegions(Map& regions, const std::string& iden
   Response out;
   auto take = [&](typename Map::iterator it) {
     out.set_unregistered(out.unregistered() + 1);
-    out.set_freed_bytes(out.freed_bytes() + it->second->byte_size());
+    out.set_freed_bytes(out.freed_bytes() + it->second.region->byte_size());
     erase(it);
   };
   if (name.empty()) {
@@ -59,16 +75,14 @@ absl::StatusOr<Response> UnregisterRegions(Map& regions, const std::string& iden
 }
 
 // The reaper's step (--shared_memory_idle_seconds, --cuda_shared_memory_idle_seconds):
-// `expire(it)` for every region, all identities, whose entry in `last_used` (registration or the
-// last request's lookup) is at least `idle_seconds` before `now`; `expire` erases it.
-template <typename Map, typename LastUsed, typename Expire>
-void ExpireIdleRegions(Map& regions, const LastUsed& last_used, std::chrono::steady_clock::time_point now,
-                       double idle_seconds, Expire expire) {
+// `expire(it)` for every region, all identities, last used (registration or the last request's
+// lookup) at least `idle_seconds` before `now`; `expire` erases it.
+template <typename Map, typename Expire>
+void ExpireIdleRegions(Map& regions, std::chrono::steady_clock::time_point now, double idle_seconds, Expire expire) {
   const auto idle = std::chrono::duration<double>(idle_seconds);
   for (auto it = regions.begin(); it != regions.end();) {
     auto next = std::next(it);
-    auto used = last_used.find(it->first);
-    if (used == last_used.end() || now - used->second >= idle) expire(it);
+    if (now - it->second.last_used >= idle) expire(it);
     it = next;
   }
 }

@@ -217,8 +217,8 @@ void SharedMemoryRegistry::UpdateGaugesLocked() {
   locked_gauge_->Set(static_cast<double>(locked_bytes_));
 }
 
-void SharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<SharedMemoryRegion>>::iterator it) {
-  const SharedMemoryRegion& r = *it->second;
+void SharedMemoryRegistry::EraseLocked(RegionMap<SharedMemoryRegion>::iterator it) {
+  const SharedMemoryRegion& r = *it->second.region;
   Usage& u = usage_[it->first.first];
   u.regions -= 1;
   u.bytes -= r.byte_size();
@@ -228,7 +228,6 @@ void SharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<SharedMemor
   total_regions_ -= 1;
   total_bytes_ -= r.byte_size();
   if (r.device_visible() != nullptr) locked_bytes_ -= r.byte_size();
-  last_used_.erase(it->first);
   regions_.erase(it);  // the descriptor closes when the last in-flight request lets go
   UpdateGaugesLocked();
 }
@@ -236,8 +235,8 @@ void SharedMemoryRegistry::EraseLocked(std::map<Key, std::shared_ptr<SharedMemor
 void SharedMemoryRegistry::PruneVanishedLocked(const std::string& identity) {
   for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity;) {
     auto next = std::next(it);
-    if (!it->second->CheckStillNamed().ok()) {
-      LogInfo("shared-memory region '", it->second->name(), "' (", it->second->key(),
+    if (!it->second.region->CheckStillNamed().ok()) {
+      LogInfo("shared-memory region '", it->second.region->name(), "' (", it->second.region->key(),
               ") unregistered: its object was removed");
       EraseLocked(it);
     }
@@ -307,7 +306,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
 
   MutexLock lock(&mu_);
   PruneVanishedLocked(identity);
-  const Key key{identity, req.name()};
+  const RegionKey key{identity, req.name()};
   if (regions_.count(key) != 0) {
     return absl::AlreadyExistsError(absl::StrCat("a shared-memory region named '", req.name(),
                                                  "' is already registered; unregister it first"));
@@ -344,8 +343,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
   } else if (locked) {
     region->Unlock();  // another registration took the budget meanwhile: this one is read with pread
   }
-  regions_.emplace(key, std::move(region));
-  last_used_[key] = std::chrono::steady_clock::now();
+  regions_.emplace(key, RegionEntry<SharedMemoryRegion>{std::move(region), std::chrono::steady_clock::now()});
   UpdateGaugesLocked();
   return absl::OkStatus();
 }
@@ -353,8 +351,8 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
 void SharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point now) {
   if (!(limits_.idle_seconds > 0)) return;
   MutexLock lock(&mu_);
-  ExpireIdleRegions(regions_, last_used_, now, limits_.idle_seconds, [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    LogInfo("shared-memory region '", it->second->name(), "' (", it->second->key(),
+  ExpireIdleRegions(regions_, now, limits_.idle_seconds, [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    LogInfo("shared-memory region '", it->second.region->name(), "' (", it->second.region->key(),
             ") unregistered: no request used it for ", limits_.idle_seconds, " s (--shared_memory_idle_seconds)");
     expired_counter_->Increment();
     EraseLocked(it);  // a request still holding it keeps its descriptor (and mapping) until done
@@ -402,12 +400,12 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::
                                               "' is registered (by this identity)",
                                               ExpiryNote(limits_.idle_seconds, "--shared_memory_idle_seconds")));
     }
-    if (absl::Status s = it->second->CheckStillNamed(); !s.ok()) {
+    if (absl::Status s = it->second.region->CheckStillNamed(); !s.ok()) {
       EraseLocked(it);
       return absl::FailedPreconditionError(absl::StrCat("tensor '", tensor, "': ", s.message()));
     }
-    last_used_[it->first] = std::chrono::steady_clock::now();
-    region = it->second;
+    it->second.last_used = std::chrono::steady_clock::now();
+    region = it->second.region;
   }
   if (absl::Status s = region->CheckSize(); !s.ok()) {
     return absl::FailedPreconditionError(absl::StrCat("tensor '", tensor, "': ", s.message()));

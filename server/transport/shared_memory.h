@@ -54,6 +54,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "transport/cuda_shared_memory.h"
+#include "transport/region_map.h"
 
 namespace fusedlayer::server::transport {
 
@@ -175,13 +176,12 @@ class SharedMemoryRegistry {
   void ExpireIdle(std::chrono::steady_clock::time_point now);
 
  private:
-  using Key = std::pair<std::string, std::string>;  // (identity, region name)
   struct Usage {
     int64_t regions = 0;
     uint64_t bytes = 0;
   };
   absl::Status CheckEnabled() const;
-  void EraseLocked(std::map<Key, std::shared_ptr<SharedMemoryRegion>>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseLocked(RegionMap<SharedMemoryRegion>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the identity's regions whose objects were removed (a client that died, then cleanup).
   void PruneVanishedLocked(const std::string& identity) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -198,9 +198,7 @@ class SharedMemoryRegistry {
   prometheus::Gauge* locked_gauge_;
   prometheus::Counter* expired_counter_;
   Mutex mu_;
-  std::map<Key, std::shared_ptr<SharedMemoryRegion>> regions_ ABSL_GUARDED_BY(mu_);
-  // When each region was registered or last looked up by a request (ExpireIdle).
-  std::map<Key, std::chrono::steady_clock::time_point> last_used_ ABSL_GUARDED_BY(mu_);
+  RegionMap<SharedMemoryRegion> regions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
   // Which identity holds each registered object, and in how many regions.
   std::map<std::pair<dev_t, ino_t>, std::pair<std::string, int>> object_owners_ ABSL_GUARDED_BY(mu_);
