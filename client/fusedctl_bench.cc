@@ -208,16 +208,16 @@ struct RowCallers {
   std::function<uint64_t()> tcp_response_bytes;
 };
 
-// `request` over TCP when `slots` is null; else the slots' requests (one region or session per
+// `request` over TCP without `slots`; else the slots' requests (one region or session per
 // thread), with `request` inline over TCP beside them.
 template <typename Request, typename Response>
 RowCallers MakeRowCallers(const FusedLayerClient& client, Request request, bool copy_requests,
-                          std::vector<CallerSlot<Request>>* slots) {
+                          std::optional<std::vector<CallerSlot<Request>>> slots) {
   RowCallers row;
-  if (slots != nullptr) row.inline_request_bytes = request.ByteSizeLong();
+  if (slots.has_value()) row.inline_request_bytes = request.ByteSizeLong();
   auto tcp = std::make_unique<TypedCaller<Request, Response>>(client, std::move(request), copy_requests);
   TypedCaller<Request, Response>* const tcp_raw = tcp.get();
-  if (slots == nullptr) {
+  if (!slots.has_value()) {
     row.response_bytes = [tcp_raw] { return tcp_raw->ResponseBytes(); };
     row.caller = std::move(tcp);
     return row;
@@ -411,7 +411,7 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       slots = *std::move(made);
     }
     row = MakeRowCallers<v1::MhcSeamRequest, v1::MhcSeamResponse>(client, *std::move(req), cl.copy_requests,
-                                                                   slots ? &*slots : nullptr);
+                                                                   std::move(slots));
     what = absl::StrCat("stage=", MhcStageName(*stage), " mode=", MhcModeName(*mode));
   } else {
     if (!ws->has_swa()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no SWA part"));
@@ -432,7 +432,7 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       slots = *std::move(made);
     }
     row = MakeRowCallers<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>(client, *std::move(req), cl.copy_requests,
-                                                                             slots ? &*slots : nullptr);
+                                                                             std::move(slots));
     what = absl::StrCat("row_stride=", cl.row_stride ? cl.row_stride : ws->swa().q_rank() + ws->swa().head_dim());
   }
 
