@@ -127,6 +127,37 @@ class DeviceTensor {
 
 // Distance in units in the last place between two bf16 values (monotone key, as in the DeepSeek
 // fused-kernel tests): |key(a) - key(b)|.
+// The tensor type of FP8 codes in `f`.
+inline DType Fp8DType(Fp8Format f) { return f == Fp8Format::kE4M3FN ? DType::kFP8E4M3FN : DType::kFP8E4M3FNUZ; }
+
+// An SWA test problem's hyperparameters and its host weights as views of the test's vectors (the
+// contract suite and the GPU suite build their problems alike; Q and D are the norm weights' sizes).
+inline SwaHyperParams SwaTestParams(int64_t Q, int64_t D, Fp8Format fmt, ScaleFormat sf, ScaleLayout sl, int64_t N,
+                                    float eps = SwaHyperParams{}.eps) {
+  SwaHyperParams p;
+  p.q_rank = Q;
+  p.head_dim = D;
+  p.eps = eps;
+  p.fp8_format = fmt;
+  p.scale_format = sf;
+  p.scale_layout = sl;
+  p.wq_b_rows = N;
+  return p;
+}
+inline SwaWeightsHost SwaTestWeights(std::vector<uint16_t>& q_norm, std::vector<uint16_t>& kv_norm,
+                                     std::vector<uint8_t>& wq_b, std::vector<float>& wq_b_scale, int64_t N,
+                                     Fp8Format fmt) {
+  const int64_t Q = int64_t(q_norm.size()), D = int64_t(kv_norm.size());
+  SwaWeightsHost w;
+  w.q_norm = TensorView::Contiguous(q_norm.data(), DType::kBF16, {Q});
+  w.kv_norm = TensorView::Contiguous(kv_norm.data(), DType::kBF16, {D});
+  if (N > 0) {
+    w.wq_b = TensorView::Contiguous(wq_b.data(), Fp8DType(fmt), {N, Q});
+    w.wq_b_scale = TensorView::Contiguous(wq_b_scale.data(), DType::kFP32, {N / kSwaGroup, Q / kSwaGroup});
+  }
+  return w;
+}
+
 inline int Bf16UlpDistance(uint16_t a, uint16_t b) {
   auto key = [](uint16_t v) -> int32_t { return (v & 0x8000) ? 0x8000 - int32_t(v & 0x7fff) : 0x8000 + int32_t(v); };
   return std::abs(key(a) - key(b));

@@ -36,7 +36,6 @@ namespace {
 
 constexpr int64_t kG = 128;
 
-DType Fp8DType(Fp8Format f) { return f == Fp8Format::kE4M3FN ? DType::kFP8E4M3FN : DType::kFP8E4M3FNUZ; }
 
 struct Case {
   int64_t M, Q, D;
@@ -85,26 +84,8 @@ struct Problem {
       wq_b_scale = RandomFloat(rng, size_t(c.N / kG * c.Q / kG), 1e-3f, 4e-3f);
     }
   }
-  SwaHyperParams Params() const {
-    SwaHyperParams p;
-    p.q_rank = c.Q;
-    p.head_dim = c.D;
-    p.fp8_format = c.fmt;
-    p.scale_format = c.sf;
-    p.scale_layout = c.sl;
-    p.wq_b_rows = c.N;
-    return p;
-  }
-  SwaWeightsHost Weights() {
-    SwaWeightsHost w;
-    w.q_norm = TensorView::Contiguous(q_norm.data(), DType::kBF16, {c.Q});
-    w.kv_norm = TensorView::Contiguous(kv_norm.data(), DType::kBF16, {c.D});
-    if (c.N > 0) {
-      w.wq_b = TensorView::Contiguous(wq_b.data(), Fp8DType(c.fmt), {c.N, c.Q});
-      w.wq_b_scale = TensorView::Contiguous(wq_b_scale.data(), DType::kFP32, {c.N / kG, c.Q / kG});
-    }
-    return w;
-  }
+  SwaHyperParams Params() const { return SwaTestParams(c.Q, c.D, c.fmt, c.sf, c.sl, c.N); }
+  SwaWeightsHost Weights() { return SwaTestWeights(q_norm, kv_norm, wq_b, wq_b_scale, c.N, c.fmt); }
   int64_t ScaleElems() const {
     return c.sl == ScaleLayout::kRowMajor ? c.M * (c.Q / kG) : (c.Q / kG) * AlignTo4(c.M);
   }

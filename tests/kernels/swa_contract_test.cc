@@ -23,7 +23,6 @@ namespace {
 
 constexpr int64_t kG = 128;
 
-DType Fp8DType(Fp8Format f) { return f == Fp8Format::kE4M3FN ? DType::kFP8E4M3FN : DType::kFP8E4M3FNUZ; }
 
 struct SwaCase {
   int64_t M = 1, Q = 256, D = 128;
@@ -50,27 +49,8 @@ struct SwaProblem {
   std::vector<uint8_t> wq_b;
   std::vector<float> wq_b_scale;
 
-  SwaHyperParams Params() const {
-    SwaHyperParams p;
-    p.q_rank = c.Q;
-    p.head_dim = c.D;
-    p.eps = c.eps;
-    p.fp8_format = c.fmt;
-    p.scale_format = c.sf;
-    p.scale_layout = c.sl;
-    p.wq_b_rows = c.N;
-    return p;
-  }
-  SwaWeightsHost Weights() {
-    SwaWeightsHost w;
-    w.q_norm = TensorView::Contiguous(q_norm.data(), DType::kBF16, {c.Q});
-    w.kv_norm = TensorView::Contiguous(kv_norm.data(), DType::kBF16, {c.D});
-    if (c.N > 0) {
-      w.wq_b = TensorView::Contiguous(wq_b.data(), Fp8DType(c.fmt), {c.N, c.Q});
-      w.wq_b_scale = TensorView::Contiguous(wq_b_scale.data(), DType::kFP32, {c.N / kG, c.Q / kG});
-    }
-    return w;
-  }
+  SwaHyperParams Params() const { return SwaTestParams(c.Q, c.D, c.fmt, c.sf, c.sl, c.N, c.eps); }
+  SwaWeightsHost Weights() { return SwaTestWeights(q_norm, kv_norm, wq_b, wq_b_scale, c.N, c.fmt); }
   SwaRefConfig RefConfig() const {
     SwaRefConfig r;
     r.Q = c.Q;
