@@ -187,13 +187,13 @@ __device__ __forceinline__ float SinkhornRcp(float x) {
 }
 
 // exp of the Sinkhorn's first step (a row's logits minus their maximum, so x <= 0). On CUDA the
-// MUFU exp2 approximation after one multiply by log2(e) (__expf: a few ulp, 2 + 1.16|x| at most, a
+// MUFU exp2 approximation after one multiply by log2(e) (__expf: at most 2 + floor(1.173|x|) ulp, a
 // relative error that matters only where exp(x) is negligible beside the row's 1) instead of
 // expf's range-reduced sequence. With the row's normalisation by one SinkhornRcp instead of four
 // IEEE divisions (each a branch to a slow path), the first step lost 16 branch regions from the mix
 // warp's serial chain: the seam -0.4..-0.5 us at every C for T <= 128 on an H100 (MHC_GPU_NOTES.md,
 // "Split-load round"), and it stays far inside the mixes tolerance, as the later steps do. The
-// gates keep expf and IEEE division: pre is collapsed into normal mode's y.
+// gates keep expf and a correctly rounded 1 / x (Sigmoid): pre is collapsed into normal mode's y.
 __device__ __forceinline__ float SinkhornExp(float x) {
 #if FL_HIP
   return expf(x);
