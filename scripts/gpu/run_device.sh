@@ -25,13 +25,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 failed=0
 if want tests; then
   # server_residual_session_tests: its OnTheDefaultBackend case runs on the CUDA backend here.
+  # server_batching_tests: only its OnTheDefaultBackend case (batched requests bitwise the same
+  # requests alone, on the CUDA backend); the rest compares with the CPU library and runs in CI.
   # gpu_cuda_ipc_tests: two processes, itself the client and the bundled fusedlayer_server.
   for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests server_residual_session_tests \
-           gpu_cuda_ipc_tests; do
+           server_batching_tests gpu_cuda_ipc_tests; do
     [ -x ./$t ] || { echo "$t not in this bundle"; continue; }
     # (The session suite's fusedctl case runs the build tree's fusedctl, which the bundle does not
     # have; the bench rows below run the bundled one.)
     filter=""; [ $t = server_residual_session_tests ] && filter="--gtest_filter=-*Fusedctl*"
+    [ $t = server_batching_tests ] && filter="--gtest_filter=*OnTheDefaultBackend*"
     echo "== $t" >> "$OUT/tests.log"; timeout 240 ./$t --gtest_brief=1 $filter > /tmp/$t.log 2>&1; rc=$?
     cat /tmp/$t.log >> "$OUT/tests.log"; echo "$t rc=$rc"; tail -3 /tmp/$t.log
     # A failure's own lines on the console too: the device tool returns a limited number of files,

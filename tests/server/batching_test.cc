@@ -1,12 +1,15 @@
 // Dynamic batching (server/exec/executor.h, server/exec/batch_assembly.h): the executor's batch
 // forming with fake tasks (deterministic: the worker is held while the queue fills), and end to end
 // over gRPC: requests that shared a launch get outputs bitwise equal to the library run on each
-// request alone, reports that say so, and the batching metrics; incompatible requests never share a
+// request alone, reports that say so, and the batching metrics; the same on the machine's default
+// backend (CUDA on a GPU host) against the requests alone; incompatible requests never share a
 // launch; deadlines, cancellation and drain while a batch is being formed.
 #include <chrono>
 #include <future>
+#include <iostream>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "exec/executor.h"
@@ -305,6 +308,88 @@ TEST(ServerBatching, IncompatibleRequestsNeverShareALaunch) {
   }
   EXPECT_TRUE(responses[5].verification().compared());
   EXPECT_FALSE(responses[5].verification().mismatch());
+}
+
+// On the machine's default backend (the CPU here; on a GPU host, whose device run bundles this suite,
+// the CUDA backend with its fused kernels at C = 512 and Q = 256, a multiple of their 128-channel
+// tiles): requests that shared a launch get outputs bitwise equal to the same requests run alone on
+// the same backend, by a second server with batching off. The tests above compare with the library
+// on the CPU; on a device it is the kernels' batch invariance (a reduction order that depends on C,
+// never on T) that must hold through the server's batch gathering and scattering.
+TEST(ServerBatching, OnTheDefaultBackendBatchedRequestsAreBitwiseTheSameRequestsAlone) {
+  std::mt19937_64 rng = MakeRng();
+  const std::vector<int64_t> tokens = {1, 2, 5, 8, 48};  // 64 tokens: a decode batch
+  int64_t budget = 0;
+  for (int64_t t : tokens) budget += t;
+  constexpr int64_t kC = 512;
+  const SwaSetSpec swa{.wq_b_rows = 256};
+  const server::PackedWeightSet set = MakeWeightSet(rng, "b/both", MhcSetSpec{.hidden = kC}, swa);
+  auto start = [&](server::ServerConfig cfg) -> std::unique_ptr<TestServer> {
+    absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend("auto");
+    EXPECT_TRUE(backend.ok()) << backend.status();
+    if (!backend.ok()) return nullptr;
+    std::cout << "backend: " << (*backend)->kind() << ", " << (*backend)->device_name() << std::endl;
+    return TestServer::Start(std::move(cfg), *std::move(backend), {set});
+  };
+  auto batched = start(BatchingConfig(budget));
+  auto alone = start(TestConfig());  // batching off
+  ASSERT_NE(batched, nullptr);
+  ASSERT_NE(alone, nullptr);
+  auto call_alone = [](TestServer& ts, const auto& request, auto* response) {
+    grpc::ClientContext ctx;
+    if constexpr (std::is_same_v<std::decay_t<decltype(request)>, v1::MhcSeamRequest>) {
+      return ts.stub().MhcSeam(WithDeadline(ctx), request, response);
+    } else {
+      return ts.stub().SwaNormQuant(WithDeadline(ctx), request, response);
+    }
+  };
+  for (v1::PathPreference preference : {v1::PATH_PREFERENCE_AUTO, v1::PATH_PREFERENCE_FORCE_UNFUSED}) {
+    for (v1::MhcMode mode : {v1::MHC_MODE_SHIFTED, v1::MHC_MODE_NORMAL}) {
+      SCOPED_TRACE(::testing::Message() << "mHC mode " << mode << " preference " << preference);
+      std::vector<v1::MhcSeamRequest> requests;
+      for (int64_t t : tokens) {
+        requests.push_back(MakeMhcRequest(
+            rng, "b/both", {.hidden = kC, .tokens = t, .mode = mode, .pre_mix = mode == v1::MHC_MODE_SHIFTED}));
+        requests.back().set_path_preference(preference);
+      }
+      std::vector<v1::MhcSeamResponse> responses;
+      const auto statuses = SendConcurrently(requests, responses, [&](grpc::ClientContext* ctx, const auto& req,
+                                                                      auto* resp) {
+        return batched->stub().MhcSeam(ctx, req, resp);
+      });
+      for (size_t i = 0; i < requests.size(); ++i) {
+        ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
+        EXPECT_EQ(responses[i].report().batch_requests(), tokens.size()) << "request " << i;
+        v1::MhcSeamResponse want;
+        const grpc::Status s = call_alone(*alone, requests[i], &want);
+        ASSERT_TRUE(s.ok()) << s.error_message();
+        EXPECT_EQ(want.report().batch_requests(), 1u);
+        EXPECT_EQ(responses[i].report().path(), want.report().path()) << "request " << i;
+        ExpectMhcEqual(responses[i], want);
+      }
+    }
+    SCOPED_TRACE(::testing::Message() << "SWA preference " << preference);
+    std::vector<v1::SwaNormQuantRequest> requests;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      requests.push_back(MakeSwaRequest(rng, "b/both", tokens[i], swa.q_rank + swa.head_dim + 8 * int64_t(i)));
+      requests.back().set_path_preference(preference);
+    }
+    std::vector<v1::SwaNormQuantResponse> responses;
+    const auto statuses = SendConcurrently(requests, responses, [&](grpc::ClientContext* ctx, const auto& req,
+                                                                    auto* resp) {
+      return batched->stub().SwaNormQuant(ctx, req, resp);
+    });
+    for (size_t i = 0; i < requests.size(); ++i) {
+      ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
+      EXPECT_EQ(responses[i].report().batch_requests(), tokens.size()) << "request " << i;
+      v1::SwaNormQuantResponse want;
+      const grpc::Status s = call_alone(*alone, requests[i], &want);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(want.report().batch_requests(), 1u);
+      EXPECT_EQ(responses[i].report().path(), want.report().path()) << "request " << i;
+      ExpectSwaEqual(responses[i], want);
+    }
+  }
 }
 
 // A request whose deadline passes while its batch is being formed is answered DEADLINE_EXCEEDED and
