@@ -9,7 +9,6 @@
 #include <iostream>
 #include <memory>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "exec/executor.h"
@@ -335,14 +334,33 @@ TEST(ServerBatching, OnTheDefaultBackendBatchedRequestsAreBitwiseTheSameRequests
   auto alone = start(TestConfig());  // batching off
   ASSERT_NE(batched, nullptr);
   ASSERT_NE(alone, nullptr);
-  auto call_alone = [](TestServer& ts, const auto& request, auto* response) {
-    grpc::ClientContext ctx;
-    if constexpr (std::is_same_v<std::decay_t<decltype(request)>, v1::MhcSeamRequest>) {
-      return ts.stub().MhcSeam(WithDeadline(ctx), request, response);
-    } else {
-      return ts.stub().SwaNormQuant(WithDeadline(ctx), request, response);
+  // Sends `requests` at once to the batching server (one launch), then each alone to the other
+  // server, and compares the outputs bitwise.
+  auto check = [&]<typename Request, typename Response>(
+                   const std::vector<Request>& requests,
+                   grpc::Status (*call)(TestServer&, grpc::ClientContext*, const Request&, Response*),
+                   void (*expect_equal)(const Response&, const Response&)) {
+    std::vector<Response> responses;
+    const auto statuses = SendConcurrently(requests, responses, [&](grpc::ClientContext* ctx, const Request& req,
+                                                                    Response* resp) {
+      return call(*batched, ctx, req, resp);
+    });
+    for (size_t i = 0; i < requests.size(); ++i) {
+      ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
+      EXPECT_EQ(responses[i].report().batch_requests(), tokens.size()) << "request " << i;
+      Response want;
+      grpc::ClientContext ctx;
+      const grpc::Status s = call(*alone, WithDeadline(ctx), requests[i], &want);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(want.report().batch_requests(), 1u);
+      EXPECT_EQ(responses[i].report().path(), want.report().path()) << "request " << i;
+      expect_equal(responses[i], want);
     }
   };
+  auto mhc_call = +[](TestServer& ts, grpc::ClientContext* ctx, const v1::MhcSeamRequest& req,
+                      v1::MhcSeamResponse* resp) { return ts.stub().MhcSeam(ctx, req, resp); };
+  auto swa_call = +[](TestServer& ts, grpc::ClientContext* ctx, const v1::SwaNormQuantRequest& req,
+                      v1::SwaNormQuantResponse* resp) { return ts.stub().SwaNormQuant(ctx, req, resp); };
   for (v1::PathPreference preference : {v1::PATH_PREFERENCE_AUTO, v1::PATH_PREFERENCE_FORCE_UNFUSED}) {
     for (v1::MhcMode mode : {v1::MHC_MODE_SHIFTED, v1::MHC_MODE_NORMAL}) {
       SCOPED_TRACE(::testing::Message() << "mHC mode " << mode << " preference " << preference);
@@ -352,21 +370,7 @@ TEST(ServerBatching, OnTheDefaultBackendBatchedRequestsAreBitwiseTheSameRequests
             rng, "b/both", {.hidden = kC, .tokens = t, .mode = mode, .pre_mix = mode == v1::MHC_MODE_SHIFTED}));
         requests.back().set_path_preference(preference);
       }
-      std::vector<v1::MhcSeamResponse> responses;
-      const auto statuses = SendConcurrently(requests, responses, [&](grpc::ClientContext* ctx, const auto& req,
-                                                                      auto* resp) {
-        return batched->stub().MhcSeam(ctx, req, resp);
-      });
-      for (size_t i = 0; i < requests.size(); ++i) {
-        ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
-        EXPECT_EQ(responses[i].report().batch_requests(), tokens.size()) << "request " << i;
-        v1::MhcSeamResponse want;
-        const grpc::Status s = call_alone(*alone, requests[i], &want);
-        ASSERT_TRUE(s.ok()) << s.error_message();
-        EXPECT_EQ(want.report().batch_requests(), 1u);
-        EXPECT_EQ(responses[i].report().path(), want.report().path()) << "request " << i;
-        ExpectMhcEqual(responses[i], want);
-      }
+      check(requests, mhc_call, &ExpectMhcEqual);
     }
     SCOPED_TRACE(::testing::Message() << "SWA preference " << preference);
     std::vector<v1::SwaNormQuantRequest> requests;
@@ -374,21 +378,7 @@ TEST(ServerBatching, OnTheDefaultBackendBatchedRequestsAreBitwiseTheSameRequests
       requests.push_back(MakeSwaRequest(rng, "b/both", tokens[i], swa.q_rank + swa.head_dim + 8 * int64_t(i)));
       requests.back().set_path_preference(preference);
     }
-    std::vector<v1::SwaNormQuantResponse> responses;
-    const auto statuses = SendConcurrently(requests, responses, [&](grpc::ClientContext* ctx, const auto& req,
-                                                                    auto* resp) {
-      return batched->stub().SwaNormQuant(ctx, req, resp);
-    });
-    for (size_t i = 0; i < requests.size(); ++i) {
-      ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
-      EXPECT_EQ(responses[i].report().batch_requests(), tokens.size()) << "request " << i;
-      v1::SwaNormQuantResponse want;
-      const grpc::Status s = call_alone(*alone, requests[i], &want);
-      ASSERT_TRUE(s.ok()) << s.error_message();
-      EXPECT_EQ(want.report().batch_requests(), 1u);
-      EXPECT_EQ(responses[i].report().path(), want.report().path()) << "request " << i;
-      ExpectSwaEqual(responses[i], want);
-    }
+    check(requests, swa_call, &ExpectSwaEqual);
   }
 }
 
