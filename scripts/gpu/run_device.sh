@@ -2,13 +2,13 @@
 # Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
 #   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab
-#                                                  samebits abclient sessions cudaipc profile mhcncu
+#                                                  samebits abclient sessions shm cudaipc profile mhcncu
 #                                                  serversan)
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"tests sanitize serversan bench torch smoke dataplane sessions cudaipc shadow"}  # and "ab" (needs a baseline server, below)
+STEPS=${STEPS:-"tests sanitize serversan bench torch smoke dataplane sessions shm cudaipc shadow"}  # and "ab" (needs a baseline server, below)
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # start_server PORT METRICS_PORT LOG [extra flags...]: a CUDA-backend server with the demo weights in
 # the background (pid in $pid), returning once its health check answers (or after 60 s).
@@ -191,6 +191,43 @@ if want sessions; then
       | grep -E '^fusedlayer_residual_session'
   } >> "$OUT/sessions.log" 2>&1
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/sessions.log"
+fi
+# System shared memory (issue 13) on one server: first the outputs of each op through a registered
+# region against the same inputs inline over TCP (fusedctl --seed, compared byte for byte), then the
+# bench rows, each of which runs the shm row, the same request inline over TCP and the echo floor of
+# both byte counts. Target: mHC C = 7168 T = 64 round trip p50 <= 400 us.
+if want shm; then
+  echo "== system shared memory"
+  start_server 50187 50188 "$OUT/server-shm.log" --allow_shared_memory
+  { C="--target=127.0.0.1:50187"
+    for t in 1 7 64 300; do
+      for transport in tcp shm; do
+        ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=$t --seed=$((100 + t)) --capture_aux --transport=$transport \
+          --output=/tmp/shm-$transport-mhc-$t.safetensors > /dev/null || echo "seam T=$t over $transport failed"
+        ./fusedctl seam $C --weight_set=v41-flash/demo --tokens=$t --seed=$((200 + t)) --mode=normal --transport=$transport \
+          --output=/tmp/shm-$transport-mhcnormal-$t.safetensors > /dev/null || echo "seam normal T=$t over $transport failed"
+        ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=$t --seed=$((300 + t)) --transport=$transport \
+          --output=/tmp/shm-$transport-swa-$t.safetensors > /dev/null || echo "swa T=$t over $transport failed"
+      done
+    done
+  } > "$OUT/shm.log" 2>&1
+  for f in /tmp/shm-tcp-*.safetensors; do
+    n=${f#/tmp/shm-tcp-}
+    if [ -s "$f" ] && cmp -s "$f" "/tmp/shm-shm-$n"; then echo "same bits over shm and tcp: $n"; else echo "DIFFER: $n"; failed=1; fi
+  done | tee -a "$OUT/shm.log"
+  grep -q "failed" "$OUT/shm.log" && failed=1
+  { C="--target=127.0.0.1:50187"
+    for pass in 1 2; do
+      echo "---- pass $pass"
+      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=shm --echo_floor
+      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=5s --transport=shm --echo_floor
+      ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=shm --echo_floor
+    done
+    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=5s --transport=shm
+    python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50188/metrics').read().decode())" \
+      | grep -E '^fusedlayer_shared_memory'
+  } >> "$OUT/shm.log" 2>&1
+  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/shm.log"
 fi
 # CUDA shared memory (issue 13): the tensors in this host's device memory, used by the server's
 # kernels in place, against the same request inline (TCP row) and the echo floor of its bytes.
