@@ -195,8 +195,10 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
       const std::string what = absl::StrCat("a batch of ", live.size(), " requests from ", live.front()->What(),
                                             ", ", Rpc::kTokensSymbol, " = ", batched.args.tokens, " in all");
       StageTimes times;
+      // Launched through a live request, never through `this`: batch[0] may have been answered
+      // above (expired or cancelled), and gRPC may already have freed its call's messages.
       // (The batch's outputs are scattered into each request's buffers: none takes over staging.)
-      absl::StatusOr<DispatchOutcome> ran = Execute(batched, what, &times, /*outputs=*/nullptr);
+      absl::StatusOr<DispatchOutcome> ran = live.front()->Execute(batched, what, &times, /*outputs=*/nullptr);
       if (ran.ok()) {
         // (Scattering the batch's outputs into the responses falls between stages: it is in
         // server_seconds but in no stage.)

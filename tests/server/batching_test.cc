@@ -422,6 +422,45 @@ TEST(ServerBatching, DeadlinesAndCancellationWhileWaitingForABatch) {
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_op_executions_total", {{"op", "mhc"}, {"path", "fused"}}), 1.0);
 }
 
+// A batch whose first request (the one whose worker formed it) expired while waiting: it is answered
+// DEADLINE_EXCEEDED, and its gRPC call may be gone before the launch (OnDone frees its messages), so
+// the launch of the two live requests must read nothing of it (under ASan a read of its request is a
+// heap-use-after-free). The live requests share one launch and get their own outputs.
+TEST(ServerBatching, ABatchWhoseFirstRequestExpiredLaunchesItsLiveRequestsTogether) {
+  std::mt19937_64 rng = MakeRng();
+  const server::PackedWeightSet set = MakeWeightSet(rng, "b/mhc", MhcSetSpec{}, std::nullopt);
+  server::ServerConfig cfg = TestConfig();
+  cfg.max_batch_tokens = 3;
+  cfg.max_queue_delay_us = 1'500'000;
+  auto ts = TestServer::Start(cfg, nullptr, {set});
+  ASSERT_NE(ts, nullptr);
+  Reference ref(set);
+  const v1::MhcSeamRequest expiring = MakeMhcRequest(rng, "b/mhc", {.tokens = 1});
+  grpc::Status expiring_status;
+  std::thread first([&] {
+    grpc::ClientContext ctx;
+    v1::MhcSeamResponse resp;
+    expiring_status = ts->stub().MhcSeam(WithDeadline(ctx, std::chrono::milliseconds(300)), expiring, &resp);
+  });
+  first.join();  // its worker is still forming the batch (1.5 s delay, 1 of 3 tokens)
+  EXPECT_EQ(expiring_status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << expiring_status.error_message();
+  std::vector<v1::MhcSeamRequest> requests;
+  for (int i = 0; i < 2; ++i) requests.push_back(MakeMhcRequest(rng, "b/mhc", {.tokens = 1}));
+  std::vector<v1::MhcSeamResponse> responses;
+  const auto statuses = SendConcurrently(requests, responses, [&](grpc::ClientContext* ctx, const auto& req, auto* resp) {
+    return ts->stub().MhcSeam(ctx, req, resp);
+  });
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
+    EXPECT_EQ(responses[i].report().batch_requests(), 2u) << "request " << i;
+    EXPECT_EQ(responses[i].report().path(), v1::EXECUTION_PATH_FUSED);
+    ExpectMhcEqual(responses[i], ref.RunMhc(requests[i], Path::kFused));
+  }
+  const std::string scrape = ScrapeWhenIdle(*ts);
+  EXPECT_EQ(MetricValue(scrape, "fusedlayer_batch_requests_count", {{"op", "mhc"}}), 1.0);
+  EXPECT_EQ(MetricValue(scrape, "fusedlayer_batch_requests_sum", {{"op", "mhc"}}), 2.0);
+}
+
 // Drain (SIGTERM's path) while a batch is being formed: the in-flight requests still complete.
 TEST(ServerBatching, DrainCompletesTheBatchBeingFormed) {
   std::mt19937_64 rng = MakeRng();
