@@ -219,6 +219,9 @@ void FusedLayerServer::Shutdown(std::chrono::system_clock::time_point deadline) 
   shut_down_ = true;
   health_.Shutdown();
   if (service_) service_->StartDraining();  // calls that race gRPC's GOAWAY: UNAVAILABLE, no new work
+  // No request will come to join a batch being formed: it launches now, not after its queue delay
+  // (which may be longer than the drain deadline, --max_queue_delay_us up to 60 s).
+  if (executor_) executor_->EndQueueDelays();
   LogInfo("draining: health NOT_SERVING, new calls refused with UNAVAILABLE");
   // Waits for in-flight RPCs (their executor tasks finish them) until the deadline, then cancels
   // what is left; queued tasks of cancelled calls are dropped at their launch check.

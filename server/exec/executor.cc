@@ -222,7 +222,7 @@ void Executor::RunBatchable(Item first, std::unique_lock<std::mutex>& lock) {
       TakeCompatible(items, tokens);
       // The delay is spent only while the device would otherwise idle: other work waiting (a task
       // that cannot join, or over the budget) ends it, so no request waits for another's batch.
-      if (tokens >= batching_.max_batch_tokens || stopping_ || !queue_.empty() ||
+      if (tokens >= batching_.max_batch_tokens || stopping_ || queue_delays_ended_ || !queue_.empty() ||
           std::chrono::steady_clock::now() >= deadline) {
         break;
       }
@@ -242,6 +242,14 @@ void Executor::RunBatchable(Item first, std::unique_lock<std::mutex>& lock) {
   BatchableTask::Run(batch, waited);
   batch.clear();  // the tasks' destructors run outside the lock
   lock.lock();
+}
+
+void Executor::EndQueueDelays() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_delays_ended_ = true;
+  }
+  cv_.notify_all();  // a worker waiting in RunBatchable looks again, and launches
 }
 
 void Executor::Stop() {

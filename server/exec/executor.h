@@ -107,6 +107,10 @@ class Executor {
   // Runs every queued compute and control task, drops the background tasks that have not started,
   // then joins the workers. Idempotent.
   void Stop();
+  // Drain: from now on no batch waits out its queue delay (the server takes no new calls, so no
+  // request would come to join it); a batch being formed launches at once. Work keeps running
+  // until Stop().
+  void EndQueueDelays();
 
   // Test hook: while paused the worker starts no background task (they stay queued); serving and
   // control tasks run as usual.
@@ -165,6 +169,7 @@ class Executor {
   uint64_t background_started_ = 0;
   size_t bounded_queued_ = 0;  // compute tasks in queue_
   bool stopping_ = false;
+  bool queue_delays_ended_ = false;  // EndQueueDelays()
   bool background_running_ = false;  // a background task has started and not finished
   // Workers taking compatible tasks into their batch (RunBatchable): the others leave the queue to
   // them until they launch, so a batch gets what a single worker would have given it.

@@ -461,13 +461,15 @@ TEST(ServerBatching, ABatchWhoseFirstRequestExpiredLaunchesItsLiveRequestsTogeth
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_batch_requests_sum", {{"op", "mhc"}}), 2.0);
 }
 
-// Drain (SIGTERM's path) while a batch is being formed: the in-flight requests still complete.
+// Drain (SIGTERM's path) while a batch is being formed: the batch launches at once and the
+// in-flight requests complete. The queue delay (60 s, the flag's most) is longer than the drain
+// deadline (10 s): a drain that let the batch wait out its delay would cancel the requests instead.
 TEST(ServerBatching, DrainCompletesTheBatchBeingFormed) {
   std::mt19937_64 rng = MakeRng();
   const server::PackedWeightSet set = MakeWeightSet(rng, "b/mhc", MhcSetSpec{}, std::nullopt);
   server::ServerConfig cfg = TestConfig();
   cfg.max_batch_tokens = 100;
-  cfg.max_queue_delay_us = 5'000'000;
+  cfg.max_queue_delay_us = 60'000'000;
   auto ts = TestServer::Start(cfg, nullptr, {set});
   ASSERT_NE(ts, nullptr);
   Reference ref(set);
@@ -477,7 +479,7 @@ TEST(ServerBatching, DrainCompletesTheBatchBeingFormed) {
   std::thread drain([&] {
     // Once all three are in the server (waiting for their batch: the budget is not reached).
     WaitForInflightRequests(*ts, 3);
-    ts->server().Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    ts->server().Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(10));
   });
   const auto statuses = SendConcurrently(requests, responses, [&](grpc::ClientContext* ctx, const auto& req, auto* resp) {
     return ts->stub().MhcSeam(ctx, req, resp);
