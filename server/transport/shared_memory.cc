@@ -295,42 +295,32 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
   }
   auto region = std::make_shared<SharedMemoryRegion>(fd, req.name(), req.key(), req.offset(), req.byte_size(),
                                                      st.st_dev, st.st_ino);
-  // Locked before the region is shared (outside the registry's lock: pinning takes time); given
-  // back below when the budget is taken meanwhile or the registration fails.
-  bool lock_wanted = false;
+  // Every check that can refuse the registration comes before the pages are pinned, and the
+  // locked budget is taken (reserved) before they are: pinning faults in and locks every page of
+  // the region, so a refused registration, or many at once, must never lock more than the budget.
+  bool reserved = false;
   {
     MutexLock lock(&mu_);
-    lock_wanted = locker_ != nullptr && LockFitsLocked(req.byte_size());
+    PruneVanishedLocked(identity);
+    if (absl::Status s = CheckRegistrableLocked(identity, req, *region); !s.ok()) return s;
+    if (locker_ != nullptr && LockFitsLocked(req.byte_size())) {
+      locked_bytes_ += req.byte_size();
+      reserved = true;
+    }
   }
-  const bool locked = lock_wanted && region->LockForDevice(*locker_);
+  // Outside the registry's lock: pinning takes time (compute requests look regions up meanwhile).
+  const bool locked = reserved && region->LockForDevice(*locker_);
 
   MutexLock lock(&mu_);
-  PruneVanishedLocked(identity);
+  // Another registration of this identity may have taken the name or the limits meanwhile.
+  if (absl::Status s = CheckRegistrableLocked(identity, req, *region); !s.ok()) {
+    region->Unlock();  // before its reservation goes back: the pinned bytes never exceed the budget
+    if (reserved) locked_bytes_ -= req.byte_size();
+    return s;
+  }
+  if (reserved && !locked) locked_bytes_ -= req.byte_size();  // not lockable: read with pread
   const RegionKey key{identity, req.name()};
-  if (regions_.count(key) != 0) {
-    return absl::AlreadyExistsError(absl::StrCat("a shared-memory region named '", req.name(),
-                                                 "' is already registered; unregister it first"));
-  }
-  auto owner = object_owners_.find(region->object());
-  if (owner != object_owners_.end() && owner->second.first != identity) {
-    // Says nothing about who: only that the object is taken.
-    return absl::PermissionDeniedError(
-        absl::StrCat("shared-memory object ", req.key(), " is registered by another identity"));
-  }
   Usage& u = usage_[identity];
-  if (u.regions + 1 > limits_.max_regions) {
-    if (u.regions == 0) usage_.erase(identity);
-    return absl::ResourceExhaustedError(absl::StrCat("this identity already has ", u.regions,
-                                                     " shared-memory regions, the most allowed "
-                                                     "(--shared_memory_max_regions); unregister some first"));
-  }
-  if (req.byte_size() > limits_.max_bytes - u.bytes) {
-    const uint64_t have = u.bytes;
-    if (u.regions == 0) usage_.erase(identity);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "registering ", req.byte_size(), " bytes would bring this identity to more than ", limits_.max_bytes,
-        " registered bytes (--shared_memory_max_bytes; it has ", have, ")"));
-  }
   u.regions += 1;
   u.bytes += req.byte_size();
   auto& held = object_owners_[region->object()];
@@ -338,13 +328,36 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
   held.second += 1;
   total_regions_ += 1;
   total_bytes_ += req.byte_size();
-  if (locked && LockFitsLocked(req.byte_size())) {
-    locked_bytes_ += req.byte_size();
-  } else if (locked) {
-    region->Unlock();  // another registration took the budget meanwhile: this one is read with pread
-  }
   regions_.emplace(key, RegionEntry<SharedMemoryRegion>{std::move(region), std::chrono::steady_clock::now()});
   UpdateGaugesLocked();
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegistry::CheckRegistrableLocked(const std::string& identity,
+                                                          const v1::RegisterSystemSharedMemoryRequest& req,
+                                                          const SharedMemoryRegion& region) const {
+  if (regions_.count(RegionKey{identity, req.name()}) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("a shared-memory region named '", req.name(),
+                                                 "' is already registered; unregister it first"));
+  }
+  auto owner = object_owners_.find(region.object());
+  if (owner != object_owners_.end() && owner->second.first != identity) {
+    // Says nothing about who: only that the object is taken.
+    return absl::PermissionDeniedError(
+        absl::StrCat("shared-memory object ", req.key(), " is registered by another identity"));
+  }
+  auto found = usage_.find(identity);
+  const Usage u = found != usage_.end() ? found->second : Usage{};
+  if (u.regions + 1 > limits_.max_regions) {
+    return absl::ResourceExhaustedError(absl::StrCat("this identity already has ", u.regions,
+                                                     " shared-memory regions, the most allowed "
+                                                     "(--shared_memory_max_regions); unregister some first"));
+  }
+  if (req.byte_size() > limits_.max_bytes - u.bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "registering ", req.byte_size(), " bytes would bring this identity to more than ", limits_.max_bytes,
+        " registered bytes (--shared_memory_max_bytes; it has ", u.bytes, ")"));
+  }
   return absl::OkStatus();
 }
 

@@ -182,11 +182,16 @@ class SharedMemoryRegistry {
   };
   absl::Status CheckEnabled() const;
   void EraseLocked(RegionMap<SharedMemoryRegion>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why `identity` may not register `region` under req.name() now (name taken, object another
+  // identity's, its limits), or OK.
+  absl::Status CheckRegistrableLocked(const std::string& identity, const v1::RegisterSystemSharedMemoryRequest& req,
+                                      const SharedMemoryRegion& region) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the identity's regions whose objects were removed (a client that died, then cleanup).
   void PruneVanishedLocked(const std::string& identity) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // True when `bytes` more fit --shared_memory_locked_bytes (asked before locking a region, and
-  // again when it is published, since another registration may have taken the budget meanwhile).
+  // True when `bytes` more fit --shared_memory_locked_bytes (asked before locking a region, whose
+  // bytes are then reserved in locked_bytes_ until it is unregistered, or given back at once when
+  // its registration fails or its pages cannot be locked).
   bool LockFitsLocked(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return bytes <= limits_.max_locked_bytes - locked_bytes_;
   }

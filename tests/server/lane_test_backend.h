@@ -98,6 +98,8 @@ class LaneTestBackend final : public Backend {
     std::atomic<int64_t> host_staging_allocations{0};
     std::atomic<bool> refuse_page_lock{false};  // PageLockHostMemory fails
     std::atomic<int64_t> page_locks{0};          // ranges locked by PageLockHostMemory now
+    std::atomic<int64_t> max_page_locks{0};      // the most locked at once so far
+    std::atomic<int> page_lock_delay_ms{0};      // PageLockHostMemory takes this long (the driver pinning pages)
     std::atomic<int64_t> open_ipc_handles{0};    // ImportIpcMemory openings not closed yet
     std::atomic<int64_t> copies_to_device{0};  // EnqueueCopyToDevice calls on lanes
     std::atomic<int64_t> copies_to_host{0};    // EnqueueCopyToHost calls on lanes
@@ -134,7 +136,11 @@ class LaneTestBackend final : public Backend {
   // "every lane copy's host side is page-locked" then covers shared-memory mappings too).
   absl::StatusOr<DeviceBuffer> PageLockHostMemory(void* p, size_t bytes) override {
     if (control_->refuse_page_lock.load()) return absl::FailedPreconditionError("page-locking refused (test)");
-    ++control_->page_locks;
+    const int64_t now_locked = ++control_->page_locks;
+    for (int64_t seen = control_->max_page_locks.load(); now_locked > seen;) {
+      if (control_->max_page_locks.compare_exchange_weak(seen, now_locked)) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(control_->page_lock_delay_ms.load()));
     {
       std::lock_guard<std::mutex> lock(blocks_mu_);
       blocks_[static_cast<char*>(p)] = Block{bytes, /*device=*/false};

@@ -365,6 +365,57 @@ TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsAre
   EXPECT_EQ(MetricValue(ScrapeWhenIdle(*server.ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
 }
 
+// Pinning faults in and locks every page of a region, so nothing is pinned before the registration
+// is known to succeed, and the locked budget is taken before the pages are: a refused registration
+// (name taken, the identity's limits) never locks its object, and registrations racing for the
+// budget (each lock held 100 ms here, as a driver pinning a large region would) never lock more than
+// it at once; the ones that do not fit are registered and read with pread.
+TEST(SharedMemory, OnLanesRefusedOrRacingRegistrationsNeverPinBeyondTheLockedBudget) {
+  std::mt19937_64 rng = MakeRng(46);
+  const PackedWeightSet set = MakeWeightSet(rng, "shm/pin", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
+  server::ServerConfig cfg = ShmConfig();
+  const uint64_t bytes = uint64_t{64} << 10;
+  cfg.shared_memory_locked_bytes = bytes;
+  cfg.shared_memory_max_regions = 5;
+  LaneShmServer server = StartLaneShmServer(set, cfg);
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* const c = server.client.get();
+  LaneTestBackend::Control* const control = server.control.get();
+  control->page_lock_delay_ms = 100;
+  std::vector<std::unique_ptr<TestObject>> objects;
+  for (int i = 0; i < 6; ++i) objects.push_back(std::make_unique<TestObject>(bytes));
+  // Five at once, each alone within the budget: one is locked, the rest are read with pread.
+  std::vector<absl::Status> statuses(5);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 5; ++i) {
+    threads.emplace_back([&, i] {
+      statuses[i] = c->RegisterSystemSharedMemory(absl::StrCat("r", i), objects[i]->key(), 0, bytes);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE(statuses[i].ok()) << "r" << i << ": " << statuses[i];
+  EXPECT_EQ(control->page_locks.load(), 1);
+  EXPECT_EQ(control->max_page_locks.load(), 1);
+  EXPECT_EQ(MetricValue(ScrapeWhenIdle(*server.ts), "fusedlayer_shared_memory_locked_bytes"), static_cast<double>(bytes));
+  // Refused with the budget free: a sixth region (over --shared_memory_max_regions: 5), a name
+  // taken. Neither may lock its object on the way to its status.
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(c->UnregisterSystemSharedMemory(absl::StrCat("r", i)).ok());
+  EXPECT_EQ(control->page_locks.load(), 0);
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(c->RegisterSystemSharedMemory(absl::StrCat("n", i), objects[i]->key(), 0, bytes / 8).ok());
+  }
+  EXPECT_EQ(control->page_locks.load(), 5);  // 5/8 of the budget
+  control->max_page_locks = 5;
+  absl::Status over = c->RegisterSystemSharedMemory("n5", objects[5]->key(), 0, bytes / 8);
+  EXPECT_EQ(over.code(), StatusCode::kResourceExhausted) << over;
+  absl::Status taken = c->RegisterSystemSharedMemory("n0", objects[5]->key(), 0, bytes / 8);
+  EXPECT_EQ(taken.code(), StatusCode::kAlreadyExists) << taken;
+  EXPECT_EQ(control->max_page_locks.load(), 5);
+  EXPECT_EQ(control->page_locks.load(), 5);
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(c->UnregisterSystemSharedMemory(absl::StrCat("n", i)).ok());
+  EXPECT_EQ(MetricValue(ScrapeWhenIdle(*server.ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
+}
+
 TEST(SharedMemory, SwaOutputsEqualTcpBitwiseForEveryLayout) {
   std::mt19937_64 rng = MakeRng(42);
   auto ts = TestServer::Start(ShmConfig());
