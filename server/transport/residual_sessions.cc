@@ -113,14 +113,8 @@ void ResidualSessionStore::UpdateGaugesLocked() {
 void ResidualSessionStore::EraseLocked(std::map<Key, std::shared_ptr<ResidualSession>>::iterator it) {
   ResidualSession& s = *it->second;
   s.closed_ = true;
-  Usage& u = usage_[it->first.first];
-  u.sessions -= 1;
-  u.bytes -= s.bytes();
-  if (u.sessions == 0) usage_.erase(it->first.first);
-  total_sessions_ -= 1;
-  total_bytes_ -= s.bytes();
+  CountLocked(it->first.first, /*add=*/false, s.bytes());
   sessions_.erase(it);
-  UpdateGaugesLocked();
 }
 
 absl::Status ResidualSessionStore::TotalExhausted(const std::string& name, uint64_t bytes) const {
@@ -147,9 +141,10 @@ absl::StatusOr<uint64_t> ResidualSessionStore::Open(const std::string& identity,
   // T <= 2^20 (max_tokens), n <= 8, C <= 2^20: the sizes below cannot overflow 64 bits.
   const CopyLayout layout = LayOut(shape);
   const uint64_t bytes = 2 * static_cast<uint64_t>(layout.total);
+  const Key key{identity, name};
   {
     MutexLock lock(&mu_);
-    if (sessions_.count({identity, name}) != 0) {
+    if (sessions_.count(key) != 0 || opening_.count(key) != 0) {
       return absl::AlreadyExistsError(absl::StrCat("residual session '", name,
                                                    "' is already open; close it first or use another name"));
     }
@@ -165,35 +160,50 @@ absl::StatusOr<uint64_t> ResidualSessionStore::Open(const std::string& identity,
           limits_.max_bytes, " (--residual_session_max_bytes)"));
     }
     if (!FitsTotalLocked(bytes)) return TotalExhausted(name, bytes);
+    // The name, a session and the bytes are taken before the allocation (outside the mutex: it may
+    // take a while), so that opens racing for the same budget never allocate beyond it.
+    opening_.insert(key);
+    CountLocked(identity, /*add=*/true, bytes);
   }
-  // Outside the mutex: a device allocation may take a while. The limits are checked again below.
+  absl::Status failed;
   absl::StatusOr<DeviceBuffer> block = backend_.Allocate(bytes);
   if (!block.ok()) {
-    return absl::ResourceExhaustedError(
+    failed = absl::ResourceExhaustedError(
         absl::StrCat("residual session '", name, "': ", bytes, " bytes of backend memory: ", block.status().message()));
+  } else {
+    // A synchronous copy on the backend's default context: on a GPU it returns after the
+    // stream-ordered allocation above is complete, so a lane may use the block from now on.
+    const uint64_t zero[8] = {};
+    failed = backend_.CopyToDevice(block->data(), zero, sizeof(zero));
   }
-  // A synchronous copy on the backend's default context: on a GPU it returns after the
-  // stream-ordered allocation above is complete, so a lane may use the block from now on.
-  const uint64_t zero[8] = {};
-  if (absl::Status s = backend_.CopyToDevice(block->data(), zero, sizeof(zero)); !s.ok()) return s;
-  auto session = std::make_shared<ResidualSession>(identity, name, shape, std::move(*block), layout.total);
+  std::shared_ptr<ResidualSession> session;
+  if (failed.ok()) session = std::make_shared<ResidualSession>(identity, name, shape, std::move(*block), layout.total);
   MutexLock lock(&mu_);
-  Usage& u = usage_[identity];
-  const bool fits_total = FitsTotalLocked(bytes);
-  if (sessions_.count({identity, name}) != 0 || u.sessions + 1 > limits_.max_sessions ||
-      u.bytes > limits_.max_bytes - bytes || !fits_total) {
-    if (u.sessions == 0) usage_.erase(identity);
-    if (!fits_total) return TotalExhausted(name, bytes);  // other identities took it meanwhile
-    return absl::AbortedError(absl::StrCat("residual session '", name,
-                                           "': another open of this identity took the name or its budget meanwhile"));
+  opening_.erase(key);
+  if (!failed.ok()) {
+    CountLocked(identity, /*add=*/false, bytes);  // given back (the block, if any, is freed after the lock)
+    return failed;
   }
-  sessions_.emplace(Key{identity, name}, std::move(session));
-  u.sessions += 1;
-  u.bytes += bytes;
-  total_sessions_ += 1;
-  total_bytes_ += bytes;
+  sessions_.emplace(key, std::move(session));
   UpdateGaugesLocked();
   return bytes;
+}
+
+void ResidualSessionStore::CountLocked(const std::string& identity, bool add, uint64_t bytes) {
+  Usage& u = usage_[identity];
+  if (add) {
+    u.sessions += 1;
+    u.bytes += bytes;
+    total_sessions_ += 1;
+    total_bytes_ += bytes;
+  } else {
+    u.sessions -= 1;
+    u.bytes -= bytes;
+    total_sessions_ -= 1;
+    total_bytes_ -= bytes;
+  }
+  if (u.sessions == 0) usage_.erase(identity);
+  UpdateGaugesLocked();
 }
 
 std::vector<ResidualSessionInfo> ResidualSessionStore::List(const std::string& identity) {

@@ -176,6 +176,9 @@ class ResidualSessionStore {
   // Removes the session from the map and the accounting; its block is freed when the last lease
   // (a call in flight) lets go.
   void EraseLocked(std::map<Key, std::shared_ptr<ResidualSession>>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds (or takes away) one session of `bytes` to the identity's and the server's counts, and
+  // the gauges. An open counts from before its allocation (opening_) until it fails or is closed.
+  void CountLocked(const std::string& identity, bool add, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool FitsTotalLocked(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return bytes <= limits_.total_bytes && total_bytes_ <= limits_.total_bytes - bytes;
@@ -188,6 +191,7 @@ class ResidualSessionStore {
   prometheus::Gauge* bytes_gauge_;
   Mutex mu_;
   std::map<Key, std::shared_ptr<ResidualSession>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::set<Key> opening_ ABSL_GUARDED_BY(mu_);  // names being opened: counted, not usable yet
   std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
   int64_t total_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;

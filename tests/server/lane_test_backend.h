@@ -100,6 +100,9 @@ class LaneTestBackend final : public Backend {
     std::atomic<int64_t> page_locks{0};          // ranges locked by PageLockHostMemory now
     std::atomic<int64_t> max_page_locks{0};      // the most locked at once so far
     std::atomic<int> page_lock_delay_ms{0};      // PageLockHostMemory takes this long (the driver pinning pages)
+    std::atomic<int> allocate_delay_ms{0};       // Allocate (the default context's) takes this long
+    std::atomic<int64_t> allocated_bytes{0};     // held now from Allocate (the default context's)
+    std::atomic<int64_t> max_allocated_bytes{0};  // the most held at once so far
     std::atomic<int64_t> open_ipc_handles{0};    // ImportIpcMemory openings not closed yet
     std::atomic<int64_t> copies_to_device{0};  // EnqueueCopyToDevice calls on lanes
     std::atomic<int64_t> copies_to_host{0};    // EnqueueCopyToHost calls on lanes
@@ -124,7 +127,15 @@ class LaneTestBackend final : public Backend {
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes == 0) return DeviceBuffer();
     char* p = NewBlock(bytes, /*device=*/true);
-    return DeviceBuffer(p, bytes, [this](void* q) { FreeBlock(q, /*device=*/true); });
+    const int64_t held = control_->allocated_bytes += static_cast<int64_t>(bytes);
+    for (int64_t seen = control_->max_allocated_bytes.load(); held > seen;) {
+      if (control_->max_allocated_bytes.compare_exchange_weak(seen, held)) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(control_->allocate_delay_ms.load()));
+    return DeviceBuffer(p, bytes, [this, bytes](void* q) {
+      control_->allocated_bytes -= static_cast<int64_t>(bytes);
+      FreeBlock(q, /*device=*/true);
+    });
   }
   absl::StatusOr<DeviceBuffer> AllocateHostStaging(size_t bytes) override {
     if (control_->refuse_host_staging.load()) return absl::ResourceExhaustedError("page-locked memory refused (test)");

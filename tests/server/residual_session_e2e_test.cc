@@ -521,6 +521,50 @@ TEST(ResidualSession, BytePerIdentityLimitIsResourceExhausted) {
   EXPECT_TRUE(c->OpenResidualSession("again", 16, kN, kC).ok());  // its bytes were given back
 }
 
+// Opens racing for one identity's byte budget: the budget is taken before the device memory is
+// allocated, so however many arrive at once (each allocation held 100 ms here, as a large one on a
+// busy device may take), the memory held never exceeds the budget; the ones that do not fit are
+// RESOURCE_EXHAUSTED, and their names stay free.
+TEST(ResidualSession, RacingOpensNeverAllocateBeyondTheIdentitysBytes) {
+  std::mt19937_64 rng = MakeRng(81);
+  auto backend = std::make_unique<LaneTestBackend>(8);
+  const std::shared_ptr<LaneTestBackend::Control> control = backend->control();
+  server::ServerConfig cfg = TestConfig();
+  cfg.device_lanes = 1;
+  const uint64_t one_session = 2 * (16 * kN * kC * 2 + 4096);  // about one session of T = 16
+  cfg.residual_session_max_bytes = one_session * 3 / 2;
+  auto ts = TestServer::Start(cfg, std::move(backend), TwoSets(rng));
+  ASSERT_NE(ts, nullptr);
+  auto c = ClientFor(*ts);
+  ASSERT_NE(c, nullptr);
+  control->allocate_delay_ms = 100;
+  const int64_t before = control->allocated_bytes.load();
+  control->max_allocated_bytes = before;
+  constexpr int kOpens = 6;
+  std::vector<absl::StatusOr<uint64_t>> opened(kOpens, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kOpens; ++i) {
+    threads.emplace_back([&, i] { opened[i] = c->OpenResidualSession("s" + std::to_string(i), 16, kN, kC); });
+  }
+  for (std::thread& t : threads) t.join();
+  int ok = 0;
+  for (int i = 0; i < kOpens; ++i) {
+    if (opened[i].ok()) {
+      ++ok;
+      EXPECT_LE(*opened[i], cfg.residual_session_max_bytes);
+    } else {
+      EXPECT_EQ(opened[i].status().code(), StatusCode::kResourceExhausted) << "s" << i << ": " << opened[i].status();
+    }
+  }
+  EXPECT_EQ(ok, 1);
+  EXPECT_LE(control->max_allocated_bytes.load() - before, static_cast<int64_t>(cfg.residual_session_max_bytes));
+  control->allocate_delay_ms = 0;
+  for (int i = 0; i < kOpens; ++i) {  // the refused names are free; the budget is back after a close
+    if (opened[i].ok()) ASSERT_TRUE(c->CloseResidualSession("s" + std::to_string(i)).ok());
+  }
+  EXPECT_TRUE(c->OpenResidualSession("s0", 16, kN, kC).ok());
+}
+
 TEST(ResidualSession, AnIdleSessionIsClosedAndABusyOneIsNot) {
   std::mt19937_64 rng = MakeRng(79);
   server::ServerConfig cfg = TestConfig();
