@@ -119,8 +119,8 @@ ABSL_FLAG(bool, allow_cuda_shared_memory, false,
 ABSL_FLAG(int64_t, cuda_shared_memory_max_regions, 64,
           "CUDA shared-memory regions one identity may hold registered (1 to 4096)");
 ABSL_FLAG(uint64_t, cuda_shared_memory_max_bytes, uint64_t{64} << 30,
-          "bytes of CUDA shared-memory regions one identity may hold registered (the memory is the client's; the "
-          "limit bounds what one identity can make the server map)");
+          "device memory one identity's CUDA shared-memory regions may keep open: each registered handle's whole "
+          "allocation, counted once (the memory is the client's, but the server's opening keeps it alive)");
 ABSL_FLAG(double, cuda_shared_memory_idle_seconds, 0,
           "a CUDA shared-memory region that no request has used for this long is unregistered, closing its IPC "
           "opening once no other region uses it (the GPU memory of a client that died without unregistering is "

@@ -55,7 +55,8 @@ void CudaSharedMemoryRegistry::UpdateGaugesLocked() {
 }
 
 absl::Status CudaSharedMemoryRegistry::CheckRegisterLocked(const std::string& identity,
-                                                           const v1::RegisterCudaSharedMemoryRequest& req) {
+                                                           const v1::RegisterCudaSharedMemoryRequest& req,
+                                                           uint64_t allocation_bytes) {
   if (regions_.count({identity, req.name()}) != 0) {
     return absl::AlreadyExistsError(absl::StrCat("a CUDA shared-memory region named '", req.name(),
                                                  "' is already registered; unregister it first"));
@@ -72,10 +73,16 @@ absl::Status CudaSharedMemoryRegistry::CheckRegisterLocked(const std::string& id
                                                      " CUDA shared-memory regions, the most allowed "
                                                      "(--cuda_shared_memory_max_regions); unregister some first"));
   }
-  if (req.byte_size() > limits_.max_bytes - have.bytes) {
+  // An opened handle keeps its whole allocation alive, whatever part of it the regions name (a
+  // client that exits leaves it to the server until the last region goes): the identity is charged
+  // the allocation, once per handle, when its first region on it is registered.
+  const bool held = opened != handles_.end() && opened->second.regions > 0;
+  const uint64_t charge = held ? 0 : allocation_bytes;
+  if (charge > limits_.max_bytes - have.bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "registering ", req.byte_size(), " bytes would bring this identity to more than ", limits_.max_bytes,
-        " registered CUDA shared-memory bytes (--cuda_shared_memory_max_bytes; it has ", have.bytes, ")"));
+        "a region of this CUDA allocation keeps all of its ", charge, " bytes open in the server, which would bring "
+        "this identity to more than ", limits_.max_bytes,
+        " bytes (--cuda_shared_memory_max_bytes; its registrations hold ", have.bytes, " open)"));
   }
   return absl::OkStatus();
 }
@@ -108,7 +115,8 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& identity,
   std::shared_ptr<const DeviceBuffer> allocation;
   {
     MutexLock lock(&mu_);
-    if (absl::Status s = CheckRegisterLocked(identity, req); !s.ok()) return s;
+    // (The allocation's size is known once it is opened: here its least, the region's end.)
+    if (absl::Status s = CheckRegisterLocked(identity, req, end); !s.ok()) return s;
     auto opened = handles_.find(req.raw_handle());
     if (opened != handles_.end()) allocation = opened->second.allocation.lock();
   }
@@ -131,14 +139,17 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& identity,
 
   MutexLock lock(&mu_);
   // Unregisters may have run meanwhile (they only free); checked again all the same.
-  if (absl::Status s = CheckRegisterLocked(identity, req); !s.ok()) return s;
+  if (absl::Status s = CheckRegisterLocked(identity, req, allocation->bytes()); !s.ok()) return s;
   Opened& opened = handles_[req.raw_handle()];
+  Usage& u = usage_[identity];
+  if (opened.regions == 0) {
+    opened.bytes = allocation->bytes();
+    u.bytes += opened.bytes;
+  }
   opened.allocation = allocation;
   opened.identity = identity;
   opened.regions += 1;
-  Usage& u = usage_[identity];
   u.regions += 1;
-  u.bytes += req.byte_size();
   total_bytes_ += req.byte_size();
   regions_.emplace(RegionKey{identity, req.name()},
                    RegionEntry<const CudaSharedMemoryRegion>{
@@ -157,9 +168,10 @@ void CudaSharedMemoryRegistry::EraseLocked(RegionMap<const CudaSharedMemoryRegio
   const CudaSharedMemoryRegion& r = *it->second.region;
   Usage& u = usage_[it->first.first];
   u.regions -= 1;
-  u.bytes -= r.byte_size();
+  if (auto opened = handles_.find(r.handle()); opened != handles_.end() && --opened->second.regions == 0) {
+    u.bytes -= opened->second.bytes;  // its last region: the allocation is no longer this identity's to hold
+  }
   if (u.regions == 0) usage_.erase(it->first.first);
-  if (auto opened = handles_.find(r.handle()); opened != handles_.end()) opened->second.regions -= 1;
   total_bytes_ -= r.byte_size();
   regions_.erase(it);  // the handle closes when its last region and in-flight request let go
   UpdateGaugesLocked();

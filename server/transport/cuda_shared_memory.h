@@ -50,7 +50,7 @@ namespace fusedlayer::server::transport {
 struct CudaSharedMemoryLimits {
   bool enabled = false;                     // --allow_cuda_shared_memory
   int64_t max_regions = 64;                 // per identity (--cuda_shared_memory_max_regions)
-  uint64_t max_bytes = uint64_t{64} << 30;  // registered bytes per identity (--cuda_shared_memory_max_bytes)
+  uint64_t max_bytes = uint64_t{64} << 30;  // per identity: the allocations its regions keep open (--cuda_shared_memory_max_bytes)
   double idle_seconds = 0;  // unregistered after this long unused (--cuda_shared_memory_idle_seconds; 0 = never)
 };
 
@@ -111,7 +111,7 @@ class CudaSharedMemoryRegistry {
  private:
   struct Usage {
     int64_t regions = 0;
-    uint64_t bytes = 0;
+    uint64_t bytes = 0;  // of the allocations its regions keep open, each handle's counted once
   };
   // One opened handle: shared by the regions registered on it, kept (weakly) after its last region
   // went while a request still holds it, so the handle is never opened twice in this process.
@@ -119,11 +119,14 @@ class CudaSharedMemoryRegistry {
     std::weak_ptr<const DeviceBuffer> allocation;
     std::string identity;  // who holds it while regions > 0
     int regions = 0;
+    uint64_t bytes = 0;  // the allocation's, charged to `identity` while regions > 0
   };
   absl::Status CheckEnabled() const;
   // Name free, handle not another identity's, the identity's limits: before and after the opening.
-  absl::Status CheckRegisterLocked(const std::string& identity, const v1::RegisterCudaSharedMemoryRequest& req)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `allocation_bytes`: the size of the allocation the handle opens (or, before it is opened, the
+  // least it can be).
+  absl::Status CheckRegisterLocked(const std::string& identity, const v1::RegisterCudaSharedMemoryRequest& req,
+                                   uint64_t allocation_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseLocked(RegionMap<const CudaSharedMemoryRegion>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -581,18 +581,22 @@ TEST_F(CudaSharedMemoryTokens, ARegionBelongsToTheTokenThatRegisteredIt) {
   EXPECT_TRUE(b->RegisterCudaSharedMemory("theirs", mem_a->handle, 0, 0, 64).ok());
 }
 
+// The byte limit counts what a registration keeps open in the server: the handle's whole
+// allocation, once per handle, however small its regions (a 64-byte region of a large allocation,
+// then exit, must not leave the server holding the allocation beyond the limit).
 TEST_F(CudaSharedMemoryTokens, LimitsArePerIdentityAndTheGaugesFollow) {
   server::ServerConfig cfg = CudaShmConfig();
   cfg.auth_tokens_file = file_;
   cfg.cuda_shared_memory_max_regions = 2;
-  cfg.cuda_shared_memory_max_bytes = 1 << 16;
+  cfg.cuda_shared_memory_max_bytes = 1 << 17;
   IpcServer s = StartIpcServer({}, cfg, token_a_);
   ASSERT_NE(s.client, nullptr);
   FusedLayerClient& a = *s.client;
   auto b = ClientFor(*s.ts, token_b_);
-  absl::StatusOr<IpcExportedBuffer> mem = s.device->AllocateIpcExportable(1 << 17);
+  absl::StatusOr<IpcExportedBuffer> mem = s.device->AllocateIpcExportable(1 << 16);
   absl::StatusOr<IpcExportedBuffer> other = s.device->AllocateIpcExportable(1 << 17);
-  ASSERT_TRUE(mem.ok() && other.ok());
+  absl::StatusOr<IpcExportedBuffer> huge = s.device->AllocateIpcExportable(1 << 18);
+  ASSERT_TRUE(mem.ok() && other.ok() && huge.ok());
   ASSERT_TRUE(a.RegisterCudaSharedMemory("r1", mem->handle, 0, 0, 4096).ok());
   ASSERT_TRUE(a.RegisterCudaSharedMemory("r2", mem->handle, 0, 4096, 4096).ok());
   absl::Status third = a.RegisterCudaSharedMemory("r3", mem->handle, 0, 8192, 4096);
@@ -602,18 +606,28 @@ TEST_F(CudaSharedMemoryTokens, LimitsArePerIdentityAndTheGaugesFollow) {
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_regions"), 2.0);
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_registered_bytes"), 8192.0);
 
-  absl::Status too_big = b->RegisterCudaSharedMemory("big", other->handle, 0, 0, (1 << 16) + 64);
+  // 64 bytes of a 256 KiB allocation: the allocation is over B's 128 KiB.
+  absl::Status too_big = b->RegisterCudaSharedMemory("small", huge->handle, 0, 0, 64);
   EXPECT_EQ(too_big.code(), StatusCode::kResourceExhausted) << too_big;
   EXPECT_NE(too_big.message().find("--cuda_shared_memory_max_bytes"), std::string::npos);
-  ASSERT_TRUE(b->RegisterCudaSharedMemory("big", other->handle, 0, 0, 1 << 16).ok());  // B's own budget
-  EXPECT_EQ(b->RegisterCudaSharedMemory("more", other->handle, 0, 1 << 16, 64).code(),
-            StatusCode::kResourceExhausted);
+  // A 128 KiB allocation fills B's budget with its first region; a second region of it costs nothing
+  // more, a region of any other allocation does.
+  ASSERT_TRUE(b->RegisterCudaSharedMemory("big", other->handle, 0, 0, 64).ok());
+  EXPECT_TRUE(b->RegisterCudaSharedMemory("more", other->handle, 0, 1 << 16, 64).ok());
+  ASSERT_TRUE(b->UnregisterCudaSharedMemory("more").ok());
+  EXPECT_EQ(b->RegisterCudaSharedMemory("more", mem->handle, 0, 0, 64).code(), StatusCode::kPermissionDenied);
+  // A's budget is its own: its 64 KiB allocation is charged once, across r1 and r2.
   ASSERT_TRUE(a.UnregisterCudaSharedMemory("r1").ok());
   EXPECT_TRUE(a.RegisterCudaSharedMemory("r3", mem->handle, 0, 8192, 4096).ok());
   scrape = s.ts->Scrape();
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_regions"), 3.0);
-  EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_registered_bytes"), 8192.0 + 65536.0);
+  EXPECT_EQ(MetricValue(scrape, "fusedlayer_cuda_shared_memory_registered_bytes"), 8192.0 + 64.0);
   EXPECT_EQ(s.control->open_ipc_handles.load(), 2);
+  // B's last region of its allocation goes: the budget is back for another allocation.
+  ASSERT_TRUE(b->UnregisterCudaSharedMemory("big").ok());
+  absl::StatusOr<IpcExportedBuffer> next = s.device->AllocateIpcExportable(1 << 17);
+  ASSERT_TRUE(next.ok());
+  EXPECT_TRUE(b->RegisterCudaSharedMemory("next", next->handle, 0, 0, 64).ok());
 }
 
 }  // namespace
