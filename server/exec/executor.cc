@@ -197,12 +197,17 @@ void Executor::TakeCompatible(std::vector<Item>& batch, int64_t& tokens) {
   for (auto it = queue_.begin(); it != queue_.end() && tokens < batching_.max_batch_tokens;) {
     if (!it->bounded) break;  // a control task (upload, unload, warm-up) is a barrier
     BatchableTask* candidate = it->batchable.get();
-    if (candidate == nullptr || !candidate->batchable() || !first.CompatibleWith(*candidate) ||
-        tokens + candidate->tokens() > batching_.max_batch_tokens) {
+    if (candidate == nullptr || !candidate->batchable() || !first.CompatibleWith(*candidate)) {
       ++it;
       continue;
     }
-    tokens += candidate->tokens();
+    // An expired or cancelled task joins (its answer comes with the batch) but takes no budget.
+    const int64_t cost = candidate->launchable() ? candidate->tokens() : 0;
+    if (tokens + cost > batching_.max_batch_tokens) {
+      ++it;
+      continue;
+    }
+    tokens += cost;
     --bounded_queued_;
     batch.push_back(std::move(*it));
     it = queue_.erase(it);
@@ -212,18 +217,21 @@ void Executor::TakeCompatible(std::vector<Item>& batch, int64_t& tokens) {
 
 void Executor::RunBatchable(Item first, std::unique_lock<std::mutex>& lock) {
   std::vector<Item> items;
-  int64_t tokens = first.batchable->tokens();
   const bool batching = first.batchable->batchable() && batching_.max_batch_tokens > 1;
   const auto deadline = first.enqueued + batching_.max_queue_delay;
   items.push_back(std::move(first));
   if (batching) {
     ++forming_batches_;
     for (;;) {
+      // Counted anew each time: a member that expired or was cancelled meanwhile gives its share back.
+      int64_t tokens = 0;
+      for (const Item& item : items) tokens += item.batchable->launchable() ? item.batchable->tokens() : 0;
       TakeCompatible(items, tokens);
       // The delay is spent only while the device would otherwise idle: other work waiting (a task
-      // that cannot join, or over the budget) ends it, so no request waits for another's batch.
-      if (tokens >= batching_.max_batch_tokens || stopping_ || queue_delays_ended_ || !queue_.empty() ||
-          std::chrono::steady_clock::now() >= deadline) {
+      // that cannot join, or over the budget) ends it, so no request waits for another's batch. A
+      // batch with nothing left to launch is answered at once.
+      if (tokens == 0 || tokens >= batching_.max_batch_tokens || stopping_ || queue_delays_ended_ ||
+          !queue_.empty() || std::chrono::steady_clock::now() >= deadline) {
         break;
       }
       // Woken by every Enqueue (and Stop): look again for arrivals until the deadline.

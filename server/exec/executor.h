@@ -56,6 +56,9 @@ class BatchableTask {
   // Tokens this task adds to a batch; a task that never batches returns false from batchable().
   virtual int64_t tokens() const = 0;
   virtual bool batchable() const = 0;
+  // False once the task can no longer run (its call expired or was cancelled while queued): it
+  // still goes with a batch, whose RunBatch answers it, but takes none of the batch's token budget.
+  virtual bool launchable() const = 0;
   // True when `other` may share this task's launch (same op, weight set, stage, mode, path policy,
   // optional tensors and flags).
   virtual bool CompatibleWith(const BatchableTask& other) const = 0;
@@ -139,8 +142,8 @@ class Executor {
     bool bounded;
   };
   absl::Status Enqueue(Item item);
-  // Moves the compatible batchable tasks waiting in the queue into `batch` while `tokens` stays
-  // within the budget (mu_ held).
+  // Moves the compatible batchable tasks waiting in the queue into `batch` while `tokens` (of its
+  // launchable tasks) stays within the budget (mu_ held).
   void TakeCompatible(std::vector<Item>& batch, int64_t& tokens);
   // Runs a batchable item together with what dynamic batching adds to it (mu_ held on entry and
   // exit, released while the batch runs).

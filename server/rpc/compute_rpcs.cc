@@ -71,6 +71,7 @@ class FusedLayerService::ComputeTask final : public BatchableTask {
         decode_seconds_(decode_seconds) {}
 
   int64_t tokens() const override { return decoded_.args.tokens; }
+  bool launchable() const override { return call_->LaunchCheck().ok(); }
   // verify runs the unfused comparison in the same job (per request), and an empty request has
   // nothing to share.
   // Inputs used where they lie in page-locked shared memory are the device's to read only, and a

@@ -28,10 +28,12 @@ using server::Executor;
 // Records each launch as the ids of its tasks; `key` decides compatibility.
 class FakeTask final : public BatchableTask {
  public:
-  FakeTask(int id, int key, int64_t tokens, std::vector<std::vector<int>>* launches, bool batchable = true)
-      : id_(id), key_(key), tokens_(tokens), batchable_(batchable), launches_(launches) {}
+  FakeTask(int id, int key, int64_t tokens, std::vector<std::vector<int>>* launches, bool batchable = true,
+           bool launchable = true)
+      : id_(id), key_(key), tokens_(tokens), batchable_(batchable), launchable_(launchable), launches_(launches) {}
   int64_t tokens() const override { return tokens_; }
   bool batchable() const override { return batchable_; }
+  bool launchable() const override { return launchable_; }
   bool CompatibleWith(const BatchableTask& other) const override {
     const auto* o = dynamic_cast<const FakeTask*>(&other);
     return o != nullptr && o->key_ == key_;
@@ -46,7 +48,7 @@ class FakeTask final : public BatchableTask {
   }
   const int id_, key_;
   const int64_t tokens_;
-  const bool batchable_;
+  const bool batchable_, launchable_;
   std::vector<std::vector<int>>* const launches_;
 };
 
@@ -86,6 +88,28 @@ TEST(ExecutorBatching, CompatibleQueuedTasksShareALaunchInQueueOrderWithinTheBud
     ex.Stop();
   }
   const std::vector<std::vector<int>> want = {{1, 3}, {2, 5}, {4}, {6, 8}, {7}};
+  EXPECT_EQ(launches, want);
+}
+
+// Tasks that expired or were cancelled while queued go with a batch (which answers them) but take
+// none of its budget, so they never push a live task into a later launch.
+TEST(ExecutorBatching, TasksThatCannotLaunchJoinWithoutTakingTheBudget) {
+  std::vector<std::vector<int>> launches;
+  {
+    Executor ex(64, BatchingOptions{2, std::chrono::microseconds(0)});
+    std::promise<void> release = HoldWorker(ex);
+    auto submit = [&](int id, bool launchable) {
+      ASSERT_TRUE(ex.SubmitBatchable(std::make_unique<FakeTask>(id, 0, 1, &launches, true, launchable)).ok());
+    };
+    submit(1, true);
+    submit(2, false);  // expired: joins 1 for free
+    submit(3, true);   // fills the budget of 2 with 1
+    submit(4, false);  // (the budget is full: the next batch)
+    submit(5, true);
+    release.set_value();
+    ex.Stop();
+  }
+  const std::vector<std::vector<int>> want = {{1, 2, 3}, {4, 5}};
   EXPECT_EQ(launches, want);
 }
 
@@ -389,7 +413,7 @@ TEST(ServerBatching, DeadlinesAndCancellationWhileWaitingForABatch) {
   const server::PackedWeightSet set = MakeWeightSet(rng, "b/mhc", MhcSetSpec{}, std::nullopt);
   server::ServerConfig cfg = TestConfig();
   cfg.max_batch_tokens = 3;
-  cfg.max_queue_delay_us = 3'000'000;
+  cfg.max_queue_delay_us = 1'500'000;
   auto ts = TestServer::Start(cfg, nullptr, {set});
   ASSERT_NE(ts, nullptr);
   Reference ref(set);
@@ -412,7 +436,8 @@ TEST(ServerBatching, DeadlinesAndCancellationWhileWaitingForABatch) {
   t2.join();
   EXPECT_EQ(expiring_status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << expiring_status.error_message();
   EXPECT_EQ(cancelled_status.error_code(), grpc::StatusCode::CANCELLED) << cancelled_status.error_message();
-  // The third request fills the budget: the batch launches with it alone live.
+  // The two that ended take none of the budget: the third waits out the delay (1.5 s from the
+  // first's arrival) and launches alone live.
   grpc::ClientContext ctx;
   v1::MhcSeamResponse resp;
   ASSERT_TRUE(ts->stub().MhcSeam(WithDeadline(ctx), kept, &resp).ok());

@@ -890,6 +890,7 @@ class CountingTask final : public server::BatchableTask {
   CountingTask(int id, std::vector<std::vector<int>>* launches, std::mutex* mu) : id_(id), launches_(launches), mu_(mu) {}
   int64_t tokens() const override { return 1; }
   bool batchable() const override { return true; }
+  bool launchable() const override { return true; }
   bool CompatibleWith(const BatchableTask& other) const override {
     return dynamic_cast<const CountingTask*>(&other) != nullptr;
   }
