@@ -406,26 +406,35 @@ TEST(ServerBatching, OnTheDefaultBackendBatchedRequestsAreBitwiseTheSameRequests
   }
 }
 
+// Batches of 3 tokens that wait up to 1.5 s: long enough for a 300 ms deadline (SendExpiring) to
+// pass while a request's batch is being formed.
+server::ServerConfig SlowBatchConfig() {
+  server::ServerConfig cfg = TestConfig();
+  cfg.max_batch_tokens = 3;
+  cfg.max_queue_delay_us = 1'500'000;
+  return cfg;
+}
+
+// Sends `req` with a 300 ms deadline; returns its status once that passed.
+grpc::Status SendExpiring(TestServer& ts, const v1::MhcSeamRequest& req) {
+  grpc::ClientContext ctx;
+  v1::MhcSeamResponse resp;
+  return ts.stub().MhcSeam(WithDeadline(ctx, std::chrono::milliseconds(300)), req, &resp);
+}
+
 // A request whose deadline passes while its batch is being formed is answered DEADLINE_EXCEEDED and
 // not launched; one cancelled by its client likewise; the rest of the batch runs.
 TEST(ServerBatching, DeadlinesAndCancellationWhileWaitingForABatch) {
   std::mt19937_64 rng = MakeRng();
   const server::PackedWeightSet set = MakeWeightSet(rng, "b/mhc", MhcSetSpec{}, std::nullopt);
-  server::ServerConfig cfg = TestConfig();
-  cfg.max_batch_tokens = 3;
-  cfg.max_queue_delay_us = 1'500'000;
-  auto ts = TestServer::Start(cfg, nullptr, {set});
+  auto ts = TestServer::Start(SlowBatchConfig(), nullptr, {set});
   ASSERT_NE(ts, nullptr);
   Reference ref(set);
   const v1::MhcSeamRequest expiring = MakeMhcRequest(rng, "b/mhc", {.tokens = 1});
   const v1::MhcSeamRequest cancelled = MakeMhcRequest(rng, "b/mhc", {.tokens = 1});
   const v1::MhcSeamRequest kept = MakeMhcRequest(rng, "b/mhc", {.tokens = 1});
   grpc::Status expiring_status, cancelled_status;
-  std::thread t1([&] {
-    grpc::ClientContext ctx;
-    v1::MhcSeamResponse resp;
-    expiring_status = ts->stub().MhcSeam(WithDeadline(ctx, std::chrono::milliseconds(300)), expiring, &resp);
-  });
+  std::thread t1([&] { expiring_status = SendExpiring(*ts, expiring); });
   grpc::ClientContext cancel_ctx;
   std::thread t2([&] {
     v1::MhcSeamResponse resp;
@@ -454,20 +463,11 @@ TEST(ServerBatching, DeadlinesAndCancellationWhileWaitingForABatch) {
 TEST(ServerBatching, ABatchWhoseFirstRequestExpiredLaunchesItsLiveRequestsTogether) {
   std::mt19937_64 rng = MakeRng();
   const server::PackedWeightSet set = MakeWeightSet(rng, "b/mhc", MhcSetSpec{}, std::nullopt);
-  server::ServerConfig cfg = TestConfig();
-  cfg.max_batch_tokens = 3;
-  cfg.max_queue_delay_us = 1'500'000;
-  auto ts = TestServer::Start(cfg, nullptr, {set});
+  auto ts = TestServer::Start(SlowBatchConfig(), nullptr, {set});
   ASSERT_NE(ts, nullptr);
   Reference ref(set);
-  const v1::MhcSeamRequest expiring = MakeMhcRequest(rng, "b/mhc", {.tokens = 1});
-  grpc::Status expiring_status;
-  std::thread first([&] {
-    grpc::ClientContext ctx;
-    v1::MhcSeamResponse resp;
-    expiring_status = ts->stub().MhcSeam(WithDeadline(ctx, std::chrono::milliseconds(300)), expiring, &resp);
-  });
-  first.join();  // its worker is still forming the batch (1.5 s delay, 1 of 3 tokens)
+  // Its worker is still forming the batch when this returns (1.5 s delay, 1 of 3 tokens).
+  const grpc::Status expiring_status = SendExpiring(*ts, MakeMhcRequest(rng, "b/mhc", {.tokens = 1}));
   EXPECT_EQ(expiring_status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << expiring_status.error_message();
   std::vector<v1::MhcSeamRequest> requests;
   for (int i = 0; i < 2; ++i) requests.push_back(MakeMhcRequest(rng, "b/mhc", {.tokens = 1}));
