@@ -189,8 +189,10 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
     // fused-support answer as every request alone (e.g. --fused_max_tokens, workspace limits).
     const FusedSupport batched_support = Rpc::Support(service_.backend_, part, batched);
     bool same_path = true;
+    std::vector<FusedSupport> alone;  // each request's own answer
     for (const ComputeTask* task : live) {
-      same_path = same_path && SameAnswer(batched_support, Rpc::Support(service_.backend_, part, task->decoded_));
+      alone.push_back(Rpc::Support(service_.backend_, part, task->decoded_));
+      same_path = same_path && SameAnswer(batched_support, alone.back());
     }
     if (same_path) {
       const std::string what = absl::StrCat("a batch of ", live.size(), " requests from ", live.front()->What(),
@@ -206,7 +208,16 @@ void FusedLayerService::ComputeTask<Rpc>::RunBatch(std::vector<std::unique_ptr<B
         for (ComputeTask* task : live) task->stages_ = times;
         assembly.Scatter();
         metrics.RecordBatch(Rpc::kOp, live.size(), batched.args.tokens);
-        for (ComputeTask* task : live) task->Finish(ran, live.size(), batched.args.tokens);
+        for (size_t i = 0; i < live.size(); ++i) {
+          absl::StatusOr<DispatchOutcome> mine = ran;
+          // A fallback that the batched shape's answer decided is each request's own (same_path), but
+          // its detail names the batch's shape: each report says its own request's.
+          if (!batched_support.supported && mine->decision.reason == batched_support.reason &&
+              mine->decision.detail == batched_support.detail) {
+            mine->decision.detail = alone[i].detail;
+          }
+          live[i]->Finish(mine, live.size(), batched.args.tokens);
+        }
         return;
       }
       // The batch failed (e.g. out of device memory for its staging): each request alone may not.

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "exec/executor.h"
 #include "gtest/gtest.h"
 #include "server_test_env.h"
@@ -292,6 +293,33 @@ TEST(ServerBatching, SwaRequestsSharingALaunchGetTheirOwnOutputsBitwise) {
         ExpectSwaEqual(responses[i], ref.RunSwa(requests[i], path));
       }
     }
+  }
+}
+
+// Requests that fall back for the same reason alone and batched may share a launch; each report
+// still gives the reason's detail for its own request (T = 5, T = 6), not for the batch (T = 11).
+TEST(ServerBatching, ABatchThatFallsBackReportsEachRequestsOwnDetail) {
+  std::mt19937_64 rng = MakeRng();
+  const server::PackedWeightSet set = MakeWeightSet(rng, "b/mhc", MhcSetSpec{.hidden = 512}, std::nullopt);
+  server::ServerConfig cfg = BatchingConfig(11);
+  cfg.fused_max_tokens = 4;
+  auto ts = TestServer::Start(cfg, nullptr, {set});
+  ASSERT_NE(ts, nullptr);
+  Reference ref(set);
+  std::vector<v1::MhcSeamRequest> requests;
+  for (int64_t t : {5, 6}) requests.push_back(MakeMhcRequest(rng, "b/mhc", {.hidden = 512, .tokens = t}));
+  std::vector<v1::MhcSeamResponse> responses;
+  const auto statuses = SendConcurrently(requests, responses, [&](grpc::ClientContext* ctx, const auto& req, auto* resp) {
+    return ts->stub().MhcSeam(ctx, req, resp);
+  });
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
+    const v1::ExecutionReport& report = responses[i].report();
+    EXPECT_EQ(report.batch_requests(), 2u);
+    EXPECT_EQ(report.path(), v1::EXECUTION_PATH_UNFUSED);
+    EXPECT_NE(report.fallback_reason(), v1::FALLBACK_REASON_NONE);
+    EXPECT_EQ(report.fallback_detail(), absl::StrCat("T = ", 5 + i, " exceeds fused_max_tokens = 4"));
+    ExpectMhcEqual(responses[i], ref.RunMhc(requests[i], Path::kUnfused));
   }
 }
 
