@@ -20,6 +20,17 @@ start_server() {
   for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:$port --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
+# same_bits A B LOG: each A*.safetensors against the file of the same name after prefix B, byte for
+# byte; a line each on the console and in LOG. A difference or a missing file fails the run. (The
+# loop writes to a file, not a pipe, so that `failed` is set in this shell, not in a subshell.)
+same_bits() {
+  local a=$1 b=$2 log=$3 f n
+  for f in "$a"*.safetensors; do
+    n=${f#"$a"}
+    if [ -s "$f" ] && cmp -s "$f" "$b$n"; then echo "same bits: $n"; else echo "DIFFER: $n"; failed=1; fi
+  done > /tmp/same_bits.txt
+  tee -a "$log" < /tmp/same_bits.txt
+}
 
 # Every failing suite or sanitizer run sets `failed`; the script exits non-zero at the end.
 failed=0
@@ -211,10 +222,7 @@ if want shm; then
       done
     done
   } > "$OUT/shm.log" 2>&1
-  for f in /tmp/shm-tcp-*.safetensors; do
-    n=${f#/tmp/shm-tcp-}
-    if [ -s "$f" ] && cmp -s "$f" "/tmp/shm-shm-$n"; then echo "same bits over shm and tcp: $n"; else echo "DIFFER: $n"; failed=1; fi
-  done | tee -a "$OUT/shm.log"
+  same_bits /tmp/shm-tcp- /tmp/shm-shm- "$OUT/shm.log"
   grep -q "failed" "$OUT/shm.log" && failed=1
   { C="--target=127.0.0.1:50187"
     for pass in 1 2; do
@@ -435,10 +443,7 @@ if want samebits; then
       done
       kill -TERM $pid; wait $pid
     done
-    for f in /tmp/sb-base-*.safetensors; do
-      n=${f#/tmp/sb-base-}
-      if cmp -s "$f" "/tmp/sb-new-$n"; then echo "same bits: $n"; else echo "DIFFER: $n"; failed=1; fi
-    done | tee -a "$OUT/samebits.log"
+    same_bits /tmp/sb-base- /tmp/sb-new- "$OUT/samebits.log"
   fi
 fi
 # abclient: the client side of the round trip on the new server: fusedctl bench with shared

@@ -192,6 +192,12 @@ void Executor::Loop(int index) {
   }
 }
 
+namespace {
+// What a task takes of a batch's token budget: an expired or cancelled one joins (its answer comes
+// with the batch) but takes none.
+int64_t BudgetTokens(const BatchableTask& task) { return task.launchable() ? task.tokens() : 0; }
+}  // namespace
+
 void Executor::TakeCompatible(std::vector<Item>& batch, int64_t& tokens) {
   const BatchableTask& first = *batch.front().batchable;
   for (auto it = queue_.begin(); it != queue_.end() && tokens < batching_.max_batch_tokens;) {
@@ -201,8 +207,7 @@ void Executor::TakeCompatible(std::vector<Item>& batch, int64_t& tokens) {
       ++it;
       continue;
     }
-    // An expired or cancelled task joins (its answer comes with the batch) but takes no budget.
-    const int64_t cost = candidate->launchable() ? candidate->tokens() : 0;
+    const int64_t cost = BudgetTokens(*candidate);
     if (tokens + cost > batching_.max_batch_tokens) {
       ++it;
       continue;
@@ -225,7 +230,7 @@ void Executor::RunBatchable(Item first, std::unique_lock<std::mutex>& lock) {
     for (;;) {
       // Counted anew each time: a member that expired or was cancelled meanwhile gives its share back.
       int64_t tokens = 0;
-      for (const Item& item : items) tokens += item.batchable->launchable() ? item.batchable->tokens() : 0;
+      for (const Item& item : items) tokens += BudgetTokens(*item.batchable);
       TakeCompatible(items, tokens);
       // The delay is spent only while the device would otherwise idle: other work waiting (a task
       // that cannot join, or over the budget) ends it, so no request waits for another's batch. A

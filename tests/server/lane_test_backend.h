@@ -127,10 +127,7 @@ class LaneTestBackend final : public Backend {
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes == 0) return DeviceBuffer();
     char* p = NewBlock(bytes, /*device=*/true);
-    const int64_t held = control_->allocated_bytes += static_cast<int64_t>(bytes);
-    for (int64_t seen = control_->max_allocated_bytes.load(); held > seen;) {
-      if (control_->max_allocated_bytes.compare_exchange_weak(seen, held)) break;
-    }
+    RaisePeak(control_->max_allocated_bytes, control_->allocated_bytes += static_cast<int64_t>(bytes));
     std::this_thread::sleep_for(std::chrono::milliseconds(control_->allocate_delay_ms.load()));
     return DeviceBuffer(p, bytes, [this, bytes](void* q) {
       control_->allocated_bytes -= static_cast<int64_t>(bytes);
@@ -147,10 +144,7 @@ class LaneTestBackend final : public Backend {
   // "every lane copy's host side is page-locked" then covers shared-memory mappings too).
   absl::StatusOr<DeviceBuffer> PageLockHostMemory(void* p, size_t bytes) override {
     if (control_->refuse_page_lock.load()) return absl::FailedPreconditionError("page-locking refused (test)");
-    const int64_t now_locked = ++control_->page_locks;
-    for (int64_t seen = control_->max_page_locks.load(); now_locked > seen;) {
-      if (control_->max_page_locks.compare_exchange_weak(seen, now_locked)) break;
-    }
+    RaisePeak(control_->max_page_locks, ++control_->page_locks);
     std::this_thread::sleep_for(std::chrono::milliseconds(control_->page_lock_delay_ms.load()));
     {
       std::lock_guard<std::mutex> lock(blocks_mu_);
@@ -298,6 +292,11 @@ class LaneTestBackend final : public Backend {
     size_t bytes;
     bool device;
   };
+  // peak = max(peak, now), from any thread.
+  static void RaisePeak(std::atomic<int64_t>& peak, int64_t now) {
+    for (int64_t seen = peak.load(); now > seen && !peak.compare_exchange_weak(seen, now);) {
+    }
+  }
   char* NewBlock(size_t bytes, bool device) {
     char* p = new char[bytes];
     std::memset(p, device ? 0xA5 : 0x5A, bytes);  // poison: never the bytes a correct run produces
