@@ -251,7 +251,7 @@ void FusedLayerService::ComputeTask<Rpc>::Finish(const absl::StatusOr<DispatchOu
         return;
       }
     }
-    session_.Commit(Rpc::LeavesMixes(decoded_), set_->name);
+    session_.Commit(Rpc::LeavesMixes(decoded_));
   }
   session_ = {};  // before the response: the client's next call of the session may come at once
   if (ran.ok() && transfer_ != nullptr) {
@@ -369,9 +369,15 @@ absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Me
   transport::ResidualSessionStore::Lease session;
   if (const std::string& name = Rpc::SessionName(*request); !name.empty()) {
     absl::StatusOr<transport::ResidualSessionStore::Lease> held =
-        sessions_.Acquire(CallerIdentity(*call->context()), name);
+        sessions_.Acquire(CallerIdentity(*call->context()), name, (*set)->name);
     if (!held.ok()) return held.status();
     session = std::move(*held);
+    // An unload between weights_.Get above and Acquire found no session using the set (its
+    // CloseUsing ran first); the set is gone or replaced by then, so the session closes here. This
+    // call still runs on the set it holds, like every call in flight at an unload; its state is
+    // dropped with the session.
+    absl::StatusOr<std::shared_ptr<const WeightSet>> now = weights_.Get(request->weight_set());
+    if (!now.ok() || now->get() != set->get()) (void)sessions_.Close(CallerIdentity(*call->context()), name);
   }
   // A request the shadow verifier samples (fused runs only; a shared-memory or session request is
   // not sampled: the shadow job re-reads the inline messages) keeps its outputs in the response

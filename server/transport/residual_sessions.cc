@@ -274,7 +274,8 @@ void ResidualSessionStore::CloseIdle(std::chrono::steady_clock::time_point now) 
 }
 
 absl::StatusOr<ResidualSessionStore::Lease> ResidualSessionStore::Acquire(const std::string& identity,
-                                                                          const std::string& name) {
+                                                                          const std::string& name,
+                                                                          const std::string& weight_set) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   MutexLock lock(&mu_);
@@ -294,6 +295,9 @@ absl::StatusOr<ResidualSessionStore::Lease> ResidualSessionStore::Acquire(const 
   Lease lease;
   lease.store_ = this;
   lease.session_ = it->second;
+  // Recorded now, not at commit: an unload of the set while this call runs must find the session.
+  lease.weight_set_ = weight_set;
+  lease.weight_set_added_ = s.weight_sets_.insert(weight_set).second;
   lease.has_residual_ = s.has_residual_;
   lease.has_mixes_ = s.has_mixes_;
   lease.current_state_ = s.State(s.current_);
@@ -308,6 +312,9 @@ ResidualSessionStore::Lease& ResidualSessionStore::Lease::operator=(Lease&& o) n
     Release();
     store_ = std::exchange(o.store_, nullptr);
     session_ = std::move(o.session_);
+    weight_set_ = std::move(o.weight_set_);
+    weight_set_added_ = o.weight_set_added_;
+    committed_ = o.committed_;
     has_residual_ = o.has_residual_;
     has_mixes_ = o.has_mixes_;
     current_state_ = o.current_state_;
@@ -316,7 +323,7 @@ ResidualSessionStore::Lease& ResidualSessionStore::Lease::operator=(Lease&& o) n
   return *this;
 }
 
-void ResidualSessionStore::Lease::Commit(bool has_mixes, const std::string& weight_set) {
+void ResidualSessionStore::Lease::Commit(bool has_mixes) {
   if (session_ == nullptr) return;
   MutexLock lock(&store_->mu_);
   ResidualSession& s = *session_;
@@ -325,8 +332,8 @@ void ResidualSessionStore::Lease::Commit(bool has_mixes, const std::string& weig
   s.has_residual_ = true;
   s.has_mixes_ = has_mixes;
   s.calls_ += 1;
-  s.last_weight_set_ = weight_set;
-  s.weight_sets_.insert(weight_set);
+  s.last_weight_set_ = weight_set_;
+  committed_ = true;
 }
 
 void ResidualSessionStore::Lease::Release() {
@@ -335,6 +342,8 @@ void ResidualSessionStore::Lease::Release() {
     MutexLock lock(&store_->mu_);
     session_->busy_ = false;
     session_->last_used_ = std::chrono::steady_clock::now();
+    // A failed call's set was not used by the session's state.
+    if (weight_set_added_ && !committed_) session_->weight_sets_.erase(weight_set_);
   }
   // The last reference of a session closed meanwhile frees its block here, after the call's work
   // is done (the lane waited before the call's response).

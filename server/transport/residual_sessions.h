@@ -152,19 +152,24 @@ class ResidualSessionStore {
     DeviceRange memory() const { return session_->memory(); }
     // The call succeeded: `next` becomes the state. `has_mixes`: the call wrote the mixes too (not
     // the HEAD stage). Dropped when the session was closed meanwhile.
-    void Commit(bool has_mixes, const std::string& weight_set);
+    void Commit(bool has_mixes);
 
    private:
     friend class ResidualSessionStore;
     void Release();
     ResidualSessionStore* store_ = nullptr;
     std::shared_ptr<ResidualSession> session_;
+    std::string weight_set_;
+    bool weight_set_added_ = false;  // Acquire added it to the session's sets (taken back unless committed)
+    bool committed_ = false;
     bool has_residual_ = false, has_mixes_ = false;
     ResidualState current_state_, next_state_;
   };
   // NOT_FOUND when the identity has no such session, ABORTED while another call holds it,
-  // FAILED_PRECONDITION when sessions are off.
-  absl::StatusOr<Lease> Acquire(const std::string& identity, const std::string& name);
+  // FAILED_PRECONDITION when sessions are off. The call runs through `weight_set`: the session
+  // counts as using it from here (an unload while the call runs closes the session, CloseUsing),
+  // and keeps it only if the call commits.
+  absl::StatusOr<Lease> Acquire(const std::string& identity, const std::string& name, const std::string& weight_set);
 
  private:
   using Key = std::pair<std::string, std::string>;  // (identity, session name)

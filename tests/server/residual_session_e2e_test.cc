@@ -565,6 +565,38 @@ TEST(ResidualSession, RacingOpensNeverAllocateBeyondTheIdentitysBytes) {
   EXPECT_TRUE(c->OpenResidualSession("s0", 16, kN, kC).ok());
 }
 
+// An unload while a session's first call through the set runs (the set not yet in the session's
+// record of sets before the fix): the session is closed with the set, the call completes.
+TEST(ResidualSession, AnUnloadWhileASessionsFirstCallRunsClosesTheSession) {
+  std::mt19937_64 rng = MakeRng(83);
+  LaneServer server = StartOnLanes(TwoSets(rng), 2);  // the unload runs on the other lane's worker
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* c = server.client.get();
+  LaneTestBackend::Control* control = server.control.get();
+  ASSERT_TRUE(c->OpenResidualSession("first-call", 3, kN, kC).ok());
+  ASSERT_TRUE(c->OpenResidualSession("other-set", 3, kN, kC).ok());
+  InlineState none;
+  v1::MhcSeamRequest first =
+      NextCall(rng, "rs/attn", v1::MHC_STAGE_FIRST, v1::MHC_MODE_SHIFTED, 3, none, "first-call").session_request;
+  v1::MhcSeamRequest other = first;
+  other.set_weight_set("rs/ffn");
+  other.set_session("other-set");
+  ASSERT_TRUE(c->MhcSeam(other).ok());
+  control->Hold();
+  const int64_t kernels = control->KernelsEnqueued();
+  auto in_flight = std::async(std::launch::async, [&] { return c->MhcSeam(first); });
+  control->WaitForKernelsEnqueued(kernels + 1);  // the first call of "first-call" runs on rs/attn
+  absl::StatusOr<v1::UnloadWeightSetResponse> unloaded = c->UnloadWeightSet("rs/attn", {absl::Seconds(20)});
+  control->Release();
+  ASSERT_TRUE(unloaded.ok()) << unloaded.status();
+  ASSERT_TRUE(in_flight.get().ok());
+  absl::StatusOr<v1::ListResidualSessionsResponse> list = c->ListResidualSessions();
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->sessions_size(), 1);
+  EXPECT_EQ(list->sessions(0).name(), "other-set");
+  EXPECT_EQ(c->MhcSeam(first).status().code(), StatusCode::kNotFound);
+}
+
 TEST(ResidualSession, AnIdleSessionIsClosedAndABusyOneIsNot) {
   std::mt19937_64 rng = MakeRng(79);
   server::ServerConfig cfg = TestConfig();
