@@ -113,7 +113,13 @@ void ResidualSessionStore::UpdateGaugesLocked() {
 void ResidualSessionStore::EraseLocked(std::map<Key, std::shared_ptr<ResidualSession>>::iterator it) {
   ResidualSession& s = *it->second;
   s.closed_ = true;
-  CountLocked(it->first.first, /*add=*/false, s.bytes());
+  // A call holding the session still uses its block: the bytes (and the session) stay counted
+  // against the identity and the server until that call releases it (Lease::Release).
+  if (s.busy_) {
+    s.uncount_on_release_ = true;
+  } else {
+    CountLocked(it->first.first, /*add=*/false, s.bytes());
+  }
   sessions_.erase(it);
 }
 
@@ -338,16 +344,24 @@ void ResidualSessionStore::Lease::Commit(bool has_mixes) {
 
 void ResidualSessionStore::Lease::Release() {
   if (session_ == nullptr) return;
+  bool uncount = false;
   {
     MutexLock lock(&store_->mu_);
     session_->busy_ = false;
     session_->last_used_ = std::chrono::steady_clock::now();
     // A failed call's set was not used by the session's state.
     if (weight_set_added_ && !committed_) session_->weight_sets_.erase(weight_set_);
+    uncount = std::exchange(session_->uncount_on_release_, false);
   }
+  const std::string identity = session_->identity();
+  const uint64_t bytes = session_->bytes();
   // The last reference of a session closed meanwhile frees its block here, after the call's work
-  // is done (the lane waited before the call's response).
+  // is done (the lane waited before the call's response); its bytes are given back after that.
   session_.reset();
+  if (uncount) {
+    MutexLock lock(&store_->mu_);
+    store_->CountLocked(identity, /*add=*/false, bytes);
+  }
   store_ = nullptr;
 }
 

@@ -106,6 +106,8 @@ class ResidualSession {
   bool has_mixes_ = false;
   bool busy_ = false;
   bool closed_ = false;
+  // Closed while a call held it: its bytes stay counted until that call lets go of the block.
+  bool uncount_on_release_ = false;
   uint64_t calls_ = 0;
   std::chrono::steady_clock::time_point last_used_;
   std::string last_weight_set_;

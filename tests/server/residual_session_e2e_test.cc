@@ -565,6 +565,39 @@ TEST(ResidualSession, RacingOpensNeverAllocateBeyondTheIdentitysBytes) {
   EXPECT_TRUE(c->OpenResidualSession("s0", 16, kN, kC).ok());
 }
 
+// A session closed while a call holds it: the call still uses the session's device block until it
+// ends, so the block's bytes stay counted against the identity until then. Closing gives the name
+// back at once, the bytes when the call lets go of the block.
+TEST(ResidualSession, ClosingABusySessionKeepsItsBytesCountedUntilTheCallEnds) {
+  std::mt19937_64 rng = MakeRng(82);
+  auto backend = std::make_unique<LaneTestBackend>(8);
+  const std::shared_ptr<LaneTestBackend::Control> control = backend->control();
+  server::ServerConfig cfg = TestConfig();
+  cfg.device_lanes = 1;
+  cfg.residual_session_max_bytes = 2 * (3 * kN * kC * 2 + 1024) * 3 / 2;  // one session of T = 3, not two
+  auto ts = TestServer::Start(cfg, std::move(backend), TwoSets(rng));
+  ASSERT_NE(ts, nullptr);
+  auto c = ClientFor(*ts);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->OpenResidualSession("held", 3, kN, kC).ok());
+  InlineState none;
+  const v1::MhcSeamRequest first =
+      NextCall(rng, "rs/attn", v1::MHC_STAGE_FIRST, v1::MHC_MODE_SHIFTED, 3, none, "held").session_request;
+  control->Hold();
+  const int64_t kernels = control->KernelsEnqueued();
+  auto in_flight = std::async(std::launch::async, [&] { return c->MhcSeam(first); });
+  control->WaitForKernelsEnqueued(kernels + 1);  // the call holds the session and its block
+  ASSERT_TRUE(c->CloseResidualSession("held").ok());
+  absl::StatusOr<v1::ListResidualSessionsResponse> list = c->ListResidualSessions();
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->sessions_size(), 0);  // closed: not listed, its name is free
+  // The closed session's block is still in use: a second session does not fit beside it.
+  EXPECT_EQ(c->OpenResidualSession("next", 3, kN, kC).status().code(), StatusCode::kResourceExhausted);
+  control->Release();
+  ASSERT_TRUE(in_flight.get().ok());
+  EXPECT_TRUE(c->OpenResidualSession("held", 3, kN, kC).ok());  // the bytes are back once the call ended
+}
+
 // An unload while a session's first call through the set runs (the set not yet in the session's
 // record of sets before the fix): the session is closed with the set, the call completes.
 TEST(ResidualSession, AnUnloadWhileASessionsFirstCallRunsClosesTheSession) {
