@@ -92,6 +92,7 @@ SharedMemoryRegion::SharedMemoryRegion(int fd, std::string name, std::string key
 
 SharedMemoryRegion::~SharedMemoryRegion() {
   Unlock();  // in-flight requests held this region until their device work was done
+  if (pinned_budget_ != nullptr) pinned_budget_->GiveBack(byte_size_);  // unpinned now
   ::close(fd_);
 }
 
@@ -172,10 +173,45 @@ absl::Status SharedMemoryRegion::Write(uint64_t at, const char* src, uint64_t n,
   return absl::OkStatus();
 }
 
+// ---- PinnedBytes ---------------------------------------------------------------------------------------
+
+bool PinnedBytes::TryReserve(uint64_t bytes, uint64_t limit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (bytes_ > limit || bytes > limit - bytes_) return false;
+  bytes_ += bytes;
+  if (gauge_ != nullptr) gauge_->Set(static_cast<double>(bytes_));
+  return true;
+}
+
+void PinnedBytes::GiveBack(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  bytes_ -= bytes;
+  if (gauge_ != nullptr) gauge_->Set(static_cast<double>(bytes_));
+}
+
+uint64_t PinnedBytes::bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return bytes_;
+}
+
+void PinnedBytes::DetachGauge() {
+  std::lock_guard<std::mutex> lock(mu_);
+  gauge_ = nullptr;
+}
+
 // ---- SharedMemoryRegistry -----------------------------------------------------------------------------
 
 SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus::Registry& metrics, Backend* locker)
-    : limits_(limits), locker_(locker) {
+    : limits_(limits),
+      locker_(locker),
+      pinned_(std::make_shared<PinnedBytes>(
+          &prometheus::BuildGauge()
+               .Name("fusedlayer_shared_memory_locked_bytes")
+               .Help("Bytes of shared-memory regions that are mapped and page-locked, so the device copies their "
+                     "inputs where they lie (--shared_memory_locked_bytes); an unregistered region counts until "
+                     "the last request using it is done")
+               .Register(metrics)
+               .Add({}))) {
   regions_gauge_ = &prometheus::BuildGauge()
                         .Name("fusedlayer_shared_memory_regions")
                         .Help("System shared-memory regions registered (all identities)")
@@ -186,12 +222,6 @@ SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus
                       .Help("Bytes of the registered system shared-memory regions (all identities)")
                       .Register(metrics)
                       .Add({});
-  locked_gauge_ = &prometheus::BuildGauge()
-                       .Name("fusedlayer_shared_memory_locked_bytes")
-                       .Help("Bytes of the registered shared-memory regions that are mapped and page-locked, so the "
-                             "device copies their inputs where they lie (--shared_memory_locked_bytes)")
-                       .Register(metrics)
-                       .Add({});
   expired_counter_ = &prometheus::BuildCounter()
                           .Name("fusedlayer_shared_memory_regions_expired_total")
                           .Help("System shared-memory regions unregistered because no request used them for "
@@ -204,6 +234,11 @@ SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus
   }
 }
 
+SharedMemoryRegistry::~SharedMemoryRegistry() {
+  reaper_.reset();  // before anything it uses goes
+  pinned_->DetachGauge();
+}
+
 absl::Status SharedMemoryRegistry::CheckEnabled() const {
   if (limits_.enabled) return absl::OkStatus();
   return absl::FailedPreconditionError(
@@ -214,7 +249,6 @@ absl::Status SharedMemoryRegistry::CheckEnabled() const {
 void SharedMemoryRegistry::UpdateGaugesLocked() {
   regions_gauge_->Set(static_cast<double>(total_regions_));
   bytes_gauge_->Set(static_cast<double>(total_bytes_));
-  locked_gauge_->Set(static_cast<double>(locked_bytes_));
 }
 
 void SharedMemoryRegistry::EraseLocked(RegionMap<SharedMemoryRegion>::iterator it) {
@@ -227,8 +261,9 @@ void SharedMemoryRegistry::EraseLocked(RegionMap<SharedMemoryRegion>::iterator i
   if (owner != object_owners_.end() && --owner->second.second == 0) object_owners_.erase(owner);
   total_regions_ -= 1;
   total_bytes_ -= r.byte_size();
-  if (r.device_visible() != nullptr) locked_bytes_ -= r.byte_size();
-  regions_.erase(it);  // the descriptor closes when the last in-flight request lets go
+  // The descriptor closes, and a locked region is unlocked and its pinned bytes given back, when
+  // the last in-flight request lets go (~SharedMemoryRegion).
+  regions_.erase(it);
   UpdateGaugesLocked();
 }
 
@@ -303,10 +338,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
     MutexLock lock(&mu_);
     PruneVanishedLocked(identity);
     if (absl::Status s = CheckRegistrableLocked(identity, req, *region); !s.ok()) return s;
-    if (locker_ != nullptr && LockFitsLocked(req.byte_size())) {
-      locked_bytes_ += req.byte_size();
-      reserved = true;
-    }
+    reserved = locker_ != nullptr && pinned_->TryReserve(req.byte_size(), limits_.max_locked_bytes);
   }
   // Outside the registry's lock: pinning takes time (compute requests look regions up meanwhile).
   const bool locked = reserved && region->LockForDevice(*locker_);
@@ -315,10 +347,11 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
   // Another registration of this identity may have taken the name or the limits meanwhile.
   if (absl::Status s = CheckRegistrableLocked(identity, req, *region); !s.ok()) {
     region->Unlock();  // before its reservation goes back: the pinned bytes never exceed the budget
-    if (reserved) locked_bytes_ -= req.byte_size();
+    if (reserved) pinned_->GiveBack(req.byte_size());
     return s;
   }
-  if (reserved && !locked) locked_bytes_ -= req.byte_size();  // not lockable: read with pread
+  if (reserved && !locked) pinned_->GiveBack(req.byte_size());  // not lockable: read with pread
+  if (locked) region->GiveBackWhenFreed(pinned_);
   const RegionKey key{identity, req.name()};
   Usage& u = usage_[identity];
   u.regions += 1;

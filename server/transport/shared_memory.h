@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -84,6 +85,24 @@ struct SharedMemoryLimits {
 };
 
 // One registered region: the object's descriptor (never a mapping) and where the region lies.
+// The page-locked bytes of shared-memory regions, against --shared_memory_locked_bytes. Shared by
+// the registry and its locked regions: a region gives its bytes back when it is freed, which may
+// be after the registry is gone (an in-flight request holding it); the gauge is detached then.
+class PinnedBytes {
+ public:
+  explicit PinnedBytes(prometheus::Gauge* gauge) : gauge_(gauge) {}
+  // Takes `bytes` when they fit under `limit`; false (nothing taken) otherwise.
+  bool TryReserve(uint64_t bytes, uint64_t limit);
+  void GiveBack(uint64_t bytes);
+  uint64_t bytes() const;
+  void DetachGauge();
+
+ private:
+  mutable std::mutex mu_;
+  uint64_t bytes_ = 0;
+  prometheus::Gauge* gauge_;
+};
+
 class SharedMemoryRegion {
  public:
   SharedMemoryRegion(int fd, std::string name, std::string key, uint64_t offset, uint64_t byte_size, dev_t dev,
@@ -113,6 +132,9 @@ class SharedMemoryRegion {
   bool LockForDevice(Backend& locker);
   // Undoes LockForDevice (no-op when not locked). Only while no request can see the region.
   void Unlock();
+  // A registered locked region: its bytes go back to `budget` when it is destroyed, after its
+  // unlock (the last in-flight request holding it may outlive its registration). Before sharing.
+  void GiveBackWhenFreed(std::shared_ptr<PinnedBytes> budget) { pinned_budget_ = std::move(budget); }
   // The region's first byte in its page-locked mapping, or null when not locked. FOR THE DEVICE'S
   // COPIES ONLY: the CPU never reads or writes through it. A client that truncates its object
   // makes any CPU access to the mapping a SIGBUS; the device's DMA goes to the pages locked at
@@ -130,6 +152,7 @@ class SharedMemoryRegion {
   size_t map_bytes_ = 0;
   DeviceBuffer lock_;    // unlocks the mapping when reset (before munmap)
   const char* locked_data_ = nullptr;
+  std::shared_ptr<PinnedBytes> pinned_budget_;  // GiveBackWhenFreed
 };
 
 // A reference resolved against its region: bounds and alignment checked.
@@ -149,6 +172,7 @@ class SharedMemoryRegistry {
   // `locker`: the device backend whose lanes copy from regions page-locked through it, or null
   // (the CPU backend, or no lanes): no region is then mapped.
   SharedMemoryRegistry(SharedMemoryLimits limits, prometheus::Registry& metrics, Backend* locker = nullptr);
+  ~SharedMemoryRegistry();  // a region an in-flight request still holds no longer sets the gauge
 
   bool enabled() const { return limits_.enabled; }
   // Whether registration page-locks regions (a device backend with lanes, a budget above 0).
@@ -189,18 +213,11 @@ class SharedMemoryRegistry {
   // Drops the identity's regions whose objects were removed (a client that died, then cleanup).
   void PruneVanishedLocked(const std::string& identity) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // True when `bytes` more fit --shared_memory_locked_bytes (asked before locking a region, whose
-  // bytes are then reserved in locked_bytes_ until it is unregistered, or given back at once when
-  // its registration fails or its pages cannot be locked).
-  bool LockFitsLocked(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return bytes <= limits_.max_locked_bytes - locked_bytes_;
-  }
 
   const SharedMemoryLimits limits_;
   Backend* const locker_;
   prometheus::Gauge* regions_gauge_;
   prometheus::Gauge* bytes_gauge_;
-  prometheus::Gauge* locked_gauge_;
   prometheus::Counter* expired_counter_;
   Mutex mu_;
   RegionMap<SharedMemoryRegion> regions_ ABSL_GUARDED_BY(mu_);
@@ -209,7 +226,10 @@ class SharedMemoryRegistry {
   std::map<std::pair<dev_t, ino_t>, std::pair<std::string, int>> object_owners_ ABSL_GUARDED_BY(mu_);
   int64_t total_regions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t locked_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the registered regions that are page-locked
+  // Page-locked bytes against --shared_memory_locked_bytes: reserved before a region is locked,
+  // given back when its registration fails, or when the region is freed (not when it is
+  // unregistered: an in-flight request may hold its pinned pages longer).
+  const std::shared_ptr<PinnedBytes> pinned_;
   // Runs ExpireIdle (idle_seconds > 0); declared last, so it stops before anything it uses goes.
   std::optional<PeriodicTask> reaper_;
 };

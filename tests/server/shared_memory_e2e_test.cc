@@ -416,6 +416,62 @@ TEST(SharedMemory, OnLanesRefusedOrRacingRegistrationsNeverPinBeyondTheLockedBud
   EXPECT_EQ(MetricValue(ScrapeWhenIdle(*server.ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
 }
 
+// A locked region unregistered while a request still uses it stays pinned until that request is
+// done (the lane copies its outputs back into it), so its bytes stay in --shared_memory_locked_bytes
+// until then: a region registered meanwhile does not fit the budget and is read with pread, and
+// never more than the budget is pinned at once. Once the request is done the budget is free again.
+TEST(SharedMemory, OnLanesAnUnregisteredRegionInUseKeepsItsPinnedBytesUntilTheRequestEnds) {
+  std::mt19937_64 rng = MakeRng(47);
+  const PackedWeightSet set = MakeWeightSet(rng, "shm/held", MhcSetSpec{.hc_mult = 4, .hidden = 320}, std::nullopt);
+  const MhcRequestSpec spec{.hc_mult = 4, .hidden = 320, .tokens = 7};
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng, "shm/held", spec);
+  const uint64_t bytes = client::MhcRequestSharedBytes(req, MhcConfigOf(spec));
+  server::ServerConfig cfg = ShmConfig();
+  cfg.shared_memory_locked_bytes = bytes + bytes / 2;  // one region of `bytes`, not two
+  LaneShmServer server = StartLaneShmServer(set, cfg);
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* const c = server.client.get();
+  LaneTestBackend::Control* const control = server.control.get();
+  absl::StatusOr<v1::MhcSeamResponse> tcp = c->MhcSeam(req);
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  absl::StatusOr<v1::MhcSeamResponse> got;
+  std::thread caller;
+  absl::StatusOr<std::unique_ptr<ClientSharedMemory>> first = ClientSharedMemory::Create(*c, bytes);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(control->page_locks.load(), 1);
+  v1::MhcSeamRequest first_ref = req;
+  ASSERT_TRUE((*first)->Prepare(first_ref, MhcConfigOf(spec)).ok());
+  control->Hold();
+  caller = std::thread([&c, &got, &first_ref] { got = c->MhcSeam(first_ref); });
+  control->WaitForHeld(1);  // decoded, holding the region, at the lane
+  // Unregistered (the object stays: the request writes its outputs there) while the request holds it.
+  ASSERT_TRUE(c->UnregisterSystemSharedMemory((*first)->region_name()).ok());
+  EXPECT_EQ(control->page_locks.load(), 1);  // still pinned: the lane will copy into it
+  control->max_page_locks = 1;
+  {
+    absl::StatusOr<std::unique_ptr<ClientSharedMemory>> second = ClientSharedMemory::Create(*c, bytes);
+    ASSERT_TRUE(second.ok()) << second.status();  // registered, read with pread
+    EXPECT_EQ(control->max_page_locks.load(), 1);
+    EXPECT_EQ(MetricValue(server.ts->Scrape(), "fusedlayer_shared_memory_locked_bytes"), static_cast<double>(bytes));
+    control->Release();
+    caller.join();
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_TRUE((*first)->Fetch(*got).ok());
+    ExpectMhcEqual(*got, *tcp);
+    v1::MhcSeamRequest by_ref = req;
+    ASSERT_TRUE((*second)->Prepare(by_ref, MhcConfigOf(spec)).ok());
+    ExpectSameAsTcp(*c, by_ref, *tcp, second->get());
+  }
+  for (int i = 0; i < 500 && control->page_locks.load() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(control->page_locks.load(), 0);
+  EXPECT_EQ(MetricValue(ScrapeWhenIdle(*server.ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
+  absl::StatusOr<std::unique_ptr<ClientSharedMemory>> third = ClientSharedMemory::Create(*c, bytes);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(control->page_locks.load(), 1);  // the budget is free again
+}
+
 TEST(SharedMemory, SwaOutputsEqualTcpBitwiseForEveryLayout) {
   std::mt19937_64 rng = MakeRng(42);
   auto ts = TestServer::Start(ShmConfig());
