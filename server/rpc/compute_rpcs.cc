@@ -357,7 +357,9 @@ absl::Status FusedLayerService::StartCompute(ComputeCall* call, typename Rpc::Me
     transfer = std::make_unique<transport::TensorTransfer>(
         &shared_memory_, &cuda_shared_memory_,
         CallerIdentity(*call->context()));
-    staged_bytes = transport::SharedMemoryInputBytes(*request);
+    // What its references claim, up to what a valid request of this size has (a larger claim is
+    // refused by decode as INVALID_ARGUMENT, never read): a wrong shape is not RESOURCE_EXHAUSTED.
+    staged_bytes = std::min(transport::SharedMemoryInputBytes(*request), response_bytes->inputs_at_most);
   }
   if (absl::Status s = AdmitComputeBytes(call, *response_bytes, staged_bytes); !s.ok()) return s;
   // On a device backend, inputs in a page-locked region are used where they lie; others are read

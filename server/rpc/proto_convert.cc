@@ -372,12 +372,18 @@ absl::StatusOr<ResponseSize> MhcResponseBytes(const v1::MhcSeamRequest& req, con
   const bool state_in_response = req.session().empty() || req.return_state();
   const bool mixes = state_in_response && FromProto(req.stage()) != MhcStage::kHead;
   const int64_t mix_T = mixes ? *T : 0, aux_T = req.capture_aux() ? *T : 0;
-  return SizeResponse(req.output_placements(), {{"new_residual", DType::kBF16, {*T, state_in_response ? n : 0, C}},
-                                                {"new_pre_mix", DType::kFP32, {mix_T, n}},
-                                                {"new_post_mix", DType::kFP32, {mix_T, n}},
-                                                {"new_comb_mix", DType::kFP32, {mix_T, n, n}},
-                                                {"y", DType::kBF16, {*T, C}},
-                                                {"aux", DType::kBF16, {aux_T, C}}});
+  absl::StatusOr<ResponseSize> size =
+      SizeResponse(req.output_placements(), {{"new_residual", DType::kBF16, {*T, state_in_response ? n : 0, C}},
+                                             {"new_pre_mix", DType::kFP32, {mix_T, n}},
+                                             {"new_post_mix", DType::kFP32, {mix_T, n}},
+                                             {"new_comb_mix", DType::kFP32, {mix_T, n, n}},
+                                             {"y", DType::kBF16, {*T, C}},
+                                             {"aux", DType::kBF16, {aux_T, C}}});
+  if (!size.ok()) return size;
+  // x, residual, post_mix, comb_mix and pre_mix at their decoded shapes (T <= max_tokens: no overflow).
+  const uint64_t t = static_cast<uint64_t>(*T), un = static_cast<uint64_t>(n), uc = static_cast<uint64_t>(C);
+  size->inputs_at_most = t * uc * 2 + t * un * uc * 2 + 2 * t * un * 4 + t * un * un * 4;
+  return size;
 }
 
 absl::StatusOr<ResponseSize> SwaResponseBytes(const v1::SwaNormQuantRequest& req, const PreparedSwaWeights& weights,

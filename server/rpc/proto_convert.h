@@ -48,6 +48,11 @@ v1::ExecutionPath ToProto(Path path);
 struct ResponseSize {
   uint64_t sent = 0;  // in the response message: the outputs not placed in shared memory
   uint64_t held = 0;  // in server memory during the call: all but those placed in CUDA shared memory
+  // The most input bytes a valid request of this size has: a shared-memory input whose shape or
+  // byte_size claims more is refused by decode (INVALID_ARGUMENT) before it is read, so its staging
+  // is admitted up to this, not up to the claim. UINT64_MAX where the inputs' size is not fixed by
+  // the token count (SWA's qr_kv may be strided).
+  uint64_t inputs_at_most = UINT64_MAX;
 };
 
 // The response's tensor bytes for this request, from its token count, the weight set's shapes and

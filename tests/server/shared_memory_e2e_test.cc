@@ -564,6 +564,16 @@ TEST(SharedMemory, EveryBadReferenceHasItsStatusAndTheServerKeepsServing) {
   expect(with_x(Ref("r", 0, x_bytes - 2)), StatusCode::kInvalidArgument, "need");
   expect(with_x(Ref("r", 32, x_bytes)), StatusCode::kInvalidArgument, "not aligned");
   expect(with_x(Ref("bad/name", 0, x_bytes)), StatusCode::kInvalidArgument, "region name");
+  {  // A shape no request of this size has, claiming more than any server admits: the shape's error.
+    v1::MhcSeamRequest r = req;
+    r.mutable_residual()->set_shape(0, int64_t{1} << 30);
+    *r.mutable_residual()->mutable_shared_memory() = Ref("r", 0, uint64_t{1} << 50);
+    expect(c->MhcSeam(r).status(), StatusCode::kInvalidArgument, "residual");
+    r.mutable_x()->set_shape(1, int64_t{1} << 40);  // x: the token count is right, the width is not
+    *r.mutable_x()->mutable_shared_memory() = Ref("r", 0, uint64_t{1} << 50);
+    r.mutable_x()->clear_data();
+    expect(c->MhcSeam(r).status(), StatusCode::kInvalidArgument, "'x'");
+  }
 
   auto with_out = [&](std::vector<std::pair<std::string, v1::SharedMemoryRef>> outs, bool verify = false) {
     v1::MhcSeamRequest r = req;
