@@ -1106,7 +1106,13 @@ TEST(PipelineServer, ConcurrentRequestsOverGrpcMatchTheLibraryBatchingOffAndOn) 
       if (i % 3 == 0) mreqs.back().set_path_preference(v1::PATH_PREFERENCE_FORCE_UNFUSED);
       sreqs.push_back(MakeSwaRequest(rng, "g", 1 + i % 4, 256 + 128));
     }
-    const ConcurrentCalls calls = CallConcurrently(*ts, mreqs, sreqs);
+    // The lanes held until every mHC request is in the server: the workers each hold one launch at
+    // the gate and the rest wait in the queue, so with batching on the compatible ones share launches.
+    control->Hold();
+    auto pending = std::async(std::launch::async, [&] { return CallConcurrently(*ts, mreqs, sreqs); });
+    WaitForInflightRequests(*ts, kRequests);  // each thread calls MhcSeam, then SwaNormQuant
+    control->Release();
+    const ConcurrentCalls calls = pending.get();
     for (int i = 0; i < kRequests; ++i) {
       SCOPED_TRACE(i);
       ASSERT_TRUE(calls.mstat[i].ok()) << calls.mstat[i].error_message();
@@ -1131,6 +1137,18 @@ TEST(PipelineServer, ConcurrentRequestsOverGrpcMatchTheLibraryBatchingOffAndOn) 
     EXPECT_GT(MetricValue(scrape, "fusedlayer_request_staging_bytes", {{"state", "held"}}), 0.0);
     EXPECT_EQ(MetricValue(scrape, "fusedlayer_request_staging_bytes", {{"state", "in_use"}}), 0.0);
     EXPECT_EQ(MetricValue(scrape, "fusedlayer_request_staging_misses_total", {}), 0.0);
+    // Requests per launch: more than one in some launch with batching on, exactly one without.
+    double launches = 0, requests = 0;
+    for (const char* op : {"mhc", "swa"}) {
+      launches += MetricValue(scrape, "fusedlayer_batch_requests_count", {{"op", op}});
+      requests += MetricValue(scrape, "fusedlayer_batch_requests_sum", {{"op", op}});
+    }
+    EXPECT_EQ(requests, 2.0 * kRequests);
+    if (batch_tokens > 0) {
+      EXPECT_LT(launches, requests);
+    } else {
+      EXPECT_EQ(launches, requests);
+    }
   }
 }
 
