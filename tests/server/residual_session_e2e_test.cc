@@ -153,11 +153,10 @@ struct LaneServer {
   std::shared_ptr<LaneTestBackend::Control> control;
   std::unique_ptr<FusedLayerClient> client;
 };
-LaneServer StartOnLanes(std::vector<PackedWeightSet> sets, int lanes) {
+LaneServer StartOnLanes(std::vector<PackedWeightSet> sets, int lanes, server::ServerConfig cfg = TestConfig()) {
   auto backend = std::make_unique<LaneTestBackend>(8);
   LaneServer s;
   s.control = backend->control();
-  server::ServerConfig cfg = TestConfig();
   cfg.device_lanes = lanes;
   s.ts = TestServer::Start(cfg, std::move(backend), std::move(sets));
   if (s.ts != nullptr) s.client = ClientFor(*s.ts);
@@ -570,15 +569,12 @@ TEST(ResidualSession, RacingOpensNeverAllocateBeyondTheIdentitysBytes) {
 // back at once, the bytes when the call lets go of the block.
 TEST(ResidualSession, ClosingABusySessionKeepsItsBytesCountedUntilTheCallEnds) {
   std::mt19937_64 rng = MakeRng(82);
-  auto backend = std::make_unique<LaneTestBackend>(8);
-  const std::shared_ptr<LaneTestBackend::Control> control = backend->control();
   server::ServerConfig cfg = TestConfig();
-  cfg.device_lanes = 1;
   cfg.residual_session_max_bytes = 2 * (3 * kN * kC * 2 + 1024) * 3 / 2;  // one session of T = 3, not two
-  auto ts = TestServer::Start(cfg, std::move(backend), TwoSets(rng));
-  ASSERT_NE(ts, nullptr);
-  auto c = ClientFor(*ts);
-  ASSERT_NE(c, nullptr);
+  LaneServer server = StartOnLanes(TwoSets(rng), 1, cfg);
+  ASSERT_NE(server.client, nullptr);
+  FusedLayerClient* c = server.client.get();
+  LaneTestBackend::Control* control = server.control.get();
   ASSERT_TRUE(c->OpenResidualSession("held", 3, kN, kC).ok());
   InlineState none;
   const v1::MhcSeamRequest first =
