@@ -189,11 +189,6 @@ void PinnedBytes::GiveBack(uint64_t bytes) {
   if (gauge_ != nullptr) gauge_->Set(static_cast<double>(bytes_));
 }
 
-uint64_t PinnedBytes::bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return bytes_;
-}
-
 void PinnedBytes::DetachGauge() {
   std::lock_guard<std::mutex> lock(mu_);
   gauge_ = nullptr;

@@ -84,7 +84,6 @@ struct SharedMemoryLimits {
   double idle_seconds = 0;
 };
 
-// One registered region: the object's descriptor (never a mapping) and where the region lies.
 // The page-locked bytes of shared-memory regions, against --shared_memory_locked_bytes. Shared by
 // the registry and its locked regions: a region gives its bytes back when it is freed, which may
 // be after the registry is gone (an in-flight request holding it); the gauge is detached then.
@@ -94,15 +93,15 @@ class PinnedBytes {
   // Takes `bytes` when they fit under `limit`; false (nothing taken) otherwise.
   bool TryReserve(uint64_t bytes, uint64_t limit);
   void GiveBack(uint64_t bytes);
-  uint64_t bytes() const;
   void DetachGauge();
 
  private:
-  mutable std::mutex mu_;
+  std::mutex mu_;
   uint64_t bytes_ = 0;
   prometheus::Gauge* gauge_;
 };
 
+// One registered region: the object's descriptor (never a mapping) and where the region lies.
 class SharedMemoryRegion {
  public:
   SharedMemoryRegion(int fd, std::string name, std::string key, uint64_t offset, uint64_t byte_size, dev_t dev,
