@@ -382,7 +382,8 @@ absl::StatusOr<ResponseSize> MhcResponseBytes(const v1::MhcSeamRequest& req, con
   if (!size.ok()) return size;
   // x, residual, post_mix, comb_mix and pre_mix at their decoded shapes (T <= max_tokens: no overflow).
   const uint64_t t = static_cast<uint64_t>(*T), un = static_cast<uint64_t>(n), uc = static_cast<uint64_t>(C);
-  size->inputs_at_most = t * uc * 2 + t * un * uc * 2 + 2 * t * un * 4 + t * un * un * 4;
+  const uint64_t bf16 = DTypeSize(DType::kBF16), fp32 = DTypeSize(DType::kFP32);
+  size->inputs_at_most = (t * uc + t * un * uc) * bf16 + (2 * t * un + t * un * un) * fp32;
   return size;
 }
 

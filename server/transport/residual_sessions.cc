@@ -353,8 +353,9 @@ void ResidualSessionStore::Lease::Release() {
     if (weight_set_added_ && !committed_) session_->weight_sets_.erase(weight_set_);
     uncount = std::exchange(session_->uncount_on_release_, false);
   }
-  const std::string identity = session_->identity();
-  const uint64_t bytes = session_->bytes();
+  // Copied only for the rare closed-while-held case: every session call releases here.
+  const std::string identity = uncount ? session_->identity() : std::string();
+  const uint64_t bytes = uncount ? session_->bytes() : 0;
   // The last reference of a session closed meanwhile frees its block here, after the call's work
   // is done (the lane waited before the call's response); its bytes are given back after that.
   session_.reset();
