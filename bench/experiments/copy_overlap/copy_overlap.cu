@@ -1,6 +1,6 @@
 // Can a lane overlap a call's copy to the device, its kernels and its copy back on this host? The
-// question behind the token chunks of a large mHC call (issue 12, branch lane-token-chunks): on the
-// H200, session 22's A/B gave no gain (device stage of mHC C = 7168 T = 64: 200 us one copy each
+// question behind splitting a large mHC call into token chunks: on the H200 an A/B of the server
+// with chunked lanes gave no gain (device stage of mHC C = 7168 T = 64: 200 us one copy each
 // way, 215-221 us as 2 chunks, 241-261 us as 4), so this measures the pieces with the CUDA runtime
 // alone, no server:
 //   1. one 4.59 MB copy (an mHC C = 7168 T = 64 call's inputs: x and R, bf16) each way alone, and
@@ -10,12 +10,11 @@
 //   3. what each runtime call costs the enqueuing thread (cudaMemcpyAsync, cudaEventRecord,
 //      cudaStreamWaitEvent, a launch): a chunked call makes ~3x the calls of one launch.
 // Page-locked memory from cudaHostAlloc and from cudaHostRegister (how the server pins a request
-// buffer or a client's shared memory). Medians of 101 repetitions. Result (H200, PCIe 5 x16,
-// docs/device-runs/2026-12-05-h200-session22-run2-copy-overlap.log): 94 us to the device, 91 us
-// back, 103 us both at once (full duplex), 184 us one after the other; the chunk pipeline 202 us as
+// buffer or a client's shared memory). Medians of 101 repetitions. Result (H200, PCIe 5 x16): 94 us
+// to the device, 91 us back, 103 us both at once (full duplex), 184 us one after the other; the chunk pipeline 202 us as
 // one launch, 167 / 153 us as 2 / 4 chunks (one copy each way per chunk). So the link allows the
 // overlap; a lane making the server's 7 copies each way for 2 chunks went only 196 -> 190 us
-// (bench/experiments/lane_chunks on branch lane-token-chunks). Not part of the build:
+// (a chunked lane, not kept). Not part of the build:
 //   nvcc -O2 -std=c++17 -arch=sm_90 bench/experiments/copy_overlap/copy_overlap.cu -o /tmp/copy_overlap
 #include <cuda_runtime.h>
 

@@ -2,7 +2,7 @@
 // (what the server did before exec/streaming_copy.h) against StreamingCopy, the source warm (just
 // written by the copying thread, as gRPC's read leaves a request's slices) or cold (evicted), cut
 // into pieces of 8 KiB or 1 MiB (gRPC's slices), into page-locked (cudaHostAlloc) or pageable memory.
-// Medians of 21 copies, GB/s. Not part of the build (session 20, issue 12):
+// Medians of 21 copies, GB/s. Not part of the build:
 //   g++ -O2 -std=c++20 -I server -I /usr/local/cuda/include \
 //     bench/experiments/host_copy_bandwidth/host_copy_bandwidth.cc server/exec/streaming_copy.cc \
 //     -L /usr/local/cuda/lib64 -lcudart -lpthread -o /tmp/host_copy_bandwidth

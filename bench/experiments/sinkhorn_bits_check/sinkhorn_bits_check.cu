@@ -1,4 +1,4 @@
-// Bit-equivalence check of the 2026-12-02 finalize round (MHC_GPU_NOTES.md, "Finalize round"):
+// Bit-equivalence check of the finalize kernel's register Sinkhorn (kernels/gpu/DESIGN.md):
 // the register Sinkhorn and per-lane gates of MixWarp4 (CombSinkhornRegs4, mhc_device_math.cuh)
 // against the code they replaced, copied verbatim below (CombSinkhornLanes4: xor butterflies over
 // the lanes; gates: ComputePre / ComputePost on lane 0). Random dots with outliers (including
@@ -6,7 +6,7 @@
 // sinkhorn_iters and eps values; every output must match bit for bit. A one-off device check, not
 // a ctest test: it needs a GPU and compares against code no longer in the tree.
 //   nvcc -std=c++20 -O3 -arch=sm_90a -Ikernels/gpu -Ikernels/include \
-//     bench/gpu/experiments/sinkhorn_bits_check.cu -o sinkhorn_bits_check && ./sinkhorn_bits_check
+//     bench/experiments/sinkhorn_bits_check/sinkhorn_bits_check.cu -o sinkhorn_bits_check && ./sinkhorn_bits_check
 #include <cstdio>
 #include <cstring>
 #include <random>

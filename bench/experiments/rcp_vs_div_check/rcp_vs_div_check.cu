@@ -3,7 +3,7 @@
 // 2^32 float inputs (NaNs compared as "both NaN"). IEEE 754 says they must; this checks the device's
 // instruction sequences before the gates' Sigmoid (mhc_device_math.cuh) relies on it. A one-off
 // device check, not a ctest test: it needs a GPU.
-//   nvcc -O3 -arch=sm_90a bench/gpu/experiments/rcp_vs_div_check.cu -o rcp_vs_div_check && ./rcp_vs_div_check
+//   nvcc -O3 -arch=sm_90a bench/experiments/rcp_vs_div_check/rcp_vs_div_check.cu -o rcp_vs_div_check && ./rcp_vs_div_check
 #include <cstdio>
 #include <cstdint>
 #include <cuda_runtime.h>

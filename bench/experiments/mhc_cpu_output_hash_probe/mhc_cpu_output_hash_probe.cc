@@ -1,5 +1,5 @@
-// Output-hash probe for the CPU mHC kernels (used for the session-4 AVX-512
-// mixes-GEMM round, BENCHMARKS.md "CPU"): deterministic inputs over 3,024
+// Output-hash probe for the CPU mHC kernels (it showed the AVX-512 mixes-GEMM
+// form bitwise equal to the generic one): deterministic inputs over 3,024
 // configurations (n 1-8, C with and without K % 16 tails, T 1-40, every stage,
 // mode and path, 1, 2 and 5 threads), one FNV-1a hash per configuration over every
 // output byte, and a total. Build it against two versions of the library and
@@ -8,8 +8,8 @@
 // library older than it). Not part of the build; from the repository
 // root, with a CPU build in build/:
 //
-//   g++ -std=c++20 -O2 -Ikernels/include -Ikernels/cpu \
-//     bench/experiments/mhc_cpu_output_hash_probe.cc \
+//   g++ -std=c++20 -O2 -Ikernels/include -Ikernels/cpu -Ibench/experiments \
+//     bench/experiments/mhc_cpu_output_hash_probe/mhc_cpu_output_hash_probe.cc \
 //     build/kernels/libfusedlayer_kernels.a \
 //     $(pkg-config --libs absl_status absl_statusor absl_strings absl_str_format) \
 //     -lpthread -o /tmp/mhc_probe && /tmp/mhc_probe > hashes.txt

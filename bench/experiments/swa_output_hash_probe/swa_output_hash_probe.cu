@@ -1,4 +1,4 @@
-// SWA output-hash probe (round 9; not built by CMake): runs the fused launcher and the unfused chain
+// SWA output-hash probe (not built by CMake): runs the fused launcher and the unfused chain
 // (norm rows + group quant) on fixed pseudo-random inputs (outliers, all-zero groups, NaN, inf, -0,
 // 1e+-30 rows; weights with -0 and 3e37) over 160 configurations (Q 128..2048, D 256/512/1024,
 // M 16..4099, row stride +0/+8, e4m3fn/e4m3fnuz, fp32/UE8M0, row-/column-major scales, the
@@ -6,8 +6,8 @@
 // configuration. Build it once against the reference kernel source and once against the changed one;
 // a kernel change that claims bit-exactness must print identical lines.
 //   W=/path/to/tree; F="-O2 -DNDEBUG -DFUSEDLAYER_HAS_GPU=1 -arch=sm_90a -std=c++20 -I$W/kernels/include -I$W/kernels/cpu"
-//   nvcc $F -I<dir with the reference swa_kernel_launch.h> -I$W/kernels/gpu -o probe_ref swa_output_hash_probe.cu <ref swa_row_launch.cu>
-//   nvcc $F -I$W/kernels/gpu -o probe_new swa_output_hash_probe.cu $W/kernels/gpu/swa_norm_quant.cu
+//   nvcc $F -I<dir with the reference swa_kernel_launch.h> -I$W/kernels/gpu -o probe_ref swa_output_hash_probe.cu <the reference swa_row_launch.cu>
+//   nvcc $F -I$W/kernels/gpu -o probe_new swa_output_hash_probe.cu $W/kernels/gpu/swa_row_launch.cu
 //   ./probe_ref > ref.txt; ./probe_new > new.txt; cmp ref.txt new.txt
 #include "gpu_runtime.h"
 #include "swa_kernel_launch.h"
