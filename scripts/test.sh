@@ -24,10 +24,10 @@
 #    The CUDA image cannot be built without its base image: its runtime package list is checked
 #    against the CUDA build's libraries instead (step 2).
 # Any failure stops the script with a non-zero exit. The per-stage wall times are printed at the end.
-# On a 2-core machine without a GPU but with nvcc (a clean clone, session 21, 3,891 s in all): steps
+# On a 2-core machine without a GPU but with nvcc (a clean clone, 3,891 s in all): steps
 # 1-3 took 1,404 s, ASan 1,163, TSan 545, fuzzing 459 and the image 309. CI's limit is 90 minutes;
 # most of the time is compiling, three times over (CPU, ASan, TSan), which is why the server and
-# client suites' own code is compiled at -Og -g1 (tests/CMakeLists.txt; 4,372 s before, session 20).
+# client suites' own code is compiled at -Og -g1 (tests/CMakeLists.txt; 4,372 s in all without it).
 #
 #   FUSEDLAYER_SKIP_SANITIZERS=1 scripts/test.sh    quick local run: skips steps 4-5 (CI never sets it)
 #   FUSEDLAYER_SKIP_IMAGE=1 scripts/test.sh         skips step 6 (CI never sets it)

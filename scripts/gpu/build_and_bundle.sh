@@ -2,8 +2,8 @@
 # Builds the CUDA tree and bundles everything the GPU host runs into .gpu/ (git-ignored): the
 # contract and GPU suites, the GPU benchmarks and torch peers, and the server + fusedctl for the
 # end-to-end smoke run. The bundle (~150 MB: every executable carries the kernels' fatbins) is then
-# packed into .gpu-pack/gpu_bundle.tar.xz (~14 MB), under the device tool's 64 MiB carry limit.
-# On the device machine (carry [".gpu-pack"]):
+# packed into .gpu-pack/gpu_bundle.tar.xz (~14 MB), small enough to copy to a GPU host with the tree.
+# On the GPU host, from a copy of the working tree with .gpu-pack:
 #   mkdir -p /tmp/b && tar xJf .gpu-pack/gpu_bundle.tar.xz -C /tmp/b && bash /tmp/b/run_device.sh
 #
 # usage: scripts/gpu/build_and_bundle.sh [BUILD_DIR]     (default build-cuda)
@@ -11,7 +11,7 @@
 #                                           both must match /.gpu*/ in .gitignore)
 #   GPU_TARGETS="gpu_mhc_tests bench_mhc_gpu" a subset of the targets below (faster builds)
 #   BASE_SERVER=path/to/old/fusedlayer_server  bundles it as fusedlayer_server_base for run_device.sh's
-#                                           "ab" step (old and new binary in one device session)
+#                                           "ab" step (old and new binary in one run)
 #   BASE_BENCH=path/to/old/bench_mhc_gpu    bundles it as bench_mhc_gpu_base for the "bench" step,
 #                                           which then runs old and new interleaved
 #   EXTRA_EXES="path:name ..."              bundles more executables under those names (e.g. a
@@ -55,7 +55,6 @@ rm -rf "$base_dir"
 cp "$root/bench/gpu/torch_peers.py" "$root/bench/gpu/torch_mhc_peer.py" "$root/scripts/gpu/run_device.sh" "$stage/"
 mkdir -p "$pack"
 # xz -9: its 64 MiB dictionary spans several executables, so the kernels' fatbins that each of them
-# carries are stored about once (147 MB -> 14 MB; at xz's default -6, 8 MiB, 60 MB, which with the
-# working tree no longer fit the 64 MiB carry limit).
+# carries are stored about once (147 MB -> 14 MB; at xz's default -6, an 8 MiB dictionary, 60 MB).
 XZ_OPT=${XZ_OPT:--9} tar cJf "$pack/gpu_bundle.tar.xz" -C "$stage" .
 du -sh "$stage" "$pack/gpu_bundle.tar.xz"

@@ -48,8 +48,8 @@ if want tests; then
     [ $t = server_batching_tests ] && filter="--gtest_filter=*OnTheDefaultBackend*"
     echo "== $t" >> "$OUT/tests.log"; timeout 240 ./$t --gtest_brief=1 $filter > /tmp/$t.log 2>&1; rc=$?
     cat /tmp/$t.log >> "$OUT/tests.log"; echo "$t rc=$rc"; tail -3 /tmp/$t.log
-    # A failure's own lines on the console too: the device tool returns a limited number of files,
-    # and a run with the sanitizers' logs can leave tests.log behind (session 16, run 4).
+    # A failure's own lines on the console too, so they survive when only the console of a run
+    # comes back (a run with the sanitizers' logs can leave tests.log behind).
     [ $rc -eq 0 ] || { failed=1; grep -B2 -A14 -E "Failure|FAILED  \]" /tmp/$t.log | head -80; }
   done
 fi
@@ -184,11 +184,11 @@ if want smoke; then
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/smoke-nopool.log"
   cat "$OUT/smoke-nopool.log"
 fi
-# The data path (BENCHMARKS.md, end-to-end table; issue 12): each row beside its transport floor
+# The data path (BENCHMARKS.md, "End to end over gRPC"): each row beside its transport floor
 # (fusedctl bench --echo_floor: a bare gRPC echo of the same byte counts over the same channel
 # options, from the same run), and dynamic batching on (--max_batch_tokens=64, the default) and off (0) at
 # concurrency 16 with T = 1 decode requests.
-# Residual sessions (issue 13): x only per call, the state in device memory, against the same
+# Residual sessions: x only per call, the state in device memory, against the same
 # request inline (TCP row) and the echo floor of the session's own bytes. Target: bytes per mHC
 # call <= 0.25x a plain call, p50 accordingly lower.
 if want sessions; then
@@ -203,7 +203,7 @@ if want sessions; then
   } >> "$OUT/sessions.log" 2>&1
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/sessions.log"
 fi
-# System shared memory (issue 13) on one server: first the outputs of each op through a registered
+# System shared memory on one server: first the outputs of each op through a registered
 # region against the same inputs inline over TCP (fusedctl --seed, compared byte for byte), then the
 # bench rows, each of which runs the shm row, the same request inline over TCP and the echo floor of
 # both byte counts. Target: mHC C = 7168 T = 64 round trip p50 <= 400 us.
@@ -237,7 +237,7 @@ if want shm; then
   } >> "$OUT/shm.log" 2>&1
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/shm.log"
 fi
-# CUDA shared memory (issue 13): the tensors in this host's device memory, used by the server's
+# CUDA shared memory: the tensors in this host's device memory, used by the server's
 # kernels in place, against the same request inline (TCP row) and the echo floor of its bytes.
 # Targets: mHC C = 7168 T = 64 p50 <= 80 us, T = 1 <= 40 us, SWA M = 64 <= 40 us.
 if want cudaipc; then
@@ -313,7 +313,7 @@ if want dataplane; then
     } >> "$OUT/dataplane.log" 2>&1
     kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
   done
-  # Device lanes A/B (issue 12 item 1, docs/operations.md "Device lanes"): the same binary with one
+  # Device lanes A/B (docs/operations.md "Device lanes"): the same binary with one
   # lane (the serial data path) and the default (auto = 4), batching off so only the lanes differ.
   # Targets: server p50 mHC T = 64 <= 0.5 ms, SWA M = 64 <= 60 us, req/s at c16 >= 3x c1.
   for lanes in 1 0; do
@@ -367,7 +367,7 @@ if want shadow; then
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/shadow.log"
   cat "$OUT/shadow.log"
 fi
-# Old and new server in one session (METHOD.md: compare binaries on the same machine, back to back):
+# Old and new server in one run (compare binaries on the same machine, back to back):
 # the bundle carries a baseline server as fusedlayer_server_base (build_and_bundle.sh BASE_SERVER=...).
 # Each row runs against the baseline and then the new server, same flags, same client; the new
 # server's rows also get their echo floor. AB_ROWS / AB_SECONDS / AB_FLAGS (both servers) override the
@@ -466,7 +466,7 @@ if want abclient; then
   done
   kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/abclient.log"
 fi
-# Where a small CUDA shared-memory call's server time goes on the host (decode ~30-40 us, session 14):
+# Where a small CUDA shared-memory call's server time goes on the host (decode ~30-40 us):
 # a CPU profile of the server during an mHC T = 1 bench, and its system calls. Needs perf / strace
 # in the bundle (not bundled by default: build_and_bundle.sh's PROFILE_TOOLS=1) and a server with
 # its symbol table (the same switch keeps it).
