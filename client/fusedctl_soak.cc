@@ -51,8 +51,8 @@ constexpr int kMaxClients = 1024;
 constexpr int64_t kTokenChoices[] = {1, 2, 3, 7, 16, 33, 64};
 // A deadline no server meets: the call must end DEADLINE_EXCEEDED (the server sees a cancelled call).
 // Sent with the largest valid mHC request of the pool: with a small one (T = 1, ~72 KiB) a fast
-// GPU server answered 114 such probes OK before the client's deadline timer fired (H200, session 6
-// churn run); a request of MiBs cannot even be sent in 1 us.
+// GPU server answered 114 such probes OK before the client's deadline timer fired (H200, a churn
+// run); a request of MiBs cannot even be sent in 1 us.
 constexpr absl::Duration kExpiredDeadline = absl::Microseconds(1);
 
 // One pool entry: how to send it and which status it must come back with.

@@ -26,8 +26,8 @@ std::string UnixSocketPath(std::string_view address);
 std::string UnixAbstractName(std::string_view address);
 
 // What --executor_spin_us=-1 means on a device backend with lanes: longer than the ~150-350 us
-// between one response and a closed-loop caller's next request on the H200 host (BENCHMARKS.md,
-// session 12), so a per-layer caller's next request finds a worker awake.
+// between one response and a closed-loop caller's next request on the H200 host, so a per-layer
+// caller's next request finds a worker awake.
 inline constexpr int64_t kAutoExecutorSpinUs = 500;
 
 struct ServerConfig {

@@ -1,7 +1,7 @@
 // mHC seam GPU benchmark (n = 4, shifted mode unless --mode normal, norm weight present): fused vs
 // unfused, timed as CUDA graph replays with a cold L2, against the byte-model floor.
 //
-// Method (device/METHOD.md, background/kernel-performance.md):
+// Method (BENCHMARKS.md, "Method"):
 //   - each graph holds L launches of LaunchMhcGpu, each on its own input/output set
 //     (L = clamp(1 GiB / bytes per launch, 2, 64)), so no launch re-reads what another touched;
 //   - before every replay a 512 MiB memset evicts the 60 MB L2 (outside the timed region), so every

@@ -1,7 +1,7 @@
 // SWA GPU benchmark: fused vs unfused launch sequences, timed as CUDA/HIP graph replays with a cold
 // L2, against the byte-model floor.
 //
-// Method (device/METHOD.md, background/kernel-performance.md):
+// Method (BENCHMARKS.md, "Method"):
 //   - each graph holds L launches, each on its own input/output set (L = clamp(1 GiB / bytes per
 //     launch, 2, 200)), so no launch re-reads data another launch touched;
 //   - before every replay a 512 MiB memset evicts the 60 MB L2 (outside the timed region: events are
@@ -53,7 +53,7 @@ namespace {
     }                                                                                            \
   } while (0)
 
-constexpr double kFloorBandwidth = 4.2e12;  // bytes/s, the team's H200 floor
+constexpr double kFloorBandwidth = 4.2e12;  // bytes/s, the H200's measured device-to-device copy rate
 constexpr size_t kFlushBytes = size_t{512} << 20;
 
 void* Alloc(size_t bytes) {

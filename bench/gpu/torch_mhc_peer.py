@@ -6,7 +6,7 @@ Sinkhorn, shifted collapse -> bf16 z, RMSNorm from the rounded z), written the w
 user would (einsum, matmul with TF32 off, a Python Sinkhorn loop). It is a timing peer, not a
 reference: its fp32 summation orders differ from the contract's fixed ones.
 
-Timing (device/METHOD.md): cold L2 (a 512 MiB zero-fill before every timed call), CUDA events,
+Timing (BENCHMARKS.md, "Method"): cold L2 (a 512 MiB zero-fill before every timed call), CUDA events,
 median of 15 after 3 warm-ups. Two numbers per shape: eager (launch overheads included, what an
 eager model pays) and the same calls replayed from a CUDA graph (device time only).
 

@@ -150,7 +150,7 @@ class GpuLane final : public Lane {
   // A lane runs one request at a time (LaneStaging allocates once per call and frees after its
   // Wait), so the lane keeps that buffer for its next request instead of a gpuMallocAsync and a
   // gpuFreeAsync per call: ~14 us of runtime calls per call on the lane's thread under CUPTI on the
-  // H200 (docs/device-runs/2026-12-02-h200-session9-run1-cupti-trace-*.log). Up to
+  // H200. Up to
   // kKeptBufferBytes; a larger request, or one while the kept buffer is out, allocates as before.
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (absl::Status s = Bind(); !s.ok()) return s;

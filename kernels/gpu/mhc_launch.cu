@@ -108,8 +108,7 @@ constexpr int kFinalizeNarrowMixWarps = 4;
 // Above these token counts the finalize takes its instances compiled for more resident blocks
 // (below): where its y blocks rescale z (the fused shifted seam), above the narrow-mix range (from
 // T = 257 it measured -8% to +2% by size, +2% at T = 512 for every C); where they collapse R' (the
-// unfused path, normal mode), from T = 257 (2-10% faster at every measured size: MHC_GPU_NOTES.md,
-// "Occupancy round", run 8).
+// unfused path, normal mode), from T = 257 (2-10% faster at every measured size; DESIGN.md).
 constexpr int64_t kFinalizeRescaleOccupancyMinTokens = kFinalizeNarrowMixMaxTokens + 1;
 constexpr int64_t kFinalizeCollapseOccupancyMinTokens = 257;
 
@@ -118,7 +117,7 @@ constexpr int64_t kFinalizeCollapseOccupancyMinTokens = 257;
 // busier GPU they are crowded onto the SMs left free (the staged pass at C = 7168 T = 64, 224 CTAs,
 // after an 80-block finalize: 3 to an SM instead of 1-2) and the seam got 7% slower than with the
 // trigger at completion; at T = 1 and 16 (2 and 20 blocks) the early trigger gains 0.3-0.4 us
-// (MHC_GPU_NOTES.md, "Launch-overlap round", run 2).
+// (DESIGN.md, "Launch order").
 constexpr int64_t kFinalizeEarlyTriggerSmsPerBlock = 4;
 
 template <int N, bool kVec>
@@ -128,7 +127,7 @@ absl::Status LaunchFinalize(FinalizeParams fp, const GpuContext& ctx) {
   const size_t smem = size_t(nvec + nchunk) * sizeof(float);
   // At large T the y blocks' bandwidth sets the time: an instance compiled for more resident
   // blocks (a launch choice like mix_warps; same bits). Measured at C = 7168, T = 4096
-  // (MHC_GPU_NOTES.md, "Occupancy round"): rescaling z (the fused shifted seam) is fastest at 4
+  // (DESIGN.md): rescaling z (the fused shifted seam) is fastest at 4
   // blocks per SM, collapsing R' (the unfused path, normal mode: 4x the loads per vector) at 3.
   // Only for n = 4 (DeepSeek's): each instance adds its code to every executable's fatbin.
   auto kernel = mhc::MhcFinalizeKernel<N, kVec, 2>;
@@ -178,14 +177,14 @@ constexpr int64_t kSingleTileMaxTokens = FL_MHC_SINGLE_TILE_MAX_TOKENS;
 // 16-token tiles: the default instance (FL_MHC_TILE16_MIN_BLOCKS = 3 CTAs per SM, no spills) while
 // the grid fits one wave of those; a larger grid runs the 4-CTA/SM instance (128 registers, a few
 // spilled), which turns e.g. C = 7168, T = 128 (448 CTAs) from 1.13 waves into one (measured -11%
-// there as a global switch, but +1-2% at T <= 64 from the spills: MHC_GPU_NOTES.md, "bf16 fn
-// round", v1; hence only where the grid exceeds the 3-CTA wave). Same arithmetic, same bits: the
+// there as a global switch, but +1-2% at T <= 64 from the spills;
+// hence only where the grid exceeds the 3-CTA wave). Same arithmetic, same bits: the
 // choice may depend on T (tested: BatchInvariance crosses it).
 constexpr int kTile16WideMinBlocks = 4;
 
 // The staged pass (mhc_staged_pass_kernel.cuh, same bits) for the fused path at these token counts:
 // measured faster there (C = 7168: T = 64 14.5 -> 12.6 us, T = 1024 93.8 -> 90.9 us; T = 1 and the
-// GEMM-only pass of the unfused path were slower or equal: MHC_GPU_NOTES.md, "Staged round").
+// GEMM-only pass of the unfused path were slower or equal; DESIGN.md).
 constexpr int64_t kStagedMinTokens = 2;
 constexpr int64_t kStagedMaxTokens = 1024;
 // 3 resident CTAs per SM (<= 85 registers, no spills; 72 KB of shared memory each): measured
@@ -209,7 +208,7 @@ gpuError_t EnqueueStagedPass(const FusedParams& fp, int nchunk, gpuStream_t stre
 // The persistent staged pass (same tile arithmetic, same bits) wherever the one-tile staged pass
 // would need more than one wave of CTAs (16-token tiles x chunks > kStagedMinBlocks x SMs), with 2
 // resident CTAs per SM (<= 128 registers: the next tile's loads are held in registers). Measured
-// (MHC_GPU_NOTES.md, "Persistent round"): faster from T = 1024 at every C and at C = 7168 T = 128
+// (DESIGN.md): faster from T = 1024 at every C and at C = 7168 T = 128
 // (448 staged CTAs, 1.13 waves: 16.55 -> 14.88 us); slower where the staged grid fits one wave (C =
 // 5120 T = 128: 13.61 staged, 14.41 persistent).
 constexpr int kPersistentMinBlocks = 2;

@@ -10,8 +10,8 @@
 //   fused (n = 4, C % 128 == 0, CUDA sm_80+): one pass over R and x per 128-channel chunk and 16-
 //     or 32-token tile (post, aux, shifted collapse, mixes on tensor cores with fn split into two
 //     bf16 parts, per-chunk partials), then the same finalize kernel (programmatic dependent launch).
-//     (A one-launch variant with a per-token-tile barrier measured slower at every decode size; it
-//     is kept out of the sources as bench/gpu/experiments/mhc_one_launch.patch.)
+//     (A one-launch variant with a per-token-tile barrier measured slower at every decode size:
+//     kernels/gpu/DESIGN.md.)
 //   Every reduction order depends on C only, so results are batch invariant; where both paths run,
 //   they agree bit for bit (new_residual, mixes, y in both modes).
 // Launch overlap: every pass and the finalize are launched with programmatic dependent launch

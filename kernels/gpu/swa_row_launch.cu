@@ -50,7 +50,7 @@ gpuError_t LaunchRows(const SwaRowParams& p, int sm_count, gpuStream_t stream) {
                          (kMode == RowMode::kNormOnly || reinterpret_cast<uintptr_t>(p.q_fp8) % 8 == 0);
     const int nqt = (p.q_rank / kChunk + kRowTeam - 1) / kRowTeam;
     const int nkt = (p.head_dim / kChunk + kRowTeam - 1) / kRowTeam;
-    // Measured (SWA_GPU_RESULTS.md, round 7): one row per block wins up to M = 8 x SMs (Q = 1536,
+    // Measured on the H200: one row per block wins up to M = 8 x SMs (Q = 1536,
     // M = 1024: 3.96 against 5.18 us cold, 3.35 against 4.06 warm) and loses from about 16 x SMs.
     const int64_t wide_max = p.wide_rows_max >= 0 ? p.wide_rows_max : int64_t(8) * (sm_count > 0 ? sm_count : 1);
     if (aligned && nqt <= 8 && nkt <= kWideMaxTeams - 8 && p.tokens <= wide_max) {

@@ -2,7 +2,7 @@
 // e4m3fnuz weight sets keep swa_wq_b_launch.cu). The header has no cuBLAS types, so swa_launch.h can
 // hold a plan in every build; wq_b_cublaslt.cc is compiled into CUDA builds only.
 //
-// Mapping (measured in bench/gpu/experiments/wq_b_cublaslt.cu): row-major q_proj[M, N] is the
+// Mapping (checked against an fp64 reference on the H200): row-major q_proj[M, N] is the
 // column-major D^T [N x M] = op(A) op(B) with A = wq_b [N, K] (TRANSA = T, BLK128x128_32F scales =
 // wq_b_scale [N/128][K/128] as stored) and B = q codes [M, K] (TRANSB = N, VEC128_32F scales laid
 // out [K/128][M], M contiguous); D bf16, CUBLAS_COMPUTE_32F, fast accumulation off, alpha 1, beta 0.

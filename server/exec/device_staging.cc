@@ -99,8 +99,8 @@ absl::Status LaneStaging::Stage() {
   // Inputs first, then outputs, each on its own aligned offset: the inputs are one range of the
   // staging and device blocks and the outputs another, so each direction is one copy (or one per
   // chunk), not one per tensor. Why: every enqueued copy costs the lane's thread a few us of CUDA
-  // runtime (cudaMemcpyAsync: 7 us a call under CUPTI on the H200, docs/device-runs/
-  // 2026-12-02-h200-session9-run1-cupti-trace-*.log), and an mHC call has 5 inputs and 5 outputs.
+  // runtime (cudaMemcpyAsync: 7 us a call under CUPTI on the H200), and an mHC call has 5 inputs
+  // and 5 outputs.
   // Inputs already in pinned memory keep their layout there and skip the staging block.
   const char* const pinned_inputs = LayOutPinnedInputs();
   if (pinned_inputs == nullptr && pinned_.device_only) {

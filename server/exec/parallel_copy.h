@@ -2,13 +2,13 @@
 // staging blocks (exec/device_staging.h, LaneStaging) on a backend whose memory the host cannot
 // touch. Why: one core moves ~6-8 GB/s here, and on the H200 host staging the 4.4 MiB of an mHC
 // seam C = 7168 T = 64 took 792 us of its 2.18 ms server time and copying its outputs back 567 us
-// (ExecutionReport.stages, docs/device-runs/2026-12-02-h200-session7-run6-*.log), against 167 us
+// (ExecutionReport.stages), against 167 us
 // for the copies to and from the device and the kernels together.
 //
 // Only one call is split at a time: a call that starts while another is split is copied by its
 // caller alone. Why: under load every caller copies its own call anyway, and helpers would take
-// cores from gRPC's threads (session 10, every call split: -8% req/s at concurrency 16); the split
-// pays when one call's copy is the critical path, as for a per-layer caller (session 20, mHC
+// cores from gRPC's threads (every call split: -8% req/s at concurrency 16); the split
+// pays when one call's copy is the critical path, as for a per-layer caller (mHC
 // C = 7168 T = 64 on the H200 with the auto 7 helpers, one split at a time: server p50 -43 to -48%
 // at concurrency 1 and -55 to -61% at 16, req/s at 16 no lower; BENCHMARKS.md). The caller of a split call copies one share itself and, when
 // the helpers are busy, takes its own queued shares back and copies them too: a copy never waits
@@ -17,7 +17,7 @@
 // A call into pinned staging (Destination::kPinnedStaging: the device reads it, the CPU does not)
 // of kMinStreamingBytes or more is copied with streaming stores (exec/streaming_copy.h): on the
 // H200 host 1.2-1.6x memcpy's rate into pinned memory, but 0.5-0.9x into pageable memory
-// (bench/experiments/host_copy_bandwidth, docs/device-runs/2026-12-04-h200-session20-run1-*.log).
+// (bench/experiments/host_copy_bandwidth).
 #pragma once
 
 #include <condition_variable>
@@ -32,7 +32,7 @@ namespace fusedlayer::server {
 class ParallelCopy {
  public:
   // Copies shorter than this stay on the caller. A hand-off costs tens of microseconds on a busy
-  // host: splitting an SWA M = 64 call's 256 KiB made its decode 14-16 us slower (session 20).
+  // host: splitting an SWA M = 64 call's 256 KiB made its decode 14-16 us slower.
   static constexpr size_t kMinSplitBytes = size_t{1} << 20;
 
   // Where a call's bytes go: whether the CPU reads them again decides the kind of store.
@@ -78,7 +78,7 @@ class ParallelCopy {
   // The helpers `--host_copy_threads=-1` (auto) gets on a machine with `cores` cores: half of
   // them, at most 7, none below 4 cores. Only one call is split at a time, so at most 8 cores copy
   // one call while the rest serve gRPC. On the H200 host (16 cores) 7 helpers read an mHC
-  // C = 7168 T = 64 request in 211-247 us against 282-314 with 3 (session 20, run 3).
+  // C = 7168 T = 64 request in 211-247 us against 282-314 with 3.
   static int AutoHelperThreads(unsigned cores);
 
  private:

@@ -21,7 +21,7 @@ namespace fusedlayer::server {
 // A call below this is a plain memcpy. On the H200 host an SWA M = 64 call's 256 KiB streamed into
 // its pinned block took 6-13 us off the device stage (the DMA reads memory instead of snooping
 // the lines a memcpy left dirty in the cache), but an mHC T = 1 call's 70 KiB got 2-5 us slower
-// in both the read and the device stage (docs/device-runs/2026-12-04-h200-session20-run2-ab.log).
+// in both the read and the device stage.
 inline constexpr size_t kMinStreamingBytes = size_t{128} << 10;
 
 void StreamingCopy(void* dst, const void* src, size_t n);

@@ -12,7 +12,7 @@
 //     to the device from as it is (exec/device_staging.h), and only the rest is parsed by protobuf.
 //     One host pass over the tensor bytes instead of two (the parse into the message, then the
 //     copy into staging): on the H200 each pass over an mHC seam C = 7168 T = 64 (4.4 MiB) cost
-//     ~0.5 ms of its ~1.3 ms server time (BENCHMARKS.md, session 9).
+//     ~0.5 ms of its ~1.3 ms server time.
 #pragma once
 
 #include <cstdint>

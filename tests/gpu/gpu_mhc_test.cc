@@ -508,8 +508,8 @@ TEST_F(GpuMhcTest, SeamVariants) {
 // the finalize's decode instance with two blocks and its early trigger): every stage and variant (first
 // stage, pre mix given or not, aux, with and without norm weight, head stage, normal mode, one
 // Sinkhorn iteration) at one chunk, 40 and 56 chunks: bits against the unfused path and the fp64
-// reference, each run twice with its outputs poisoned before each run. (Written for the one-kernel
-// form of this seam, bench/gpu/experiments/mhc_one_token_seam.patch, which it also passed.)
+// reference, each run twice with its outputs poisoned before each run. (Written for a one-kernel
+// form of this seam, not kept, which it also passed.)
 TEST_F(GpuMhcTest, OneTokenSeams) {
   for (int64_t C : {int64_t(128), int64_t(5120), int64_t(7168)})
     for (int variant = 0; variant < 7; ++variant) {

@@ -162,7 +162,7 @@ TEST_F(Reliability, DeviceAllocationFailureIsResourceExhaustedAndServingContinue
   EXPECT_EQ(s.process.Wait(), 0);
 }
 
-// ---- memory admission (issue 15) --------------------------------------------------------------
+// ---- memory admission ----------------------------------------------------------------------
 
 // A FIRST-stage request sends only x and gets ~(n + 1) times its size back. One whose response is
 // over the send limit must be refused before its response is allocated and before the op runs.
@@ -434,7 +434,7 @@ TEST_F(LoadWeightsFaults, CorruptReplacementIsDataLossAndTheOldSetKeepsServing) 
   EXPECT_EQ(Health("fusedlayer.mhc"), 1);
 }
 
-// ---- LoadWeights under hostile load (issue 15) --------------------------------------------------
+// ---- LoadWeights under hostile load ----------------------------------------------------------
 
 // An upload without sha256 would skip the integrity check: refused for RPC uploads.
 TEST_F(LoadWeightsFaults, UploadWithoutSha256IsRefused) {

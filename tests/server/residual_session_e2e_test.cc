@@ -117,8 +117,8 @@ int RunChain(FusedLayerClient& c, std::mt19937_64& rng, const std::string& sessi
       EXPECT_FALSE(got->has_new_pre_mix());
       EXPECT_FALSE(got->has_new_post_mix());
       EXPECT_FALSE(got->has_new_comb_mix());
-      // A SEAM call's bytes, both ways: x + y against x + y + 2 x (R + mixes), ~0.2x (issue 13's
-      // target: <= 0.25x); 1 KiB for the messages' small fields.
+      // A SEAM call's bytes, both ways: x + y against x + y + 2 x (R + mixes), ~0.2x (the
+      // product target: <= 0.25x); 1 KiB for the messages' small fields.
       if (stages[i] == v1::MHC_STAGE_SEAM) {
         EXPECT_LT(got->ByteSizeLong() + call.session_request.ByteSizeLong(),
                   (want->ByteSizeLong() + call.inline_request.ByteSizeLong()) / 4 + 1024);

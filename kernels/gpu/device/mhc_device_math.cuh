@@ -191,9 +191,9 @@ __device__ __forceinline__ float SinkhornRcp(float x) {
 // relative error that matters only where exp(x) is negligible beside the row's 1) instead of
 // expf's range-reduced sequence. With the row's normalisation by one SinkhornRcp instead of four
 // IEEE divisions (each a branch to a slow path), the first step lost 16 branch regions from the mix
-// warp's serial chain: the seam -0.4..-0.5 us at every C for T <= 128 on an H100 (MHC_GPU_NOTES.md,
-// "Split-load round"), and it stays far inside the mixes tolerance, as the later steps do. The
-// gates keep expf and a correctly rounded 1 / x (Sigmoid): pre is collapsed into normal mode's y.
+// warp's serial chain: the seam -0.4..-0.5 us at every C for T <= 128 on an H100, and it stays
+// far inside the mixes tolerance, as the later steps do. The gates keep expf and a correctly
+// rounded 1 / x (Sigmoid): pre is collapsed into normal mode's y.
 __device__ __forceinline__ float SinkhornExp(float x) {
 #if FL_HIP
   return expf(x);
@@ -203,8 +203,8 @@ __device__ __forceinline__ float SinkhornExp(float x) {
 }
 
 // 1 / (1 + exp(-a)) as the correctly rounded reciprocal: the same bits as the IEEE division
-// 1.0f / x (checked for all 2^32 inputs on an H100: bench/gpu/experiments/rcp_vs_div_check.cu) with a
-// shorter sequence on the gates' chain (the seam -0.03..-0.14 us at T <= 128, run J2).
+// 1.0f / x (checked for all 2^32 inputs on an H100: bench/experiments/rcp_vs_div_check) with a
+// shorter sequence on the gates' chain (the seam -0.03..-0.14 us at T <= 128 on an H100).
 __device__ __forceinline__ float Sigmoid(float a) { return __frcp_rn(__fadd_rn(1.0f, expf(-a))); }
 
 // a[o] = (r * d[o]) * alpha[g(o)] + b[o].
@@ -235,7 +235,7 @@ __device__ __forceinline__ void ComputePost(const float* d, float S, float K, co
 
 // comb for n = 4 on every lane of a warp, in registers (each lane runs the whole 4 x 4 Sinkhorn;
 // the caller stores lane l's P[l / 4][l % 4], lanes 16..31 mirror 0..15). The order of every
-// operation is the one of the xor-butterfly version this replaced (2026-12-02 finalize round):
+// operation is the one of the xor-butterfly version this replaced (bench/experiments/sinkhorn_bits_check):
 // row sums (P[i][0] + P[i][1]) + (P[i][2] + P[i][3]), column sums (P[0][j] + P[1][j]) + (P[2][j] +
 // P[3][j]), row max max(max(a, b), max(c, d)); IEEE add and fmaxf commute, so each lane of the
 // butterfly held exactly these bits. Why registers: a butterfly normalisation is 2 dependent

@@ -21,7 +21,7 @@ inline constexpr int kFinalizeWarps = kFinalizeThreads / kWarpSize;
 // and the decode instance's 128 registers (the mix warps' 64-wide split batch) allow only 2 of them
 // per SM. The large-T instances batch the split loads 16 wide (same adds, same order) to fit 64
 // registers at 4 blocks (rescale; ptxas spills 32 bytes at n = 4) or 85 at 3 (collapse: R' of 4
-// streams per vector). MHC_GPU_NOTES.md, "Occupancy round", has the measurements behind 4 and 3.
+// streams per vector). Measured at C = 7168, T = 4096: 4 and 3 are the fastest (kernels/gpu/DESIGN.md).
 inline constexpr int kFinalizeRescaleMinBlocks = 4;
 inline constexpr int kFinalizeCollapseMinBlocks = 3;
 
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kFinalizeThreads, kMinBlocks) MhcFinalizeKerne
   // Only the decode instance may trigger early (the launcher asks for it only for grids of a few
   // dozen blocks, far below the large-T instances' threshold). Keeping the branch out of the
   // large-T instances keeps their code as it was: with it, the normal-mode collapse instance ran
-  // 3-4% slower in ncu at T = 4096 with the same registers ("Launch-overlap round", run 4).
+  // 3-4% slower in ncu at T = 4096 with the same registers.
   if constexpr (kMinBlocks == 2) {
     if (p.launch_dependents_early) LaunchDependents();
   }

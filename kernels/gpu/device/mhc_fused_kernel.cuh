@@ -9,7 +9,7 @@
 // stored). The mixes run as bf16 MMAs with fp32 accumulation and fn split into hi + lo bf16 parts
 // (prepared on the host): R' is bf16, hence exact, hi + lo carries 16 significant bits of fn (split
 // error <= 2^-16 |fn| per element, random in sign), and the two MMAs give dot products far inside
-// the mixes tolerance (MHC_GPU_NOTES.md, "bf16 fn round"). B fragments are loaded once per warp and
+// the mixes tolerance (kernels/gpu/DESIGN.md). B fragments are loaded once per warp and
 // used for every tile. The chunk partial is the fixed-order sum of the 4 warps' values, so the
 // reduction order is a function of C only.
 // Included by mhc_launch.cu only.
@@ -210,8 +210,7 @@ __global__ void __launch_bounds__(kFusedThreads, kMinBlocks > 0 ? kMinBlocks
   uint4 bq[kSteps][3];  // compile-time indices only: a register lives from its load to its MMA
   // Only the first token tile's CTAs prefetch: the others of the chunk then hit the same lines in L2,
   // and at large T (many waves, all past the wait) a prefetch per CTA would only double fn's L2
-  // traffic (measured: the unfused chain +8% at C = 7168 T = 1024, MHC_GPU_NOTES.md, "Launch-overlap
-  // round").
+  // traffic (measured: the unfused chain +8% at C = 7168 T = 1024).
   if constexpr (kMix) {
     if (blockIdx.x == 0) {
       constexpr int kFragLines = kSteps * 3 * 32 * 16 / 128;
@@ -229,7 +228,7 @@ __global__ void __launch_bounds__(kFusedThreads, kMinBlocks > 0 ? kMinBlocks
   // Now let the finalize (programmatic dependent launch) become resident; its GridDependencyWait
   // still waits for this whole grid. Not before this kernel's own wait: a trigger there would let
   // the finalize in, which lets the next seam's pass in, and so on, until every later kernel of a
-  // graph sat resident and waiting (measured: +15% at C = 7168 T = 16, "Launch-overlap round").
+  // graph sat resident and waiting (measured: +15% at C = 7168 T = 16).
   LaunchDependents();
 
   // Row r = mt*16 + h*8 + g of the CTA's token tile: m-tile mt, fragment half h.

@@ -4,12 +4,12 @@
 // (MhcPersistentPassKernel, below) where the grid would not (mhc_launch.cu); the register-resident
 // pass keeps T = 1, the rest of T > 1024 and the unfused path's GEMM-only pass.
 //
-// Why (bench/gpu/MHC_GPU_NOTES.md, "Staged round", session 7): at decode sizes the register-resident
+// Why (kernels/gpu/DESIGN.md): at decode sizes the register-resident
 // pass is latency-bound (ncu, C = 7168, T = 64: 159 registers, 1.74 active and 0.23 eligible warps
 // per scheduler), and leaving its global stores out made the whole seam 3 us faster at T = 64 and
 // 40 us at T = 1024: its lanes write R', aux and z as 64-byte pieces of 8 token rows (the MMA
 // fragment layout; most of that cost turned out to be nvcc splitting each 16-byte store into four
-// 32-bit ones, fixed in session 16: StoreStreaming16 in mhc_fused_kernel.cuh). Here
+// 32-bit ones, since fixed: StoreStreaming16 in mhc_fused_kernel.cuh). Here
 //   phase 0 (every thread, first): cp.async of the chunk's B fragments (fn as bf16 hi/lo, 48 KB)
 //           into shared memory, overlapping the data loads and the post arithmetic;
 //   phase A (8 warps per 16-token tile, one token row x 8 channels per thread, each warp two rows x
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kStagedThreadsPerTile * kTiles, kMinBlocks) Mh
 // (48 KB) once and loops over many 16-token tiles of that chunk, with the next tile's x, R and
 // mixing coefficients loaded into registers while the current tile is computed.
 //
-// Why (MHC_GPU_NOTES.md, "Persistent round"): at T >= 1024 the one-tile-per-CTA kernels reload
+// Why (DESIGN.md): at T >= 1024 the one-tile-per-CTA kernels reload
 // their chunk's B fragments from L2 for every 16 or 32 tokens (at T = 4096, C = 7168, the staged
 // pass moves more bytes from L2 for fn than from HBM for the activations) and keep only one tile's
 // loads in flight per CTA, so HBM idles between a CTA's load and its stores. Here the work items

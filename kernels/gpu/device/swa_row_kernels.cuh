@@ -17,7 +17,7 @@
 // there. Every launch uses programmatic dependent launch (PDL) on CUDA.
 // All variants add the squares in one fixed tree (ChunkSq), which depends on the row width only:
 // results are batch invariant and bitwise identical across the variants, and kv is bitwise equal
-// between the fused and unfused paths. Measurements: bench/gpu/SWA_GPU_RESULTS.md.
+// between the fused and unfused paths. Design: kernels/gpu/DESIGN.md; numbers: BENCHMARKS.md.
 //
 // Device code only (kernels and their helpers); the launchers are in ../swa_row_launch.cu.
 #pragma once
@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(256) SwaRowKernel(SwaRowParams p, RowFlags f) 
   if constexpr (kResident && kMode == RowMode::kFused) {
     // Chunks k, k + 1 in pairs (QuantizeGroupPair); an odd last chunk alone. Output addresses
     // from per-row bases: codes at constant offsets, scales one g_stride multiple per pair.
-    // (Measured, SWA_GPU_RESULTS.md round 9: 1,314 -> 1,079 warp instructions per row at
+    // (Measured with ncu: 1,314 -> 1,079 warp instructions per row at
     // Q = 1536. Branching once per row on p.ue8m0 instead of per group measured 7% more
     // instructions; three groups per scale sequence needs 72 registers.)
     uint8_t* const q_out = p.q_fp8 + row * Q + lane * kChunk;
