@@ -48,7 +48,8 @@ TIMES=()
 # working directory in the hash, so the CUDA tree's host objects (server, client, tests: compiled
 # with the same flags) are the CPU tree's, and a second checkout on the same machine reuses both.
 # CCACHE_DIR is left to ccache's default (~/.cache/ccache), kept between runs on a warm machine.
-export CCACHE_BASEDIR="$ROOT" CCACHE_NOHASHDIR=1
+# Precompiled headers (cmake/precompiled_headers.cmake) are cacheable only with this sloppiness.
+export CCACHE_BASEDIR="$ROOT" CCACHE_NOHASHDIR=1 CCACHE_SLOPPINESS=pch_defines,time_macros
 command -v ccache >/dev/null && ccache --zero-stats >/dev/null
 
 step() { printf '\n==== %s\n' "$*"; }

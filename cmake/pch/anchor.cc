@@ -1,0 +1,1 @@
+int fusedlayer_precompiled_headers_anchor;
