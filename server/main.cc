@@ -7,7 +7,9 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -47,6 +49,16 @@ int main(int argc, char** argv) {
   // detector").
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage("fusedlayer gRPC server: fused mHC seam and SWA norm+quant ops");
+  // Abseil's --help shows only flags defined in a file named after the binary, and the server's live
+  // in flags.cc: it printed "No flags matched" (and exited 1). --help lists them by purpose instead.
+  for (int i = 1; i < argc; ++i) {
+    for (const char* help : {"--help", "-help", "--helpshort", "-helpshort"}) {
+      if (std::strcmp(argv[i], help) == 0) {
+        std::fputs(fs::FlagsUsage(argv[0]).c_str(), stdout);
+        return 0;
+      }
+    }
+  }
   absl::ParseCommandLine(argc, argv);
 
   // Block the shutdown signals before any thread exists so that every thread inherits the mask and
