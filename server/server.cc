@@ -19,6 +19,7 @@
 #include "common/log.h"
 #include "common/tsan_annotations.h"
 #include "prometheus/exposer.h"
+#include "rpc/undecodable_requests.h"
 
 #ifndef FUSEDLAYER_VERSION_STRING
 #error "FUSEDLAYER_VERSION_STRING must be defined by the build"
@@ -182,6 +183,11 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, static_cast<int>(cfg.max_connection_age_seconds * 1000));
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, static_cast<int>(cfg.drain_seconds * 1000));
   }
+  // gRPC answers a unary request it cannot parse UNIMPLEMENTED with no message; the interceptor
+  // makes it INVALID_ARGUMENT naming the request type, as the compute RPCs answer.
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(UndecodableRequestInterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(srv->service_.get());
   srv->server_ = builder.BuildAndStart();
   // BuildAndStart returns null when a port fails to bind. A TCP port of 0 after a "successful"

@@ -53,5 +53,103 @@ TEST(ServerHelp, ListsTheServersFlagsByPurposeAndExitsZero) {
   EXPECT_LT(out.find("--address"), shared_memory) << out;
 }
 
+// ---- requests whose bytes are not a valid message ------------------------------------------------
+
+// Sends `bytes` as the one request message of `method` (any kind: unary or client streaming) and
+// returns the call's status.
+grpc::Status CallWithRawBytes(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                              const std::string& bytes) {
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto call = stub.PrepareCall(&ctx, method, &cq);
+  auto next = [&cq](void* expected) {
+    void* tag = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(tag, expected);
+    return ok;
+  };
+  int tags[5];
+  call->StartCall(&tags[0]);
+  next(&tags[0]);
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  call->Write(request, &tags[1]);
+  next(&tags[1]);
+  call->WritesDone(&tags[2]);
+  next(&tags[2]);
+  grpc::ByteBuffer response;
+  call->Read(&response, &tags[3]);
+  next(&tags[3]);
+  grpc::Status status;
+  call->Finish(&status, &tags[4]);
+  next(&tags[4]);
+  cq.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
+std::string Varint(uint64_t v) {
+  std::string out;
+  do {
+    out.push_back(static_cast<char>((v & 0x7f) | (v > 0x7f ? 0x80 : 0)));
+    v >>= 7;
+  } while (v != 0);
+  return out;
+}
+
+TEST(UndecodableRequests, EveryRpcAnswersInvalidArgumentWithAMessageAndTheServerKeepsServing) {
+  server::ServerConfig config = TestConfig();
+  config.allow_shared_memory = true;
+  auto ts = TestServer::Start(config);
+  ASSERT_NE(ts, nullptr);
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("fusedlayer.v1.FusedLayer");
+  ASSERT_NE(service, nullptr);
+  ASSERT_GE(service->method_count(), 15);
+  int utf8_cases = 0;
+  for (int i = 0; i < service->method_count(); ++i) {
+    const google::protobuf::MethodDescriptor* m = service->method(i);
+    const std::string method = absl::StrCat("/", service->full_name(), "/", m->name());
+    // Field 1, length-delimited, 255 bytes announced and none sent (truncated); field 1 with wire
+    // type 7 (no such wire type). Neither is a valid message of any type.
+    std::vector<std::pair<std::string, std::string>> garbage = {{"truncated", std::string("\x0a\xff\x01", 3)},
+                                                                {"bad wire type", std::string("\x0f", 1)}};
+    // A string field holding invalid UTF-8 (proto3 strings must be UTF-8).
+    const google::protobuf::Descriptor* input = m->input_type();
+    for (int f = 0; f < input->field_count(); ++f) {
+      if (input->field(f)->type() != google::protobuf::FieldDescriptor::TYPE_STRING) continue;
+      garbage.emplace_back("invalid UTF-8 in " + input->field(f)->name(),
+                           Varint(static_cast<uint64_t>(input->field(f)->number()) << 3 | 2) + std::string("\x02\xc3\x28", 3));
+      ++utf8_cases;
+      break;
+    }
+    for (const auto& [what, bytes] : garbage) {
+      const grpc::Status s = CallWithRawBytes(ts->channel(), method, bytes);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method << " (" << what << "): " << s.error_message();
+      EXPECT_FALSE(s.error_message().empty()) << method << " (" << what << ")";
+      // A unary request's refusal names the type it failed to parse as (the compute RPCs' wording).
+      if (!m->client_streaming()) {
+        EXPECT_THAT(s.error_message(), HasSubstr("the request is not a valid " + input->full_name()))
+            << method << " (" << what << ")";
+      }
+    }
+  }
+  EXPECT_GE(utf8_cases, 10);  // the name- and key-carrying requests
+  // Still serving, on the same connection and a new one.
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::ListWeightSetsResponse list;
+  EXPECT_TRUE(ts->stub().ListWeightSets(&ctx, {}, &list).ok());
+  int serving = 0;
+  EXPECT_TRUE(HealthCheck(MakeChannel(ts->server().port()), "", &serving).ok());
+  EXPECT_EQ(serving, 1);
+}
+
 }  // namespace
 }  // namespace fusedlayer::testing
