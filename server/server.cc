@@ -16,6 +16,7 @@
 #include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "common/byte_budget.h"
 #include "common/log.h"
 #include "common/tsan_annotations.h"
 #include "prometheus/exposer.h"
@@ -92,6 +93,12 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   LogInfo("fusedlayer ", identity.version, ": backend ", identity.backend, ", device ", identity.device, ", arch ",
           identity.arch);
 
+  // The memory the defaults are derived from (config.h's Effective*), and where it was read.
+  const MemoryLimit memory = AvailableMemory();
+  LogInfo("memory: ", memory.bytes, " bytes (", memory.source.empty() ? "unknown: defaults assume 16 GiB" : memory.source,
+          "); defaults from it: --max_inflight_bytes ", cfg.EffectiveMaxInflightBytes(), ", --grpc_memory_quota_bytes ",
+          cfg.EffectiveGrpcMemoryQuotaBytes(), ", --max_upload_buffer_bytes ", cfg.EffectiveMaxUploadBufferBytes(),
+          ", --residual_session_total_bytes ", cfg.EffectiveResidualSessionTotalBytes());
   srv->metrics_ = std::make_unique<Metrics>(identity.version, identity.backend, identity.arch,
                                             absl::StrCat(identity.backend, ":0"));
   if (!cfg.metrics_address.empty()) {

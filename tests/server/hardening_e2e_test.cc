@@ -151,5 +151,99 @@ TEST(UndecodableRequests, EveryRpcAnswersInvalidArgumentWithAMessageAndTheServer
   EXPECT_EQ(serving, 1);
 }
 
+// ---- the memory limit the defaults are derived from ------------------------------------------------
+
+// A fake cgroup file system under a temporary directory: root() stands for /sys/fs/cgroup, and
+// proc_file() for /proc/self/cgroup.
+class FakeCgroups {
+ public:
+  FakeCgroups() {
+    char dir[] = "/tmp/fusedlayer-cgroup-XXXXXX";
+    EXPECT_NE(mkdtemp(dir), nullptr);
+    base_ = dir;
+    std::filesystem::create_directories(base_ + "/sys");
+  }
+  ~FakeCgroups() { std::filesystem::remove_all(base_); }
+  std::string root() const { return base_ + "/sys"; }
+  std::string proc_file() const { return base_ + "/cgroup"; }
+  void Membership(const std::string& text) const { std::ofstream(proc_file()) << text; }
+  // Writes `text` to root()/relative, making its directories.
+  void Write(const std::string& relative, const std::string& text) const { WriteUnderBase("sys/" + relative, text); }
+  // The same relative to the temporary directory, outside root().
+  void WriteUnderBase(const std::string& relative, const std::string& text) const {
+    const std::filesystem::path path = base_ + "/" + relative;
+    std::filesystem::create_directories(path.parent_path());
+    std::ofstream(path) << text;
+  }
+
+ private:
+  std::string base_;
+};
+
+TEST(CgroupMemoryLimit, V2TakesTheSmallestLimitOnThePathFromTheProcessCgroupUp) {
+  FakeCgroups fake;
+  fake.Membership("0::/user.slice/user-1000.slice/session-3.scope\n");
+  fake.Write("cgroup.controllers", "cpu memory\n");  // the root has no memory.max
+  fake.Write("user.slice/memory.max", "max\n");
+  fake.Write("user.slice/user-1000.slice/memory.max", "1073741824\n");
+  fake.Write("user.slice/user-1000.slice/session-3.scope/memory.max", "4294967296\n");
+  const server::MemoryLimit limit = server::CgroupMemoryLimit(fake.root(), fake.proc_file());
+  EXPECT_EQ(limit.bytes, uint64_t{1} << 30);
+  EXPECT_EQ(limit.source, fake.root() + "/user.slice/user-1000.slice/memory.max");
+}
+
+TEST(CgroupMemoryLimit, V2InsideACgroupNamespaceReadsTheRoot) {
+  FakeCgroups fake;
+  fake.Membership("0::/\n");
+  fake.Write("memory.max", "2147483648\n");
+  const server::MemoryLimit limit = server::CgroupMemoryLimit(fake.root(), fake.proc_file());
+  EXPECT_EQ(limit.bytes, uint64_t{2} << 30);
+  EXPECT_EQ(limit.source, fake.root() + "/memory.max");
+}
+
+TEST(CgroupMemoryLimit, V1ReadsTheMemoryHierarchyOfTheProcess) {
+  FakeCgroups fake;
+  fake.Membership("12:cpu,cpuacct:/system.slice/app.service\n7:memory:/system.slice/app.service\n0::/\n");
+  fake.Write("memory/memory.limit_in_bytes", "9223372036854771712\n");  // v1's "unlimited"
+  fake.Write("memory/system.slice/memory.limit_in_bytes", "9223372036854771712\n");
+  fake.Write("memory/system.slice/app.service/memory.limit_in_bytes", "536870912\n");
+  // A cpu hierarchy file of the same name must not count.
+  fake.Write("cpu,cpuacct/system.slice/app.service/memory.limit_in_bytes", "1024\n");
+  const server::MemoryLimit limit = server::CgroupMemoryLimit(fake.root(), fake.proc_file());
+  EXPECT_EQ(limit.bytes, uint64_t{512} << 20);
+  EXPECT_EQ(limit.source, fake.root() + "/memory/system.slice/app.service/memory.limit_in_bytes");
+}
+
+TEST(CgroupMemoryLimit, V1PathMissingUnderTheMountFallsBackToItsAncestors) {
+  // A v1 container without a cgroup namespace: /proc/self/cgroup names the host's path, and the
+  // container's own cgroup is mounted at the hierarchy's root.
+  FakeCgroups fake;
+  fake.Membership("4:memory:/docker/0123abcd\n");
+  fake.Write("memory/memory.limit_in_bytes", "268435456\n");
+  const server::MemoryLimit limit = server::CgroupMemoryLimit(fake.root(), fake.proc_file());
+  EXPECT_EQ(limit.bytes, uint64_t{256} << 20);
+  EXPECT_EQ(limit.source, fake.root() + "/memory/memory.limit_in_bytes");
+}
+
+TEST(CgroupMemoryLimit, NoLimitWhenEveryLevelSaysMaxOrHasNoFile) {
+  FakeCgroups fake;
+  fake.Membership("0::/a/b\n");
+  fake.Write("a/memory.max", "max\n");
+  fake.Write("a/b/cgroup.procs", "1\n");  // no memory.max at this level
+  EXPECT_EQ(server::CgroupMemoryLimit(fake.root(), fake.proc_file()).bytes, 0u);
+  // No membership file at all (no /proc): nothing is read, nothing is guessed.
+  FakeCgroups no_proc;
+  no_proc.Write("memory.max", "max\n");
+  EXPECT_EQ(server::CgroupMemoryLimit(no_proc.root(), no_proc.proc_file()).bytes, 0u);
+}
+
+TEST(CgroupMemoryLimit, AMembershipPathCannotLeaveTheRoot) {
+  FakeCgroups fake;
+  fake.Membership("0::/../outside\n");
+  fake.Write("memory.max", "max\n");
+  fake.WriteUnderBase("outside/memory.max", "1024\n");
+  EXPECT_EQ(server::CgroupMemoryLimit(fake.root(), fake.proc_file()).bytes, 0u);
+}
+
 }  // namespace
 }  // namespace fusedlayer::testing
