@@ -110,6 +110,10 @@ ABSL_FLAG(bool, allow_shared_memory, false,
           "accept RegisterSystemSharedMemory and tensors in registered POSIX shared-memory regions (clients on "
           "this host only); off: those calls are FAILED_PRECONDITION");
 ABSL_FLAG(int64_t, shared_memory_max_regions, 64, "shared-memory regions one identity may hold registered (1 to 4096)");
+ABSL_FLAG(int64_t, descriptor_reserve, 256,
+          "descriptors of RLIMIT_NOFILE (whose soft limit the server raises to the hard limit at start) kept for "
+          "listeners, connections, weight files and logs; the shared-memory regions of all identities together may "
+          "hold the rest, one descriptor each, and a registration beyond that is RESOURCE_EXHAUSTED (16 to 1048576)");
 ABSL_FLAG(uint64_t, shared_memory_max_bytes, uint64_t{16} << 30,
           "bytes of shared-memory regions one identity may hold registered");
 ABSL_FLAG(uint64_t, shared_memory_locked_bytes, uint64_t{8} << 30,
@@ -209,6 +213,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.allow_unauthenticated_tls = absl::GetFlag(FLAGS_allow_unauthenticated_tls);
   c.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
   c.shared_memory_max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
+  c.descriptor_reserve = absl::GetFlag(FLAGS_descriptor_reserve);
   c.shared_memory_idle_seconds = absl::GetFlag(FLAGS_shared_memory_idle_seconds);
   c.allow_cuda_shared_memory = absl::GetFlag(FLAGS_allow_cuda_shared_memory);
   c.cuda_shared_memory_max_regions = absl::GetFlag(FLAGS_cuda_shared_memory_max_regions);
@@ -271,7 +276,7 @@ const std::vector<FlagGroup>& FlagGroups() {
         "allow_unauthenticated_tls"}},
       {"System shared memory",
        {"allow_shared_memory", "shared_memory_max_regions", "shared_memory_max_bytes", "shared_memory_locked_bytes",
-        "shared_memory_idle_seconds"}},
+        "shared_memory_idle_seconds", "descriptor_reserve"}},
       {"CUDA shared memory",
        {"allow_cuda_shared_memory", "cuda_shared_memory_max_regions", "cuda_shared_memory_max_bytes",
         "cuda_shared_memory_idle_seconds"}},

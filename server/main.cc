@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "flags.h"
 #include "fusedlayer/backend.h"
+#include "common/descriptors.h"
 #include "common/log.h"
 #include "server.h"
 #include "weights/demo_weights.h"
@@ -60,6 +61,8 @@ int main(int argc, char** argv) {
     }
   }
   absl::ParseCommandLine(argc, argv);
+  // Before anything opens descriptors: the regions' budget is derived from the raised soft limit.
+  fs::RaiseDescriptorLimit();
 
   // Block the shutdown signals before any thread exists so that every thread inherits the mask and
   // the main thread alone receives them through sigwait.

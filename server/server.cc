@@ -17,6 +17,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "common/byte_budget.h"
+#include "common/descriptors.h"
 #include "common/log.h"
 #include "common/tsan_annotations.h"
 #include "prometheus/exposer.h"
@@ -84,6 +85,17 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   // Likewise the socket path, before weights load for minutes.
   if (listen_kind == ListenKind::kUnix) {
     if (absl::Status s = PrepareUnixSocketPath(config.address, UnixSocketPath(config.address)); !s.ok()) return s;
+  }
+  if (config.allow_shared_memory) {
+    const DescriptorBudget descriptors = DescriptorBudgetFor(config.descriptor_reserve);
+    if (descriptors.regions < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--allow_shared_memory: no descriptors left for shared-memory regions (", descriptors.Describe(),
+          "): raise RLIMIT_NOFILE (ulimit -n, LimitNOFILE=) or lower --descriptor_reserve"));
+    }
+    LogInfo("shared-memory regions: at most ", descriptors.regions,
+            " registered at once by all identities, one descriptor each (descriptor budget: ", descriptors.Describe(),
+            ")");
   }
   std::unique_ptr<FusedLayerServer> srv(new FusedLayerServer(std::move(config)));
   const ServerConfig& cfg = srv->config_;

@@ -245,5 +245,95 @@ TEST(CgroupMemoryLimit, AMembershipPathCannotLeaveTheRoot) {
   EXPECT_EQ(server::CgroupMemoryLimit(fake.root(), fake.proc_file()).bytes, 0u);
 }
 
+// ---- descriptors held by shared-memory regions ---------------------------------------------------
+
+// A POSIX shared-memory object for the test's regions, removed at the end.
+class ShmObject {
+ public:
+  explicit ShmObject(size_t bytes) {
+    key_ = absl::StrCat("/fusedlayer-fd-test-", getpid(), "-", std::chrono::steady_clock::now().time_since_epoch().count());
+    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    close(fd);
+  }
+  ~ShmObject() { shm_unlink(key_.c_str()); }
+  const std::string& key() const { return key_; }
+
+ private:
+  std::string key_;
+};
+
+grpc::Status RegisterRegion(v1::FusedLayer::Stub& stub, const std::string& name, const std::string& key) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::RegisterSystemSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(0);
+  request.set_byte_size(4096);
+  v1::RegisterSystemSharedMemoryResponse response;
+  return stub.RegisterSystemSharedMemory(&ctx, request, &response);
+}
+
+TEST(DescriptorBudget, RegionsBeyondItAreResourceExhaustedAndNewConnectionsStillGetIn) {
+  ShmObject object(4096);
+  // Soft limit 192, hard limit 384: the server raises the soft limit to 384 at start and keeps the
+  // default reserve of 256 for everything else, so the regions of all identities may hold 128.
+  ServerProcess p("/bin/sh", {"-c", "ulimit -S -n 192 && ulimit -H -n 384 && exec \"$0\" \"$@\"",
+                              FUSEDLAYER_SERVER_BINARY, "--backend=cpu", "--cpu_threads=1", "--address=127.0.0.1:0",
+                              "--metrics_address=127.0.0.1:0", "--allow_shared_memory",
+                              "--shared_memory_max_regions=4096"});
+  const std::string metrics = p.ReadUntil(std::regex("metrics on http://.*\\(port ([0-9]+)\\)"));
+  ASSERT_FALSE(metrics.empty()) << p.log();
+  std::smatch metrics_match;
+  ASSERT_TRUE(std::regex_search(metrics, metrics_match, std::regex("\\(port ([0-9]+)\\)")));
+  const int metrics_port = std::stoi(metrics_match[1]);
+  const std::string serving = p.ReadUntil(std::regex("serving fusedlayer\\.v1\\.FusedLayer .*\\(port ([0-9]+)\\)"));
+  ASSERT_FALSE(serving.empty()) << p.log();
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(serving, match, std::regex("\\(port ([0-9]+)\\)")));
+  const int port = std::stoi(match[1]);
+  EXPECT_THAT(p.log(), HasSubstr("descriptor")) << p.log();
+
+  auto stub = v1::FusedLayer::NewStub(MakeChannel(port));
+  int registered = 0;
+  grpc::Status refused;
+  for (; registered < 1000; ++registered) {
+    refused = RegisterRegion(*stub, absl::StrCat("r", registered), object.key());
+    if (!refused.ok()) break;
+  }
+  EXPECT_EQ(registered, 128);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("descriptor budget of 128")) << refused.error_message();
+
+  const std::string scrape = HttpGet(metrics_port, "/metrics");
+  EXPECT_EQ(MetricValue(scrape, "fusedlayer_shared_memory_region_budget"), 128.0) << scrape;
+  EXPECT_EQ(MetricValue(scrape, "fusedlayer_shared_memory_regions"), 128.0) << scrape;
+
+  // The listener still accepts: a new connection is served.
+  int status = 0;
+  const grpc::Status health = HealthCheck(MakeChannel(port), "", &status);
+  EXPECT_TRUE(health.ok()) << health.error_message();
+  EXPECT_EQ(status, 1);
+
+  // Unregistering gives a descriptor back.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::UnregisterSystemSharedMemoryRequest request;
+    request.set_name("r0");
+    v1::UnregisterSystemSharedMemoryResponse response;
+    ASSERT_TRUE(stub->UnregisterSystemSharedMemory(&ctx, request, &response).ok());
+  }
+  const grpc::Status again = RegisterRegion(*stub, "again", object.key());
+  EXPECT_TRUE(again.ok()) << again.error_message();
+  EXPECT_EQ(RegisterRegion(*stub, "one-more", object.key()).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+
+  ASSERT_EQ(kill(p.pid(), SIGTERM), 0);
+  const std::string log = p.ReadAll();
+  EXPECT_EQ(p.Wait(), 0) << log;
+}
+
 }  // namespace
 }  // namespace fusedlayer::testing
