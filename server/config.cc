@@ -144,6 +144,10 @@ absl::Status ServerConfig::Validate() const {
         absl::StrCat("--shared_memory_max_regions must be in [1, 4096], got ", shared_memory_max_regions));
   }
   if (shared_memory_max_bytes < 1) return absl::InvalidArgumentError("--shared_memory_max_bytes must be >= 1");
+  if (descriptor_reserve < 16 || descriptor_reserve > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--descriptor_reserve must be in [16, 1048576], got ", descriptor_reserve));
+  }
   if (cuda_shared_memory_max_regions < 1 || cuda_shared_memory_max_regions > 4096) {
     return absl::InvalidArgumentError(absl::StrCat("--cuda_shared_memory_max_regions must be in [1, 4096], got ",
                                                    cuda_shared_memory_max_regions));

@@ -124,6 +124,10 @@ struct ServerConfig {
   // because it only works for clients on this host; limits per identity (regions and registered bytes).
   bool allow_shared_memory = false;
   int64_t shared_memory_max_regions = 64;
+  // Descriptors of RLIMIT_NOFILE's soft limit kept for everything but shared-memory regions (gRPC's
+  // listeners and connections, weight files, logs, metrics); regions of all identities together may
+  // hold the rest (common/descriptors.h).
+  int64_t descriptor_reserve = 256;
   uint64_t shared_memory_max_bytes = uint64_t{16} << 30;
   // On a device backend with lanes: registered bytes (all identities) mapped and page-locked so the
   // device copies inputs from where they lie (transport/shared_memory.h); 0 = never.

@@ -1,9 +1,17 @@
 #include "flags.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <set>
 #include <string>
+#include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/log.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0:50051",
@@ -102,6 +110,10 @@ ABSL_FLAG(bool, allow_shared_memory, false,
           "accept RegisterSystemSharedMemory and tensors in registered POSIX shared-memory regions (clients on "
           "this host only); off: those calls are FAILED_PRECONDITION");
 ABSL_FLAG(int64_t, shared_memory_max_regions, 64, "shared-memory regions one identity may hold registered (1 to 4096)");
+ABSL_FLAG(int64_t, descriptor_reserve, 256,
+          "descriptors of RLIMIT_NOFILE (whose soft limit the server raises to the hard limit at start) kept for "
+          "listeners, connections, weight files and logs; the shared-memory regions of all identities together may "
+          "hold the rest, one descriptor each, and a registration beyond that is RESOURCE_EXHAUSTED (16 to 1048576)");
 ABSL_FLAG(uint64_t, shared_memory_max_bytes, uint64_t{16} << 30,
           "bytes of shared-memory regions one identity may hold registered");
 ABSL_FLAG(uint64_t, shared_memory_locked_bytes, uint64_t{8} << 30,
@@ -201,6 +213,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.allow_unauthenticated_tls = absl::GetFlag(FLAGS_allow_unauthenticated_tls);
   c.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
   c.shared_memory_max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
+  c.descriptor_reserve = absl::GetFlag(FLAGS_descriptor_reserve);
   c.shared_memory_idle_seconds = absl::GetFlag(FLAGS_shared_memory_idle_seconds);
   c.allow_cuda_shared_memory = absl::GetFlag(FLAGS_allow_cuda_shared_memory);
   c.cuda_shared_memory_max_regions = absl::GetFlag(FLAGS_cuda_shared_memory_max_regions);
@@ -232,6 +245,107 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   }
   if (absl::Status s = c.Validate(); !s.ok()) return s;
   return c;
+}
+
+namespace {
+
+struct FlagGroup {
+  const char* title;
+  std::vector<const char*> flags;
+};
+
+// Abseil's own --help lists only flags defined in a file named after the binary (fusedlayer_server.cc),
+// which has none, so it printed "No flags matched". The groups follow docs/operations.md.
+const std::vector<FlagGroup>& FlagGroups() {
+  static const auto* groups = new std::vector<FlagGroup>{
+      {"Serving", {"address", "metrics_address", "backend", "demo_weights", "weights_manifest", "drain_seconds",
+                   "max_connection_age_seconds"}},
+      {"Compute requests and admission",
+       {"disable_fused", "fused_max_tokens", "max_tokens", "max_message_bytes", "queue_capacity",
+        "max_inflight_bytes", "grpc_memory_quota_bytes", "max_concurrent_streams", "cpu_threads"}},
+      {"Dynamic batching and the device data path",
+       {"max_batch_tokens", "max_queue_delay_us", "executor_spin_us", "device_lanes", "host_staging_bytes",
+        "host_copy_threads", "request_staging_bytes"}},
+      {"Weight uploads (LoadWeights)",
+       {"max_weight_payload_bytes", "max_upload_buffer_bytes", "max_concurrent_uploads",
+        "upload_idle_timeout_seconds"}},
+      {"Memory allocator (glibc malloc)",
+       {"malloc_arena_max", "malloc_mmap_threshold_bytes", "malloc_trim_threshold_bytes"}},
+      {"Transport security (docs/security.md)",
+       {"tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file", "auth_identities_file",
+        "allow_unauthenticated_tls"}},
+      {"System shared memory",
+       {"allow_shared_memory", "shared_memory_max_regions", "shared_memory_max_bytes", "shared_memory_locked_bytes",
+        "shared_memory_idle_seconds", "descriptor_reserve"}},
+      {"CUDA shared memory",
+       {"allow_cuda_shared_memory", "cuda_shared_memory_max_regions", "cuda_shared_memory_max_bytes",
+        "cuda_shared_memory_idle_seconds"}},
+      {"Residual sessions",
+       {"residual_session_max_sessions", "residual_session_max_bytes", "residual_session_total_bytes",
+        "residual_session_idle_seconds"}},
+      {"Shadow verification and verify = true (docs/shadow.md)",
+       {"shadow_sample_rate", "shadow_queue_size", "shadow_queue_max_bytes", "shadow_dump_dir",
+        "shadow_dump_max_files", "shadow_dump_max_bytes", "max_inflight_verify", "verify_dump_max_files",
+        "verify_dump_max_bytes"}},
+  };
+  return *groups;
+}
+
+// A flag defined by the server's own sources (not Abseil's, gRPC's or a library's).
+bool IsServerFlag(const absl::CommandLineFlag& flag) {
+  const std::string file = flag.Filename();
+  return absl::StrContains(file, "server/flags.cc") || absl::StrContains(file, "server/fault_injection.cc");
+}
+
+void AppendFlag(const absl::CommandLineFlag& flag, std::string* out) {
+  const std::string value = flag.DefaultValue();
+  const bool is_string = flag.IsOfType<std::string>();
+  absl::StrAppend(out, "  --", flag.Name(), "  (default: ", is_string ? absl::StrCat("\"", value, "\"") : value,
+                  ")\n");
+  // Wrapped at 100 columns under the name.
+  constexpr size_t kWidth = 100;
+  constexpr std::string_view kIndent = "      ";
+  std::string line(kIndent);
+  for (absl::string_view word : absl::StrSplit(flag.Help(), ' ', absl::SkipEmpty())) {
+    if (line.size() > kIndent.size() && line.size() + 1 + word.size() > kWidth) {
+      absl::StrAppend(out, line, "\n");
+      line = std::string(kIndent);
+    }
+    if (line.size() > kIndent.size()) line += ' ';
+    absl::StrAppend(&line, word);
+  }
+  if (line.size() > kIndent.size()) absl::StrAppend(out, line, "\n");
+}
+
+}  // namespace
+
+std::string FlagsUsage(const std::string& program) {
+  std::string out = absl::StrCat("fusedlayer gRPC server: fused mHC seam and SWA norm+quant ops\n\nUsage: ", program,
+                                 " [--flag=value ...]\n");
+  std::set<std::string> listed;
+  for (const FlagGroup& group : FlagGroups()) {
+    std::string section;
+    for (const char* name : group.flags) {
+      const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+      if (flag == nullptr) continue;
+      listed.insert(std::string(flag->Name()));
+      AppendFlag(*flag, &section);
+    }
+    if (!section.empty()) absl::StrAppend(&out, "\n", group.title, ":\n", section);
+  }
+  std::vector<const absl::CommandLineFlag*> other;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (IsServerFlag(*flag) && listed.count(std::string(flag->Name())) == 0) other.push_back(flag);
+  }
+  std::sort(other.begin(), other.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  if (!other.empty()) {
+    absl::StrAppend(&out, "\nOther:\n");
+    for (const absl::CommandLineFlag* flag : other) AppendFlag(*flag, &out);
+  }
+  absl::StrAppend(&out,
+                  "\nFlags may also come from a file (--flagfile=PATH, one --flag=value a line). --helpfull lists "
+                  "every flag of the binary, Abseil's and gRPC's included. docs/operations.md explains them.\n");
+  return out;
 }
 
 }  // namespace fusedlayer::server

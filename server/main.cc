@@ -7,7 +7,9 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -19,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "flags.h"
 #include "fusedlayer/backend.h"
+#include "common/descriptors.h"
 #include "common/log.h"
 #include "server.h"
 #include "weights/demo_weights.h"
@@ -47,7 +50,19 @@ int main(int argc, char** argv) {
   // detector").
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage("fusedlayer gRPC server: fused mHC seam and SWA norm+quant ops");
+  // Abseil's --help shows only flags defined in a file named after the binary, and the server's live
+  // in flags.cc: it printed "No flags matched" (and exited 1). --help lists them by purpose instead.
+  for (int i = 1; i < argc; ++i) {
+    for (const char* help : {"--help", "-help", "--helpshort", "-helpshort"}) {
+      if (std::strcmp(argv[i], help) == 0) {
+        std::fputs(fs::FlagsUsage(argv[0]).c_str(), stdout);
+        return 0;
+      }
+    }
+  }
   absl::ParseCommandLine(argc, argv);
+  // Before anything opens descriptors: the regions' budget is derived from the raised soft limit.
+  fs::RaiseDescriptorLimit();
 
   // Block the shutdown signals before any thread exists so that every thread inherits the mask and
   // the main thread alone receives them through sigwait.

@@ -16,9 +16,12 @@
 #include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "common/byte_budget.h"
+#include "common/descriptors.h"
 #include "common/log.h"
 #include "common/tsan_annotations.h"
 #include "prometheus/exposer.h"
+#include "rpc/undecodable_requests.h"
 
 #ifndef FUSEDLAYER_VERSION_STRING
 #error "FUSEDLAYER_VERSION_STRING must be defined by the build"
@@ -83,6 +86,17 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   if (listen_kind == ListenKind::kUnix) {
     if (absl::Status s = PrepareUnixSocketPath(config.address, UnixSocketPath(config.address)); !s.ok()) return s;
   }
+  if (config.allow_shared_memory) {
+    const DescriptorBudget descriptors = DescriptorBudgetFor(config.descriptor_reserve);
+    if (descriptors.regions < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--allow_shared_memory: no descriptors left for shared-memory regions (", descriptors.Describe(),
+          "): raise RLIMIT_NOFILE (ulimit -n, LimitNOFILE=) or lower --descriptor_reserve"));
+    }
+    LogInfo("shared-memory regions: at most ", descriptors.regions,
+            " registered at once by all identities, one descriptor each (descriptor budget: ", descriptors.Describe(),
+            ")");
+  }
   std::unique_ptr<FusedLayerServer> srv(new FusedLayerServer(std::move(config)));
   const ServerConfig& cfg = srv->config_;
   srv->backend_ = std::move(backend);
@@ -91,6 +105,12 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   LogInfo("fusedlayer ", identity.version, ": backend ", identity.backend, ", device ", identity.device, ", arch ",
           identity.arch);
 
+  // The memory the defaults are derived from (config.h's Effective*), and where it was read.
+  const MemoryLimit memory = AvailableMemory();
+  LogInfo("memory: ", memory.bytes, " bytes (", memory.source.empty() ? "unknown: defaults assume 16 GiB" : memory.source,
+          "); defaults from it: --max_inflight_bytes ", cfg.EffectiveMaxInflightBytes(), ", --grpc_memory_quota_bytes ",
+          cfg.EffectiveGrpcMemoryQuotaBytes(), ", --max_upload_buffer_bytes ", cfg.EffectiveMaxUploadBufferBytes(),
+          ", --residual_session_total_bytes ", cfg.EffectiveResidualSessionTotalBytes());
   srv->metrics_ = std::make_unique<Metrics>(identity.version, identity.backend, identity.arch,
                                             absl::StrCat(identity.backend, ":0"));
   if (!cfg.metrics_address.empty()) {
@@ -182,6 +202,11 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, static_cast<int>(cfg.max_connection_age_seconds * 1000));
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, static_cast<int>(cfg.drain_seconds * 1000));
   }
+  // gRPC answers a unary request it cannot parse UNIMPLEMENTED with no message; the interceptor
+  // makes it INVALID_ARGUMENT naming the request type, as the compute RPCs answer.
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(UndecodableRequestInterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(srv->service_.get());
   srv->server_ = builder.BuildAndStart();
   // BuildAndStart returns null when a port fails to bind. A TCP port of 0 after a "successful"

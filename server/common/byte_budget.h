@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "prometheus/gauge.h"
@@ -85,9 +86,21 @@ class ByteBudget {
   std::atomic<uint64_t> used_{0};
 };
 
-// The memory this process may use: the smaller of physical memory and the cgroup's limit (a
-// container's memory.max, cgroup v2, or memory.limit_in_bytes, v1), so a pod's limit and not the
-// node's RAM sizes the defaults. 0 when neither can be read.
+// A memory limit and where it was read.
+struct MemoryLimit {
+  uint64_t bytes = 0;  // 0: none found
+  std::string source;  // the file it came from, or "physical memory"
+};
+
+// The memory limit of the process's cgroup: `cgroup_root` is where the cgroup file systems are
+// mounted (/sys/fs/cgroup) and `proc_self_cgroup` the process's membership file (/proc/self/cgroup).
+// A test passes a fake tree. {0, ""} when no limit is set or none can be read.
+MemoryLimit CgroupMemoryLimit(const std::string& cgroup_root, const std::string& proc_self_cgroup);
+
+// The memory this process may use: the smaller of physical memory and its cgroup's limit
+// (CgroupMemoryLimit), so a pod's limit and not the node's RAM sizes the defaults. 0 when neither
+// can be read.
+MemoryLimit AvailableMemory();
 uint64_t AvailableMemoryBytes();
 
 }  // namespace fusedlayer::server

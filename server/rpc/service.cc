@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/descriptors.h"
 #include "common/log.h"
 #include "rpc/proto_convert.h"
 #include "rpc/unary_call.h"
@@ -29,7 +30,9 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
       verify_slots_(static_cast<uint64_t>(config.max_inflight_verify)),
       shared_memory_(transport::SharedMemoryLimits{config.allow_shared_memory, config.shared_memory_max_regions,
                                                    config.shared_memory_max_bytes, config.shared_memory_locked_bytes,
-                                                   config.shared_memory_idle_seconds},
+                                                   config.shared_memory_idle_seconds,
+                                                   DescriptorBudgetFor(config.descriptor_reserve).regions,
+                                                   DescriptorBudgetFor(config.descriptor_reserve).Describe()},
                      *metrics.registry(),
                      // Page-locked regions are copied from by the lanes only (op_calls.h).
                      lanes.request_staging() != nullptr ? &backend : nullptr),

@@ -217,6 +217,14 @@ SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus
                       .Help("Bytes of the registered system shared-memory regions (all identities)")
                       .Register(metrics)
                       .Add({});
+  total_regions_budget_gauge_ = &prometheus::BuildGauge()
+                                    .Name("fusedlayer_shared_memory_region_budget")
+                                    .Help("System shared-memory regions all identities may hold registered together, "
+                                          "one open descriptor each: RLIMIT_NOFILE's soft limit less "
+                                          "--descriptor_reserve (0: no bound)")
+                                    .Register(metrics)
+                                    .Add({});
+  total_regions_budget_gauge_->Set(static_cast<double>(limits_.max_total_regions));
   expired_counter_ = &prometheus::BuildCounter()
                           .Name("fusedlayer_shared_memory_regions_expired_total")
                           .Help("System shared-memory regions unregistered because no request used them for "
@@ -292,6 +300,11 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
         absl::StrCat("offset ", req.offset(), " is not a multiple of ", kSharedMemoryAlignment));
   }
 
+  {
+    // Refused before a descriptor is opened for it.
+    MutexLock lock(&mu_);
+    if (absl::Status s = CheckDescriptorBudgetLocked(); !s.ok()) return s;
+  }
   // O_RDWR: outputs are written. glibc's shm_open adds O_NOFOLLOW and O_CLOEXEC, and the key is one
   // path component (CheckKey), so nothing outside /dev/shm can be named.
   // O_NONBLOCK: a FIFO placed under /dev/shm must not block the gRPC thread in open().
@@ -302,6 +315,13 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
     if (e == EACCES || e == EPERM) {
       return absl::PermissionDeniedError(
           absl::StrCat("the server may not open shared-memory object ", req.key(), " read-write: ", Errno(e)));
+    }
+    if (e == EMFILE || e == ENFILE) {
+      // The process (or the system) is out of descriptors: a load to retry later, not a bad request.
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "shm_open ", req.key(), ": ", Errno(e), ": the server has no descriptor left for another region (",
+          e == EMFILE ? "this process's RLIMIT_NOFILE" : "the system's file table",
+          "); unregister regions or retry later"));
     }
     return absl::FailedPreconditionError(absl::StrCat("shm_open ", req.key(), ": ", Errno(e)));
   }
@@ -386,7 +406,16 @@ absl::Status SharedMemoryRegistry::CheckRegistrableLocked(const std::string& ide
         "registering ", req.byte_size(), " bytes would bring this identity to more than ", limits_.max_bytes,
         " registered bytes (--shared_memory_max_bytes; it has ", u.bytes, ")"));
   }
-  return absl::OkStatus();
+  return CheckDescriptorBudgetLocked();
+}
+
+absl::Status SharedMemoryRegistry::CheckDescriptorBudgetLocked() const {
+  if (limits_.max_total_regions <= 0 || total_regions_ < limits_.max_total_regions) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the server holds ", total_regions_, " shared-memory regions (all identities), its descriptor budget of ",
+      limits_.max_total_regions, " (", limits_.total_regions_origin,
+      "): each region keeps a descriptor open; unregister regions first (or the operator raises RLIMIT_NOFILE or "
+      "lowers --descriptor_reserve)"));
 }
 
 void SharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point now) {

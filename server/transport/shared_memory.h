@@ -82,6 +82,11 @@ struct SharedMemoryLimits {
   uint64_t max_locked_bytes = 0;
   // A region no request has used for this long is unregistered (--shared_memory_idle_seconds; 0 = never).
   double idle_seconds = 0;
+  // Regions all identities may hold registered together: each keeps a descriptor open, and the
+  // process's descriptors are shared with gRPC's listeners and connections (common/descriptors.h).
+  // 0 = no bound. `total_regions_origin` says how it was derived, for the refusal's message.
+  int64_t max_total_regions = 0;
+  std::string total_regions_origin;
 };
 
 // The page-locked bytes of shared-memory regions, against --shared_memory_locked_bytes. Shared by
@@ -204,6 +209,8 @@ class SharedMemoryRegistry {
     uint64_t bytes = 0;
   };
   absl::Status CheckEnabled() const;
+  // RESOURCE_EXHAUSTED when the regions of all identities hold the descriptor budget; OK otherwise.
+  absl::Status CheckDescriptorBudgetLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseLocked(RegionMap<SharedMemoryRegion>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why `identity` may not register `region` under req.name() now (name taken, object another
   // identity's, its limits), or OK.
@@ -218,6 +225,7 @@ class SharedMemoryRegistry {
   prometheus::Gauge* regions_gauge_;
   prometheus::Gauge* bytes_gauge_;
   prometheus::Counter* expired_counter_;
+  prometheus::Gauge* total_regions_budget_gauge_;
   Mutex mu_;
   RegionMap<SharedMemoryRegion> regions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
