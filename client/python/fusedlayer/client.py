@@ -502,14 +502,19 @@ class Client:
         source: a manifest path (docs/weights.md: every set in it is loaded, in order), or a dict of
         numpy arrays named as in docs/weights.md ("mhc.fn", ...) with name= and mhc= and/or swa=
         config dicts. replace=True swaps an existing set of the same name atomically.
+
+        Errors carry the gRPC code the server's loader would answer with, whether found here or by
+        the server: NotFound (a missing manifest, file or tensor), InvalidArgument (anything
+        malformed), AlreadyExists, ... Every set is packed and checked before the first is sent.
         """
         if isinstance(source, (str, os.PathLike)):
             if name is not None or mhc is not None or swa is not None:
-                raise ValueError("name/mhc/swa come from the manifest; pass them only with a dict of arrays")
+                raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
+                                             "name/mhc/swa come from the manifest; pass them only with a dict of arrays")
             packed = weights.pack_manifest(os.fspath(source), replace=replace)
         elif isinstance(source, dict):
             if not name:
-                raise ValueError("load_weights(dict of arrays) needs name=")
+                raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "load_weights(dict of arrays) needs name=")
             packed = [weights.pack_arrays(name, source, mhc=mhc, swa=swa, replace=replace)]
         else:
             raise TypeError(f"load_weights takes a manifest path or a dict of arrays, got {type(source).__name__}")
