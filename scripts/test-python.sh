@@ -6,7 +6,7 @@
 #   scripts/test-python.sh [BUILD_DIR]        (default build/; needs BUILD_DIR/server/fusedlayer_server)
 #
 # Runs with Debian's /usr/bin/python3 on purpose: a pyenv python3 on PATH lacks python3-grpcio,
-# python3-protobuf, python3-numpy and python3-pytest. Any failure (pytest exit 5, "no tests
+# python3-protobuf, python3-numpy, python3-pytest, python3-torch and mypy. Any failure (pytest exit 5, "no tests
 # collected", included) stops the script with a non-zero exit.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +25,13 @@ export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # Run from outside the source tree so `import fusedlayer` can only find the installed package
 # (the source folder lacks the generated stubs).
 cd "$(dirname "$VENV")"
+
+# Type check of the installed package (its annotations, py.typed and the generated message stubs),
+# with Debian's mypy against the venv's site-packages; any error fails the stage.
+/usr/bin/python3 -m mypy --config-file "$ROOT/client/python/pyproject.toml" --python-executable "$VENV/bin/python" \
+  --no-incremental -p fusedlayer || { echo "test-python: mypy found errors" >&2; exit 1; }
+"$VENV/bin/python" -c 'import importlib.resources as r; assert r.files("fusedlayer").joinpath("py.typed").is_file()' \
+  || { echo "test-python: the installed package has no py.typed" >&2; exit 1; }
 rc=0
 FUSEDLAYER_SERVER="$SERVER" "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$ROOT/client/python/tests" || rc=$?
 if [ "$rc" -ne 0 ]; then

@@ -22,6 +22,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple, Type, Union
 
 import numpy as np
 
@@ -31,32 +32,32 @@ from . import dtypes, errors
 from .v1 import fusedlayer_pb2 as pb
 
 # The table of docs/weights.md, in payload order: name -> kind of dtype ("fp32", "bf16", "fp8").
-TENSOR_KINDS = {
+TENSOR_KINDS: Dict[str, str] = {
     "mhc.fn": "fp32", "mhc.scale": "fp32", "mhc.base": "fp32", "mhc.norm_weight": "bf16",
     "swa.q_norm": "bf16", "swa.kv_norm": "bf16", "swa.wq_b": "fp8", "swa.wq_b_scale": "fp32",
 }
 _ALIGN = 64  # each tensor starts at a multiple of 64 bytes, like the server's packing
 
-MHC_KEYS = {"hc_mult": int, "hidden": int, "hc_norm_eps": float, "norm_eps": float, "hc_pre_eps": float,
+MHC_KEYS: Dict[str, type] = {"hc_mult": int, "hidden": int, "hc_norm_eps": float, "norm_eps": float, "hc_pre_eps": float,
             "sinkhorn_eps": float, "post_scale": float, "sinkhorn_iters": int}
-SWA_KEYS = {"q_rank": int, "head_dim": int, "eps": float, "fp8_format": str, "scale_format": str,
+SWA_KEYS: Dict[str, type] = {"q_rank": int, "head_dim": int, "eps": float, "fp8_format": str, "scale_format": str,
             "scale_layout": str}
-_SWA_ENUMS = {
+_SWA_ENUMS: Dict[str, Dict[str, Any]] = {
     "fp8_format": {"e4m3fn": pb.FP8_FORMAT_E4M3FN, "e4m3fnuz": pb.FP8_FORMAT_E4M3FNUZ},
     "scale_format": {"fp32": pb.SCALE_FORMAT_FP32, "ue8m0": pb.SCALE_FORMAT_UE8M0},
     "scale_layout": {"row_major": pb.SCALE_LAYOUT_ROW_MAJOR, "column_major_tma": pb.SCALE_LAYOUT_COLUMN_MAJOR_TMA},
 }
 
 
-def _invalid(message):
+def _invalid(message: str) -> errors.InvalidArgument:
     return errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def _not_found(message):
+def _not_found(message: str) -> errors.NotFound:
     return errors.NotFound(grpc.StatusCode.NOT_FOUND, message)
 
 
-def _os_error(e, what):
+def _os_error(e: OSError, what: str) -> errors.FusedLayerError:
     """An OSError opening or reading a file -> the class the server's loader answers with (ErrnoStatus)."""
     message = f"{what}: {e.strerror or e}"
     if isinstance(e, (FileNotFoundError, NotADirectoryError)):
@@ -72,7 +73,7 @@ class PackedWeightSet:
     payload: bytes
 
 
-def _config(kind, config, keys, where):
+def _config(kind: str, config: Any, keys: Mapping[str, type], where: str) -> Any:
     if not isinstance(config, dict):
         raise _invalid(f"{where}: '{kind}' must be an object/dict, got {type(config).__name__}")
     msg = pb.MhcConfig() if kind == "mhc" else pb.SwaConfig()
@@ -94,11 +95,12 @@ def _config(kind, config, keys, where):
     return msg
 
 
-def _fp8_format_name(swa_msg):
+def _fp8_format_name(swa_msg: Any) -> str:
     return dtypes.E4M3FNUZ if swa_msg is not None and swa_msg.fp8_format == pb.FP8_FORMAT_E4M3FNUZ else dtypes.E4M3FN
 
 
-def _pack(name, tensors, mhc_msg, swa_msg, replace, where):
+def _pack(name: str, tensors: Mapping[str, Tuple[int, np.ndarray]], mhc_msg: Any, swa_msg: Any, replace: bool,
+          where: str) -> "PackedWeightSet":
     """tensors: name -> (DataType, numpy array of the wire dtype)."""
     header = pb.WeightSetHeader(name=name, replace=replace)
     if mhc_msg is not None:
@@ -116,7 +118,8 @@ def _pack(name, tensors, mhc_msg, swa_msg, replace, where):
     return PackedWeightSet(header, bytes(payload))
 
 
-def pack_arrays(name, tensors, mhc=None, swa=None, replace=False):
+def pack_arrays(name: str, tensors: Mapping[str, Any], mhc: Optional[Mapping[str, Any]] = None,
+                swa: Optional[Mapping[str, Any]] = None, replace: bool = False) -> "PackedWeightSet":
     """One weight set from numpy arrays; mhc / swa are config dicts (keys of docs/weights.md)."""
     where = f"weight set '{name}'"
     mhc_msg = _config("mhc", mhc, MHC_KEYS, where) if mhc is not None else None
@@ -139,7 +142,7 @@ def pack_arrays(name, tensors, mhc=None, swa=None, replace=False):
 
 # ---- manifest + safetensors --------------------------------------------------------------------
 
-def _reject_duplicates(pairs):
+def _reject_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
     out = {}
     for key, value in pairs:
         if key in out:
@@ -155,7 +158,7 @@ _ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "F8_E4M3
 class _SafetensorsFile:
     """Reads the header once; tensors on demand (only the ones a manifest names)."""
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         self.path = path
         try:
             self.size = os.path.getsize(path)
@@ -175,7 +178,7 @@ class _SafetensorsFile:
                 raise _invalid(f"{path}: malformed safetensors header: {getattr(e, 'message', e)}") from None
         self.data_start = 8 + n
 
-    def read(self, tensor):
+    def read(self, tensor: str) -> Tuple[str, np.ndarray]:
         entry = self.header.get(tensor)
         if tensor == "__metadata__" or not isinstance(entry, dict):
             raise KeyError(tensor)
@@ -193,7 +196,7 @@ class _SafetensorsFile:
         return dtype, np.frombuffer(raw, dtype=np_dtype).reshape(shape)
 
 
-def _to_fp32(dtype, a, what):
+def _to_fp32(dtype: str, a: np.ndarray, what: str) -> np.ndarray:
     if dtype == "F32":
         return a.astype(np.float32)
     if dtype == "F16":
@@ -207,7 +210,7 @@ def _to_fp32(dtype, a, what):
     raise _invalid(f"{what}: dtype {dtype} cannot become fp32 (accepted: F32, BF16, F16, F8_E8M0)")
 
 
-def _to_bf16(dtype, a, what):
+def _to_bf16(dtype: str, a: np.ndarray, what: str) -> np.ndarray:
     if dtype == "BF16":
         return a.astype(np.uint16)
     if dtype in ("F32", "F16"):
@@ -223,7 +226,7 @@ def _to_bf16(dtype, a, what):
     raise _invalid(f"{what}: dtype {dtype} cannot become bf16 (accepted: BF16, or F32/F16 holding bf16 values)")
 
 
-def pack_manifest(path, replace=False):
+def pack_manifest(path: Union[str, "os.PathLike[str]"], replace: bool = False) -> List["PackedWeightSet"]:
     """Every weight set of a manifest (docs/weights.md), packed for LoadWeights."""
     try:
         with open(path, "rb") as f:
@@ -290,7 +293,7 @@ def pack_manifest(path, replace=False):
     return out
 
 
-def write_safetensors(path, tensors):
+def write_safetensors(path: Union[str, "os.PathLike[str]"], tensors: Mapping[str, Tuple[str, Any]]) -> None:
     """Writes {name: (safetensors dtype, numpy array)} as a safetensors file (tests, examples)."""
     header, offset, blobs = {}, 0, []
     for name, (dtype, array) in tensors.items():
