@@ -17,7 +17,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequ
 import grpc
 import numpy as np
 
-from . import dtypes, errors, weights
+from . import _torch, dtypes, errors, weights
 from ._health.v1 import health_pb2
 from .v1 import fusedlayer_pb2 as pb
 from .v1 import fusedlayer_pb2_grpc as pb_grpc
@@ -214,6 +214,8 @@ def target_is_local(target: str) -> bool:
 
 def _tensor(name: str, array: Any, data_type: Any) -> "pb.Tensor":
     want, what = _WIRE_DTYPES[data_type]
+    if _torch.is_tensor(array):  # a CPU torch tensor: a zero-copy view when contiguous
+        array = _torch.host_array(name, array, want)
     a = np.asarray(array)
     if a.dtype.kind != want.kind or a.dtype.itemsize != want.itemsize:
         raise TypeError(f"{name} must be {what}, got a {a.dtype} array")
@@ -372,7 +374,7 @@ def _mhc_request(weight_set: str, inputs: Mapping[str, Any], mode: str, stage: s
                             return_state=return_state)
     for name, data_type in _MHC_INPUT_TYPES:
         value = inputs.get(name)
-        if value is not None:
+        if value is not None and not _torch.is_cuda(value):
             getattr(req, name).CopyFrom(_tensor(name, value, data_type))
     return req
 
@@ -382,31 +384,53 @@ def _mhc_placed_outputs(req: "pb.MhcSeamRequest", mhc: Optional[Dict[str, Any]],
     """(output, bytes) of every output of a seam, for placing them in shared memory."""
     if mhc is None:
         raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {req.weight_set!r} has no mHC part")
+    shapes = _mhc_output_shapes(req, mhc, capture_aux)
+    return [(name, int(np.prod(shape)) * _OUTPUT_WIRE[name].itemsize) for name, shape in shapes.items()]
+
+
+# Wire dtype of every output.
+_OUTPUT_WIRE: Dict[str, np.dtype] = {"new_residual": np.dtype("<u2"), "y": np.dtype("<u2"), "aux": np.dtype("<u2"),
+                "new_pre_mix": np.dtype("<f4"), "new_post_mix": np.dtype("<f4"), "new_comb_mix": np.dtype("<f4"),
+                "q_fp8": np.dtype("u1"), "q_scale": np.dtype("<f4"), "kv": np.dtype("<u2"), "q_proj": np.dtype("<u2")}
+
+
+def _mhc_output_shapes(req: "pb.MhcSeamRequest", mhc: Dict[str, Any], capture_aux: bool) -> Dict[str, Tuple[int, ...]]:
+    """The shape of every output a seam returns (T from x: inline, in shared memory or on the device)."""
     T, n, C = req.x.shape[0], mhc["hc_mult"], mhc["hidden"]
-    outputs = [("new_residual", T * n * C * 2), ("y", T * C * 2)]
-    if req.stage != pb.MHC_STAGE_HEAD:
-        outputs += [("new_pre_mix", T * n * 4), ("new_post_mix", T * n * 4), ("new_comb_mix", T * n * n * 4)]
+    state = not req.session or req.return_state
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    if state:
+        shapes["new_residual"] = (T, n, C)
+    shapes["y"] = (T, C)
+    if state and req.stage != pb.MHC_STAGE_HEAD:
+        shapes.update(new_pre_mix=(T, n), new_post_mix=(T, n), new_comb_mix=(T, n, n))
     if capture_aux:
-        outputs.append(("aux", T * C * 2))
-    return outputs
+        shapes["aux"] = (T, C)
+    return shapes
 
 
-def _mhc_result(r: "pb.MhcSeamResponse", elapsed: float) -> MhcSeamResult:
-    y = _array(r.y)
-    assert y is not None
-    return MhcSeamResult(
-        new_residual=_array(r.new_residual, r.HasField("new_residual")), y=y,
-        new_pre_mix=_array(r.new_pre_mix, r.HasField("new_pre_mix")),
-        new_post_mix=_array(r.new_post_mix, r.HasField("new_post_mix")),
-        new_comb_mix=_array(r.new_comb_mix, r.HasField("new_comb_mix")),
-        aux=_array(r.aux, r.HasField("aux")), report=ExecutionReport._from_proto(r.report, elapsed),
-        request_id=r.request_id, verification=_verification(r))
+def _output(r: Any, name: str, kind: str, placed: Mapping[str, Any]) -> Array:
+    """One output of a response as the caller asked: numpy, or torch (on the device when it was placed
+    in CUDA shared memory). None when the response has no such output."""
+    if name in placed:
+        t = placed[name]
+        return t if kind == "torch" else _torch.host_array(name, t.cpu(), _OUTPUT_WIRE[name])
+    a = _array(getattr(r, name), r.HasField(name))
+    return _torch.to_torch(a) if kind == "torch" else a
+
+
+def _mhc_result(r: "pb.MhcSeamResponse", elapsed: float, kind: str = "numpy",
+                placed: Mapping[str, Any] = {}) -> MhcSeamResult:
+    out = {name: _output(r, name, kind, placed) for name in _MHC_OUTPUTS}
+    return MhcSeamResult(**out, report=ExecutionReport._from_proto(r.report, elapsed), request_id=r.request_id,
+                         verification=_verification(r))
 
 
 def _swa_request(weight_set: str, qr_kv: Any, path: str, verify: bool, request_id: str) -> "pb.SwaNormQuantRequest":
     req = pb.SwaNormQuantRequest(weight_set=weight_set, path_preference=_choice("path", path, _PATHS),
                                  verify=verify, request_id=request_id)
-    req.qr_kv.CopyFrom(_tensor("qr_kv", qr_kv, pb.DATA_TYPE_BF16))
+    if not _torch.is_cuda(qr_kv):
+        req.qr_kv.CopyFrom(_tensor("qr_kv", qr_kv, pb.DATA_TYPE_BF16))
     return req
 
 
@@ -414,19 +438,26 @@ def _swa_placed_outputs(req: "pb.SwaNormQuantRequest", swa: Optional[Dict[str, A
                         wq_b_rows: int) -> List[Tuple[str, int]]:
     if swa is None:
         raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {req.weight_set!r} has no SWA part")
-    M, Q, D = req.qr_kv.shape[0], swa["q_rank"], swa["head_dim"]
-    scale_rows = M if swa["scale_layout"] == "row_major" else (M + 3) // 4 * 4
-    outputs = [("q_fp8", M * Q), ("q_scale", scale_rows * (Q // 128) * 4), ("kv", M * D * 2)]
+    shapes = _swa_output_shapes(req, swa, wq_b_rows)
+    return [(name, int(np.prod(shape)) * _OUTPUT_WIRE[name].itemsize) for name, shape in shapes.items()]
+
+
+def _swa_output_shapes(req: "pb.SwaNormQuantRequest", swa: Dict[str, Any],
+                       wq_b_rows: int) -> Dict[str, Tuple[int, ...]]:
+    M, Q, D, G = req.qr_kv.shape[0], swa["q_rank"], swa["head_dim"], swa["q_rank"] // 128
+    shapes: Dict[str, Tuple[int, ...]] = {
+        "q_fp8": (M, Q), "q_scale": (M, G) if swa["scale_layout"] == "row_major" else (G, (M + 3) // 4 * 4),
+        "kv": (M, D)}
     if wq_b_rows:
-        outputs.append(("q_proj", M * wq_b_rows * 2))
-    return outputs
+        shapes["q_proj"] = (M, wq_b_rows)
+    return shapes
 
 
-def _swa_result(r: "pb.SwaNormQuantResponse", elapsed: float) -> SwaNormQuantResult:
-    q_fp8, q_scale, kv = _array(r.q_fp8), _array(r.q_scale), _array(r.kv)
-    assert q_fp8 is not None and q_scale is not None and kv is not None
+def _swa_result(r: "pb.SwaNormQuantResponse", elapsed: float, kind: str = "numpy",
+                placed: Mapping[str, Any] = {}) -> SwaNormQuantResult:
+    out = {name: _output(r, name, kind, placed) for name in _SWA_OUTPUTS}
     return SwaNormQuantResult(
-        q_fp8=q_fp8, q_scale=q_scale, kv=kv, q_proj=_array(r.q_proj, r.HasField("q_proj")),
+        **out,
         fp8_format=dtypes.E4M3FNUZ if r.q_fp8.dtype == pb.DATA_TYPE_FP8_E4M3FNUZ else dtypes.E4M3FN,
         report=ExecutionReport._from_proto(r.report, elapsed), request_id=r.request_id,
         verification=_verification(r))
@@ -454,6 +485,66 @@ def _weight_chunks(packed: weights.PackedWeightSet) -> Iterator["pb.WeightChunk"
     yield first
     for off in range(_CHUNK_BYTES, len(packed.payload), _CHUNK_BYTES):
         yield pb.WeightChunk(data=packed.payload[off:off + _CHUNK_BYTES])
+
+
+def _cuda_inputs(inputs: Mapping[str, Any], types: Mapping[str, Any]) -> Dict[str, Tuple[Any, Any]]:
+    """The CUDA tensors among a call's inputs: name -> (tensor, wire DataType); checks their dtypes."""
+    cuda = {}
+    for name, value in inputs.items():
+        if _torch.is_cuda(value):
+            want, what = _WIRE_DTYPES[types[name]]
+            torch = _torch.loaded()
+            if value.dtype != (torch.bfloat16 if want.itemsize == 2 else torch.float32):
+                raise TypeError(f"{name} must be {what} (a torch tensor: "
+                                f"{'torch.bfloat16' if want.itemsize == 2 else 'torch.float32'}), got {value.dtype}")
+            cuda[name] = (value, types[name])
+    if cuda and len(cuda) != sum(v is not None for v in inputs.values()):
+        raise TypeError("a call's inputs are all CUDA tensors or none is (CUDA shared memory carries the device ones, "
+                        f"the message the others); CUDA: {', '.join(cuda)}")
+    return cuda
+
+
+ConfigEntry = Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], int]
+
+
+def _mhc_cuda_shapes(req: "pb.MhcSeamRequest", cuda: Mapping[str, Tuple[Any, Any]], config: ConfigEntry,
+                     capture_aux: bool) -> Dict[str, Tuple[int, ...]]:
+    if config[0] is None:
+        raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {req.weight_set!r} has no mHC part")
+    req.x.shape[:] = list(cuda["x"][0].shape)  # T for the output shapes (the CUDA path fills x's ref later)
+    return _mhc_output_shapes(req, config[0], capture_aux)
+
+
+def _swa_cuda_shapes(req: "pb.SwaNormQuantRequest", cuda: Mapping[str, Tuple[Any, Any]],
+                     config: ConfigEntry) -> Dict[str, Tuple[int, ...]]:
+    if config[1] is None:
+        raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {req.weight_set!r} has no SWA part")
+    req.qr_kv.shape[:] = list(cuda["qr_kv"][0].shape)
+    return _swa_output_shapes(req, config[1], config[2])
+
+
+def _cuda_prepare(regions: "_torch.CudaRegions", enabled: bool, target: str, req: Any,
+                  cuda: Dict[str, Tuple[Any, Any]],
+                  shapes: Dict[str, Tuple[int, ...]]) -> Tuple[List[Tuple[str, bytes, int, int, int]], Dict[str, Any]]:
+    """A request's CUDA inputs referenced and its outputs placed in CUDA shared memory: (registrations to
+    make first, output tensors). FailedPrecondition, before anything is registered, when the server
+    does not accept CUDA shared memory."""
+    if not enabled:
+        raise errors.FailedPrecondition(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"CUDA tensors travel by CUDA shared memory, which the server at {target} does not accept (it needs "
+            "--allow_cuda_shared_memory on a GPU backend, on this host); pass CPU tensors (tensor.cpu()) instead")
+    device = next(iter(cuda.values()))[0].device
+    outputs = [(n, int(np.prod(shape)) * _OUTPUT_WIRE[n].itemsize) for n, shape in shapes.items()]
+    return _torch.cuda_inputs_and_outputs(regions, req, cuda, outputs, _OUTPUT_WIRE, shapes, device)
+
+
+def _remember_configs(configs: Dict[str, ConfigEntry], sets: Sequence[WeightSetInfo], weight_set: str) -> ConfigEntry:
+    for w in sets:
+        configs[w.name] = (w.mhc, w.swa, w.wq_b_rows)
+    if weight_set not in configs:
+        raise errors.NotFound(grpc.StatusCode.NOT_FOUND, f"weight set {weight_set!r} is not loaded")
+    return configs[weight_set]
 
 
 def _health_status(r: Any) -> str:
@@ -523,6 +614,9 @@ class Client:
         self._configs: Dict[str, Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], int]] = {}
         self.timeout = timeout
         self._metadata = _metadata(target, tls, token_file)
+        self._cuda_regions = _torch.CudaRegions(f"py-cuda-{os.getpid()}-{id(self):x}")
+        self._cuda_enabled: Optional[bool] = None  # the server's cuda_shared_memory_enabled, asked once
+        self._cuda_lock = threading.Lock()
         credentials, channel_options = _channel_args(tls, max_message_bytes, options)
         if credentials is not None:
             self._channel = grpc.secure_channel(target, credentials, options=channel_options)
@@ -536,6 +630,12 @@ class Client:
     def close(self) -> None:
         if self._arena is not None:
             self._arena.release()
+        for name in self._cuda_regions.names():
+            try:
+                self.unregister_cuda_shared_memory(name)
+            except errors.FusedLayerError:
+                pass  # the server is gone or forgot it
+        self._cuda_regions.clear()
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -556,7 +656,7 @@ class Client:
                  comb_mix: Optional[Array] = None, pre_mix: Optional[Array] = None, mode: str = "shifted",
                  stage: str = "seam", path: str = "auto", capture_aux: bool = False, verify: bool = False,
                  request_id: str = "", timeout: Optional[float] = None, session: str = "",
-                 return_state: bool = False) -> MhcSeamResult:
+                 return_state: bool = False, output: Optional[str] = None) -> MhcSeamResult:
         """One mHC seam (docs/spec/mhc.md).
 
         stage "seam"/"head": x = sublayer output bf16 [T, C], residual bf16 [T, n, C], post_mix fp32
@@ -566,33 +666,49 @@ class Client:
         session: a residual session of this caller (open_residual_session): residual and the mixes
         come from it and the new ones stay there, so only x is sent and y returned (new_residual and
         the mixes are None unless return_state). Sent inline whatever the client's transport.
+        Arrays: numpy, or torch tensors (module docstring); output "numpy" / "torch" / None (like the
+        inputs). CUDA tensors go by CUDA shared memory and the outputs come back on their device.
         """
-        req = _mhc_request(weight_set, dict(x=x, residual=residual, post_mix=post_mix, comb_mix=comb_mix,
-                                            pre_mix=pre_mix), mode, stage, path, capture_aux, verify, request_id,
-                           session, return_state)
+        inputs = dict(x=x, residual=residual, post_mix=post_mix, comb_mix=comb_mix, pre_mix=pre_mix)
+        kind = _torch.output_kind(output, inputs.values())
+        req = _mhc_request(weight_set, inputs, mode, stage, path, capture_aux, verify, request_id, session,
+                           return_state)
+        cuda = _cuda_inputs(inputs, dict(_MHC_INPUT_TYPES))
+        if cuda:
+            shapes = _mhc_cuda_shapes(req, cuda, self._config(weight_set), capture_aux)
+            r, elapsed, placed = self._cuda_call(self._stub.MhcSeam, req, cuda, shapes, timeout)
+            return _mhc_result(r, elapsed, kind, placed)
         if self._arena is None or session:
             start = time.perf_counter()
             r = self._call(self._stub.MhcSeam, req, timeout)
             elapsed = time.perf_counter() - start
         else:
             outputs = _mhc_placed_outputs(req, self._config(weight_set)[0], capture_aux)
-            inputs = [getattr(req, f) for f in _MHC_INPUTS if req.HasField(f)]
+            inline = [getattr(req, f) for f in _MHC_INPUTS if req.HasField(f)]
             with self._arena.lock:
-                self._arena.place(req, inputs, outputs)
+                self._arena.place(req, inline, outputs)
                 start = time.perf_counter()
                 r = self._call(self._stub.MhcSeam, req, timeout)
                 elapsed = time.perf_counter() - start
                 for f in _MHC_OUTPUTS:
                     self._arena.fetch(getattr(r, f))
-        return _mhc_result(r, elapsed)
+        return _mhc_result(r, elapsed, kind)
 
     def swa_norm_quant(self, weight_set: str, qr_kv: Array, path: str = "auto", verify: bool = False,
-                       request_id: str = "", timeout: Optional[float] = None) -> SwaNormQuantResult:
+                       request_id: str = "", timeout: Optional[float] = None,
+                       output: Optional[str] = None) -> SwaNormQuantResult:
         """SWA q/kv RMSNorm + q FP8 1x128 group quant (+ wq_b) (docs/spec/swa.md).
 
-        qr_kv: bf16 [M, S], S >= Q + D: q = columns [0, Q), kv = [Q, Q + D).
+        qr_kv: bf16 [M, S], S >= Q + D: q = columns [0, Q), kv = [Q, Q + D). Arrays and output as
+        for mhc_seam.
         """
+        kind = _torch.output_kind(output, [qr_kv])
         req = _swa_request(weight_set, qr_kv, path, verify, request_id)
+        cuda = _cuda_inputs({"qr_kv": qr_kv}, {"qr_kv": pb.DATA_TYPE_BF16})
+        if cuda:
+            shapes = _swa_cuda_shapes(req, cuda, self._config(weight_set))
+            r, elapsed, placed = self._cuda_call(self._stub.SwaNormQuant, req, cuda, shapes, timeout)
+            return _swa_result(r, elapsed, kind, placed)
         if self._arena is None:
             start = time.perf_counter()
             r = self._call(self._stub.SwaNormQuant, req, timeout)
@@ -607,7 +723,27 @@ class Client:
                 elapsed = time.perf_counter() - start
                 for f in _SWA_OUTPUTS:
                     self._arena.fetch(getattr(r, f))
-        return _swa_result(r, elapsed)
+        return _swa_result(r, elapsed, kind)
+
+    def _cuda_call(self, method: Callable[..., Any], req: Any, cuda: Dict[str, Tuple[Any, Any]],
+                   shapes: Dict[str, Tuple[int, ...]],
+                   timeout: Optional[float]) -> Tuple[Any, float, Dict[str, Any]]:
+        """A call whose inputs are CUDA tensors: they and the outputs (fresh device tensors) go by CUDA
+        shared memory, each allocation registered once (cached until close)."""
+        with self._cuda_lock:
+            if self._cuda_enabled is None:
+                self._cuda_enabled = self.server_info(timeout).cuda_shared_memory_enabled
+            registrations, placed = _cuda_prepare(self._cuda_regions, self._cuda_enabled, self.target, req, cuda,
+                                                  shapes)
+            for reg in registrations:
+                try:
+                    self.register_cuda_shared_memory(*reg, timeout=timeout)
+                except errors.FusedLayerError:
+                    self._cuda_regions.forget(reg[0])
+                    raise
+        start = time.perf_counter()
+        r = self._call(method, req, timeout)
+        return r, time.perf_counter() - start, placed
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -638,10 +774,7 @@ class Client:
         """(mhc dict or None, swa dict or None, wq_b_rows) of a weight set, cached (sets are immutable
         once published; a replaced set of the same name keeps its shapes or the server refuses the call)."""
         if weight_set not in self._configs:
-            for w in self.list_weight_sets():
-                self._configs[w.name] = (w.mhc, w.swa, w.wq_b_rows)
-            if weight_set not in self._configs:
-                raise errors.NotFound(grpc.StatusCode.NOT_FOUND, f"weight set {weight_set!r} is not loaded")
+            return _remember_configs(self._configs, self.list_weight_sets(), weight_set)
         return self._configs[weight_set]
 
     # ---- system shared memory (transport="shm" uses these; docs/operations.md) -------------
