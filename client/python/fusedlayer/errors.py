@@ -77,6 +77,12 @@ class Internal(FusedLayerError):
     """A kernel failed on both paths: a server bug."""
 
 
+class Cancelled(FusedLayerError):
+    """The call was cancelled (CANCELLED): by this client (an RPC cancelled, a channel closed under a
+    call in flight) or by the server. An asyncio task cancelled while awaiting a call of
+    fusedlayer.aio raises asyncio.CancelledError, as every coroutine does; the RPC is cancelled with it."""
+
+
 _BY_CODE: Dict[grpc.StatusCode, Type[FusedLayerError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -89,6 +95,7 @@ _BY_CODE: Dict[grpc.StatusCode, Type[FusedLayerError]] = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.INTERNAL: Internal,
+    grpc.StatusCode.CANCELLED: Cancelled,
 }
 
 # server/dispatcher.cc: "REQUIRE_FUSED: the fused mhc path cannot run (hc_mult_unsupported): <detail>"
