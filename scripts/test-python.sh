@@ -3,7 +3,9 @@
 # (a venv with Debian's packages visible, pip offline) into a throwaway folder, runs its pytest suite
 # against real fusedlayer_server processes and runs examples/whole_model.py on the CPU backend.
 #
-#   scripts/test-python.sh [BUILD_DIR]        (default build/; needs BUILD_DIR/server/fusedlayer_server)
+#   scripts/test-python.sh [BUILD_DIR]        (default build/; needs BUILD_DIR/server/fusedlayer_server and
+#                                              BUILD_DIR/client/fusedctl, whose import-checkpoint the tests
+#                                              compare fusedlayer.import_checkpoint with)
 #
 # Runs with Debian's /usr/bin/python3 on purpose: a pyenv python3 on PATH lacks python3-grpcio,
 # python3-protobuf, python3-numpy, python3-pytest, python3-torch and mypy. Any failure (pytest exit 5, "no tests
@@ -13,6 +15,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="$(cd "${1:-$ROOT/build}" && pwd)"  # absolute: the tests run from another folder
 SERVER="$BUILD/server/fusedlayer_server"
 [ -x "$SERVER" ] || { echo "test-python: no server binary at $SERVER" >&2; exit 1; }
+[ -x "$BUILD/client/fusedctl" ] || { echo "test-python: no fusedctl at $BUILD/client/fusedctl" >&2; exit 1; }
 
 VENV="$(mktemp -d)/venv"
 trap 'rm -rf "$(dirname "$VENV")"' EXIT
@@ -38,7 +41,7 @@ rc=0
 # FUSEDLAYER_CUDA_HOST=1 and FUSEDLAYER_CUDA_SERVER=<a fusedlayer_server built with the GPU backend>.
 MARKS="not cuda_host"
 [ "${FUSEDLAYER_CUDA_HOST:-0}" = 1 ] && MARKS=""
-FUSEDLAYER_SERVER="$SERVER" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --strict-markers -m "$MARKS" \
+FUSEDLAYER_SERVER="$SERVER" FUSEDLAYER_FUSEDCTL="$BUILD/client/fusedctl" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --strict-markers -m "$MARKS" \
   "$ROOT/client/python/tests" || rc=$?
 if [ "$rc" -ne 0 ]; then
   [ "$rc" -eq 5 ] && echo "test-python: pytest collected no tests" >&2

@@ -21,5 +21,6 @@ from .errors import (AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Faile
                      FusedUnavailable, Internal, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                      Unauthenticated, Unavailable)
 from .weights import PackedWeightSet, pack_arrays, pack_manifest, write_safetensors
+from .checkpoint import CheckpointImport, import_checkpoint
 
 __version__ = "0.1.0"

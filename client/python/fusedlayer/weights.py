@@ -293,9 +293,12 @@ def pack_manifest(path: Union[str, "os.PathLike[str]"], replace: bool = False) -
     return out
 
 
-def write_safetensors(path: Union[str, "os.PathLike[str]"], tensors: Mapping[str, Tuple[str, Any]]) -> None:
-    """Writes {name: (safetensors dtype, numpy array)} as a safetensors file (tests, examples)."""
-    header, offset, blobs = {}, 0, []
+def write_safetensors(path: Union[str, "os.PathLike[str]"], tensors: Mapping[str, Tuple[str, Any]],
+                      metadata: Optional[Mapping[str, str]] = None) -> None:
+    """Writes {name: (safetensors dtype, numpy array)} as a safetensors file (tests, examples), with an
+    optional __metadata__ of strings."""
+    header: Dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset, blobs = 0, []
     for name, (dtype, array) in tensors.items():
         blob = np.ascontiguousarray(array).astype(np.dtype(_ST_DTYPES[dtype][0]), copy=False).tobytes()
         header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
