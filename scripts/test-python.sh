@@ -51,3 +51,4 @@ fi
 
 "$VENV/bin/python" "$ROOT/examples/whole_model.py" --server="$SERVER"
 "$VENV/bin/python" "$ROOT/examples/whole_model.py" --server="$SERVER" --via_manifest --layers=2 --hidden=96
+"$VENV/bin/python" "$ROOT/examples/whole_model.py" --server="$SERVER" --via_checkpoint --layers=2 --hidden=128
