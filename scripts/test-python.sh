@@ -35,6 +35,23 @@ cd "$(dirname "$VENV")"
   --no-incremental -p fusedlayer || { echo "test-python: mypy found errors" >&2; exit 1; }
 "$VENV/bin/python" -c 'import importlib.resources as r; assert r.files("fusedlayer").joinpath("py.typed").is_file()' \
   || { echo "test-python: the installed package has no py.typed" >&2; exit 1; }
+# A user's code checked with --strict against the installed package: py.typed is honoured and the
+# public names are exported (a strict checker rejects implicitly re-exported ones).
+cat > typed_use.py <<'PY'
+import fusedlayer
+import fusedlayer.aio
+
+
+def seam_rows(c: fusedlayer.Client) -> int:
+    r: fusedlayer.MhcSeamResult = c.mhc_seam("v41-flash/demo", None, stage="first")
+    return c.server_info().max_tokens + len(r.request_id) + len(fusedlayer.import_checkpoint("d").set_names)
+
+
+async def status(c: fusedlayer.aio.AsyncClient) -> str:
+    return await c.health()
+PY
+/usr/bin/python3 -m mypy --python-executable "$VENV/bin/python" --strict --no-incremental typed_use.py \
+  || { echo "test-python: mypy --strict rejects a typed use of the package" >&2; exit 1; }
 rc=0
 # Tests marked cuda_host (CUDA tensors through CUDA shared memory) need a GPU, torch.cuda and a CUDA
 # server: CI deselects them (they are not counted as passed there); the GPU host runs them with

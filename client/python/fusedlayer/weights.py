@@ -22,7 +22,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple, Type, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 

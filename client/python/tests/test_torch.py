@@ -85,19 +85,21 @@ def test_swa_torch_cpu_and_numpy_inputs_give_byte_identical_outputs(client, rng)
         wide.view(torch.int16).numpy().view(np.uint16)[:, :1280 + 512])), sliced, SWA_FIELDS)
 
 
-def test_torch_inputs_through_shared_memory_and_sessions(server, rng):
+def test_torch_inputs_in_a_residual_session(client, rng):
+    """x as a torch tensor into a session: y a torch tensor, bitwise the inline numpy chain's."""
     T, n, C = 3, 4, 7168
-    inputs = seam_inputs(rng, T, n, C)
-    with fusedlayer.Client(server.target) as c:
-        want = c.mhc_seam("v4-pro/demo", **inputs)
-        c.open_residual_session("py-torch", T, n, C)
-        try:
-            c.mhc_seam("v4-pro/demo", as_torch(inputs["x"]), stage="first", session="py-torch")
-            kept = c.mhc_seam("v4-pro/demo", as_torch(inputs["x"]), session="py-torch")
-            assert isinstance(kept.y, torch.Tensor) and kept.new_residual is None
-        finally:
-            c.close_residual_session("py-torch")
-    assert want.report.path in ("fused", "unfused")
+    xs = [bf16_random(rng, (T, C)) for _ in range(2)]
+    first = client.mhc_seam("v4-pro/demo", xs[0], stage="first")
+    inline = client.mhc_seam("v4-pro/demo", xs[1], residual=first.new_residual, post_mix=first.new_post_mix,
+                             comb_mix=first.new_comb_mix, pre_mix=first.new_pre_mix)
+    client.open_residual_session("py-torch", T, n, C)
+    try:
+        client.mhc_seam("v4-pro/demo", as_torch(xs[0]), stage="first", session="py-torch")
+        kept = client.mhc_seam("v4-pro/demo", as_torch(xs[1]), session="py-torch")
+    finally:
+        client.close_residual_session("py-torch")
+    assert isinstance(kept.y, torch.Tensor) and kept.new_residual is None
+    assert wire_bytes(kept.y) == wire_bytes(inline.y)
 
 
 def test_cpu_tensor_views_are_zero_copy():
