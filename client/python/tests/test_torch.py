@@ -134,11 +134,28 @@ def test_bf16_helpers_for_numpy_users():
 
 # ---- CUDA tensors (GPU host only) -----------------------------------------------------------------
 
+def test_cuda_inputs_to_a_server_without_cuda_shared_memory_fail_before_registering():
+    """The check every CUDA-tensor call makes first (the GPU-host test below makes it on a real call):
+    FailedPrecondition naming the server flag, and no region registered."""
+    regions = _torch.CudaRegions("py-test")
+    with pytest.raises(fusedlayer.FailedPrecondition, match="--allow_cuda_shared_memory") as e:
+        fusedlayer.client._cuda_prepare(regions, False, "127.0.0.1:1", object(), {"x": (object(), 0)}, {})
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and regions.names() == []
+
+
 def _cuda_server(extra=()):
+    """A CUDA-backend server: $FUSEDLAYER_CUDA_SERVER (a GPU build), else $FUSEDLAYER_SERVER."""
     binary = os.environ.get("FUSEDLAYER_CUDA_SERVER") or os.environ.get("FUSEDLAYER_SERVER")
+    saved = os.environ.get("FUSEDLAYER_SERVER")
     os.environ["FUSEDLAYER_SERVER"] = binary
-    # The CUDA backend is the flag given last; ServerProcess passes --backend=cpu first.
-    return ServerProcess(extra_args=["--backend=cuda", *extra])
+    try:
+        # The CUDA backend is the flag given last; ServerProcess passes --backend=cpu first.
+        return ServerProcess(extra_args=["--backend=cuda", *extra])
+    finally:
+        if saved is None:
+            del os.environ["FUSEDLAYER_SERVER"]
+        else:
+            os.environ["FUSEDLAYER_SERVER"] = saved
 
 
 @pytest.mark.cuda_host
