@@ -5,6 +5,8 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <regex>
+#include <set>
 #include <sstream>
 #include <system_error>
 
@@ -256,6 +258,59 @@ absl::StatusOr<const Dialect*> DetectDialect(const Checkpoint& ckpt, int layer) 
       "\" (a DeepSeek-V4 / V4.1 checkpoint has one of them for every layer)"));
 }
 
+// Every tensor name the importer knows in dialect `d` for a model of `layers` layers: what it reads,
+// whether or not this import reads it (--layers).
+std::set<std::string> RecognisedNames(const Dialect& d, int64_t layers) {
+  std::set<std::string> out = {d.norm, d.hc_head[0], d.hc_head[1], d.hc_head[2]};
+  for (int layer = 0; layer < layers; ++layer) {
+    for (const char* t : {d.hc_attn[0], d.hc_attn[1], d.hc_attn[2], d.attn_norm, d.hc_ffn[0], d.hc_ffn[1], d.hc_ffn[2],
+                          d.ffn_norm, d.q_norm, d.kv_norm, d.wq_b, d.wq_b_scale}) {
+      out.insert(LayerName(d, layer, t));
+    }
+  }
+  return out;
+}
+
+// A name that looks like an mHC parameter (hc_head / hc_attn / hc_ffn in DeepSeek's spelling,
+// attn_hc / ffn_hc in transformers') or an SWA norm (a q / kv norm directly in a layer's attention).
+bool LooksLikeSeamParameter(const std::string& name) {
+  for (const char* marker : {"hc_head", "hc_attn", "hc_ffn", "attn_hc", "ffn_hc"}) {
+    if (name.find(marker) != std::string::npos) return true;
+  }
+  static const std::regex swa_norm(R"(^(model\.)?layers\.[0-9]+\.(self_)?attn\.[A-Za-z_]*(q|kv)[A-Za-z_]*norm[A-Za-z_]*\.[A-Za-z_]+$)");
+  return std::regex_match(name, swa_norm);
+}
+
+// INVALID_ARGUMENT naming the tensors that look like mHC / SWA parameters but that the dialect does
+// not place (another spelling of hc_head, a renamed norm, ...): importing without them would
+// silently serve zeros or fail later. The multi-token-prediction layers (mtp.*) are not imported.
+absl::Status RejectUnrecognisedSeamTensors(const Checkpoint& ckpt, const Dialect& d, int64_t layers) {
+  const std::set<std::string> known = RecognisedNames(d, layers);
+  std::vector<std::string> unknown;
+  for (const auto& [name, shard] : ckpt.weight_map()) {
+    if (name.rfind("mtp.", 0) == 0 || known.count(name) || !LooksLikeSeamParameter(name)) continue;
+    unknown.push_back(absl::StrCat("\"", name, "\""));
+  }
+  if (unknown.empty()) return absl::OkStatus();
+  const size_t total = unknown.size();
+  if (unknown.size() > 8) unknown.resize(8);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "model.safetensors.index.json has ", total, " tensor(s) that look like mHC / SWA parameters but are not in the ",
+      d.name, " names the importer reads: ", absl::StrJoin(unknown, ", "), total > 8 ? ", ..." : "",
+      " (a spelling of another layout? docs/weights.md lists the names read)"));
+}
+
+absl::StatusOr<std::string> SetName(const std::string& prefix, const std::string& name) {
+  if (prefix.empty()) return name;
+  const bool chars_ok = prefix.find_first_not_of(
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._/-") == std::string::npos;
+  if (!chars_ok || prefix.front() == '/' || prefix.back() == '/') {
+    return absl::InvalidArgumentError(absl::StrCat("--prefix=", prefix, ": set names take [A-Za-z0-9._/-] only, "
+                                                   "and the prefix must not start or end with '/'"));
+  }
+  return absl::StrCat(prefix, "/", name);
+}
+
 // A manifest tensor reference, its path relative to the manifest's folder.
 struct TensorRef {
   std::string file;
@@ -392,6 +447,9 @@ absl::StatusOr<CheckpointImportResult> ImportCheckpoint(const CheckpointImportOp
   absl::StatusOr<const Dialect*> dialect = DetectDialect(ckpt, range.first);
   if (!dialect.ok()) return dialect.status();
   const Dialect& d = **dialect;
+  if (absl::Status s = RejectUnrecognisedSeamTensors(ckpt, d, c.layers); !s.ok()) return s;
+  if (absl::StatusOr<std::string> p = SetName(options.prefix, "head"); !p.ok()) return p.status();
+  auto set_name = [&](const std::string& name) { return *SetName(options.prefix, name); };
 
   const int64_t n = c.hc_mult, C = c.hidden, M = n * (n + 2), K = n * C, Q = c.q_rank, D = c.head_dim;
   CheckpointImportResult result;
@@ -413,7 +471,7 @@ absl::StatusOr<CheckpointImportResult> ImportCheckpoint(const CheckpointImportOp
 
   ordered_json sets = ordered_json::array();
   for (int layer = range.first; layer <= range.last; ++layer) {
-    const std::string attn_name = absl::StrCat("L", layer, "/attn");
+    const std::string attn_name = set_name(absl::StrCat("L", layer, "/attn"));
     ordered_json attn = {{"name", attn_name}, {"mhc", MhcConfig(c)}};
     ordered_json swa = {{"q_rank", Q}, {"head_dim", D}, {"eps", c.rms_norm_eps}};
     if (c.ue8m0_activation_scales) swa["scale_format"] = "ue8m0";
@@ -462,7 +520,7 @@ absl::StatusOr<CheckpointImportResult> ImportCheckpoint(const CheckpointImportOp
     sets.push_back(std::move(attn));
     result.set_names.push_back(attn_name);
 
-    const std::string ffn_name = absl::StrCat("L", layer, "/ffn");
+    const std::string ffn_name = set_name(absl::StrCat("L", layer, "/ffn"));
     ordered_json ffn_tensors = ordered_json::object();
     const std::string ffn_role = absl::StrCat("layer ", layer, " FFN seam");
     if (absl::Status s = builder.Add(ffn_tensors, "mhc.fn", LayerName(d, layer, d.hc_ffn[0]), {M, K}, ffn_role); !s.ok()) return s;
@@ -521,8 +579,8 @@ absl::StatusOr<CheckpointImportResult> ImportCheckpoint(const CheckpointImportOp
                             {"mhc.scale", {{"file", head_file}, {"tensor", "head.scale"}}},
                             {"mhc.base", {{"file", head_file}, {"tensor", "head.base"}}}};
     if (absl::Status s = builder.Add(tensors, "mhc.norm_weight", d.norm, {C}, role); !s.ok()) return s;
-    sets.push_back({{"name", "head"}, {"mhc", MhcConfig(c)}, {"tensors", std::move(tensors)}});
-    result.set_names.push_back("head");
+    sets.push_back({{"name", set_name("head")}, {"mhc", MhcConfig(c)}, {"tensors", std::move(tensors)}});
+    result.set_names.push_back(set_name("head"));
   } else {
     result.notes.push_back(absl::StrCat("no head set: --layers stops before the last layer (", c.layers - 1, ")"));
   }

@@ -49,6 +49,9 @@ struct CheckpointImportOptions {
   std::string checkpoint_dir;
   std::string output_path = "manifest.json";
   std::optional<LayerRange> layers;  // absent: every layer; the head set only when the last layer is in
+  // Set names become PREFIX/L0/attn, ..., PREFIX/head (empty: L0/attn, ...), so two models can share a
+  // server. Characters of a set name only ([A-Za-z0-9._/-]), no leading or trailing '/'.
+  std::string prefix;
 };
 
 struct CheckpointImportResult {

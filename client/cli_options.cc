@@ -120,10 +120,10 @@ const std::vector<CommandInfo>& Commands() {
        {"concurrency", "duration", "warmup", "server_pid", "max_rss_growth_mb", "seed", "churn", "compute_token_file"}},
       {"replay", "replay --dump=FILE (a shadow mismatch dump; exit 3 when the mismatch reproduces)", 0, {"dump"}},
       {"import-checkpoint",
-       "import-checkpoint DIR [--output=manifest.json] [--layers=A-B] (a DeepSeek-V4/V4.1 folder -> a manifest; "
-       "no server)",
+       "import-checkpoint DIR [--output=manifest.json] [--layers=A-B] [--prefix=P] (a DeepSeek-V4/V4.1 folder -> a "
+       "manifest of sets P/L0/attn, ...; no server)",
        1,
-       {"output", "layers"}},
+       {"output", "layers", "prefix"}},
   };
   return kCommands;
 }

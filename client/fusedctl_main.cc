@@ -57,6 +57,8 @@ ABSL_FLAG(std::string, output, "",
           "seam/swa: write the response tensors to this safetensors file; import-checkpoint: the manifest to write "
           "(default manifest.json)");
 ABSL_FLAG(std::string, layers, "", "import-checkpoint: only layers A-B (inclusive) or A (default: all, with head)");
+ABSL_FLAG(std::string, prefix, "",
+          "import-checkpoint: name the sets PREFIX/L0/attn, ..., PREFIX/head (two models on one server)");
 ABSL_FLAG(int64_t, row_stride, 0, "swa/bench: qr_kv row stride in elements (0 = Q + D)");
 ABSL_FLAG(std::string, op, "", "bench: mhc | swa");
 ABSL_FLAG(int32_t, concurrency, 1, "bench: concurrent callers");
@@ -118,7 +120,7 @@ int UsageError(const std::string& message) {
   return kExitUsage;
 }
 
-// fusedctl import-checkpoint DIR [--output=FILE] [--layers=A-B]: prints the sets written and any
+// fusedctl import-checkpoint DIR [--output=FILE] [--layers=A-B] [--prefix=P]: prints the sets written and any
 // notes (what was left out and why); exit 1 with one error line when the folder cannot be imported.
 int RunImportCheckpoint(const std::string& dir) {
   CheckpointImportOptions options;
@@ -129,6 +131,7 @@ int RunImportCheckpoint(const std::string& dir) {
     if (!range.ok()) return UsageError(std::string(range.status().message()));
     options.layers = *range;
   }
+  options.prefix = absl::GetFlag(FLAGS_prefix);
   absl::StatusOr<CheckpointImportResult> result = ImportCheckpoint(options);
   if (!result.ok()) {
     std::cerr << ErrorLine(result.status()) << "\n";

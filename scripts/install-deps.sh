@@ -22,9 +22,11 @@ PACKAGES=(
   # throwaway certificates of the security tests
   openssl
   # Python client (client/python; scripts/test-python.sh): runtime, offline build (setuptools, wheel,
-  # venv with its bundled pip; stubs from protoc + grpc_python_plugin above), tests and example
+  # venv with its bundled pip; stubs from protoc + grpc_python_plugin above), tests and example;
+  # mypy checks the package's annotations; torch (CPU) for the torch-tensor inputs and outputs (an
+  # optional extra of the package, never a dependency)
   python3-grpcio python3-protobuf python3-numpy python3-setuptools python3-wheel python3-venv python3-pip
-  python3-pytest
+  python3-pytest mypy python3-torch
   # image test (scripts/test-image.sh): podman builds and runs the CPU image when no Docker engine
   # answers; runc for hosts where crun refuses the cgroup layout; mmdebstrap makes the debian:12 base
   # image from Debian packages (no registry needed); uidmap, slirp4netns and fuse-overlayfs for

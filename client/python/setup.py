@@ -21,7 +21,7 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _find_tool(env, name):
+def _find_tool(env: str, name: str) -> str:
     path = os.environ.get(env) or shutil.which(name)
     if not path:
         raise SystemExit(f"fusedlayer build: {name} not found (Debian: apt-get install "
@@ -52,8 +52,9 @@ def generate_stubs(out_dir):
         health_dir = os.path.join(tmp, "fusedlayer", "_health", "v1")
         os.makedirs(health_dir)
         shutil.copy(health_proto, os.path.join(health_dir, "health.proto"))
+        # --pyi_out (protoc >= 3.20) writes typed stubs of the messages, which mypy checks the client against.
         common = [protoc, f"--plugin=protoc-gen-grpc_python={plugin}", f"--python_out={out_dir}",
-                  f"--grpc_python_out={out_dir}"]
+                  f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"]
         subprocess.run(common + [f"-I{os.path.abspath(proto_dir)}", os.path.abspath(api_proto)], check=True)
         subprocess.run(common + [f"-I{tmp}", os.path.join(health_dir, "health.proto")], check=True)
     for pkg in ("fusedlayer/v1", "fusedlayer/_health", "fusedlayer/_health/v1"):
@@ -73,4 +74,6 @@ setup(
     # Only the hand-written package is listed: the generated subpackages (fusedlayer.v1,
     # fusedlayer._health.v1) exist only in build_lib, and install_lib copies that tree whole.
     packages=["fusedlayer"],
+    # PEP 561: the package carries its own annotations.
+    package_data={"fusedlayer": ["py.typed"]},
 )

@@ -502,6 +502,79 @@ TEST(ImportCheckpoint, UnknownLayoutNamesTheFirstTensorItCannotPlace) {
   EXPECT_THAT(s.message(), HasSubstr("mixes both dialects"));
 }
 
+// Tensors that look like mHC / SWA parameters in a spelling the dialect does not have: an error
+// naming them, never a zero head or a set without them.
+TEST(ImportCheckpoint, UnrecognisedSeamTensorsAreAnErrorNamingThem) {
+  auto rng = testing::MakeRng(915);
+  struct Case {
+    Names names;
+    std::vector<std::string> extra;  // written besides the dialect's own tensors
+    std::string named;               // what the message must name
+  };
+  const std::vector<Case> cases = {
+      // V4's head in an unknown spelling, next to DeepSeek names (was: "no hc_head tensors", zeros, exit 0).
+      {Names::kDeepSeek, {"hc_head.fn", "hc_head.base", "hc_head.scale"}, "\"hc_head.fn\""},
+      // transformers' head spelled the way DeepSeek's own code spells it.
+      {Names::kHuggingFace, {"model.hc_head_fn"}, "\"model.hc_head_fn\""},
+      // a layer's mHC tensors under another module name.
+      {Names::kDeepSeek, {"layers.1.hc_attn.fn"}, "\"layers.1.hc_attn.fn\""},
+      // an SWA norm spelled in the other dialect.
+      {Names::kHuggingFace, {"model.layers.0.self_attn.q_norm.weight"}, "\"model.layers.0.self_attn.q_norm.weight\""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.named);
+    CheckpointSpec spec;
+    spec.names = c.names;
+    spec.hc_head = false;
+    Checkpoint ck = MakeCheckpoint(rng, spec);
+    for (const std::string& name : c.extra) Put(ck, rng, name, F32Tensor(rng, {4}, 1.0f, false));
+    TempDir dir;
+    WriteCheckpoint(ck, dir.path(), ConfigJson(spec));
+    const absl::Status s = ImportInto(dir.path());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("look like mHC / SWA parameters"));
+    EXPECT_THAT(s.message(), HasSubstr(c.named));
+    EXPECT_FALSE(stdfs::exists(dir.Path("out.json")));
+    EXPECT_FALSE(stdfs::exists(dir.Path("out.head.safetensors")));
+  }
+  // The multi-token-prediction layers' own mHC tensors are not imported and not an error.
+  CheckpointSpec spec;
+  Checkpoint ck = MakeCheckpoint(rng, spec);
+  Put(ck, rng, "mtp.0.hc_attn_fn", F32Tensor(rng, {4}, 1.0f, false));
+  TempDir dir;
+  WriteCheckpoint(ck, dir.path(), ConfigJson(spec));
+  EXPECT_TRUE(ImportInto(dir.path()).ok());
+}
+
+TEST(ImportCheckpoint, PrefixNamesEverySet) {
+  auto rng = testing::MakeRng(916);
+  CheckpointSpec spec;
+  const Checkpoint ck = MakeCheckpoint(rng, spec);
+  TempDir dir;
+  WriteCheckpoint(ck, dir.path(), ConfigJson(spec));
+  CheckpointImportOptions options;
+  options.checkpoint_dir = dir.path();
+  options.output_path = dir.Path("a.json");
+  options.prefix = "v4-flash/a";
+  options.layers = LayerRange{1, 2};
+  absl::StatusOr<CheckpointImportResult> r = ImportCheckpoint(options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::vector<std::string> want = {"v4-flash/a/L1/attn", "v4-flash/a/L1/ffn", "v4-flash/a/L2/attn",
+                                         "v4-flash/a/L2/ffn", "v4-flash/a/head"};
+  EXPECT_EQ(r->set_names, want);
+  absl::StatusOr<std::vector<PackedWeightSet>> sets = server::LoadManifest(r->manifest_path);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  std::vector<std::string> names;
+  for (const PackedWeightSet& s : *sets) names.push_back(s.first.name());
+  EXPECT_EQ(names, want);
+  for (const char* bad : {"/a", "a/", "a b", "a!"}) {
+    options.prefix = bad;
+    r = ImportCheckpoint(options);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(r.status().message(), HasSubstr("--prefix=")) << bad;
+  }
+}
+
 TEST(ImportCheckpoint, ShapeThatDisagreesWithTheConfigIsNamed) {
   auto rng = testing::MakeRng(913);
   CheckpointSpec spec;
@@ -720,6 +793,22 @@ TEST(FusedctlImportCheckpoint, ExitCodesAndMessages) {
   absl::StatusOr<std::vector<PackedWeightSet>> sets = server::LoadManifest(dir.Path("m.json"));
   ASSERT_TRUE(sets.ok()) << sets.status();
   EXPECT_EQ(sets->size(), 3u);
+
+  r = RunFusedctl(absl::StrCat("import-checkpoint ", dir.path(), " --output=", dir.Path("p.json"),
+                               " --layers=2 --prefix=model-b"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("3 weight sets (huggingface tensor names), model-b/L2/attn .. model-b/head"));
+
+  // A head spelled in no known dialect: exit 1 naming it (no zero head written).
+  Checkpoint odd = ck;
+  Put(odd, rng, "model.hc_head.fn", F32Tensor(rng, {4}, 1.0f, false));
+  TempDir odd_dir;
+  WriteCheckpoint(odd, odd_dir.path(), ConfigJson(spec));
+  r = RunFusedctl(absl::StrCat("import-checkpoint ", odd_dir.path(), " --output=", odd_dir.Path("m.json")));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("fusedctl: error: INVALID_ARGUMENT: "));
+  EXPECT_THAT(r.output, HasSubstr("\"model.hc_head.fn\""));
+  EXPECT_FALSE(stdfs::exists(odd_dir.Path("m.json")));
 }
 
 }  // namespace

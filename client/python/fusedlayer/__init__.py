@@ -17,9 +17,23 @@ except ImportError as e:
 from .client import (Client, ExecutionReport, MhcSeamResult, OpCapability, ServerInfo, SwaNormQuantResult, Tls,
                      TRANSPORTS, Verification, WeightSetInfo, read_token_file, target_is_local)
 from .dtypes import E4M3FN, E4M3FNUZ, bf16_to_float32, float32_to_bf16, fp8_to_float32, round_to_bf16
-from .errors import (AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition, FusedLayerError,
+from .errors import (AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition, FusedLayerError,
                      FusedUnavailable, Internal, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                      Unauthenticated, Unavailable)
 from .weights import PackedWeightSet, pack_arrays, pack_manifest, write_safetensors
+from .checkpoint import CheckpointImport, import_checkpoint
 
 __version__ = "0.1.0"
+
+# The public names (explicit, so type checkers in strict mode see them as exported); fusedlayer.aio
+# (AsyncClient) and fusedlayer.reference are imported as submodules.
+__all__ = [
+    "Client", "ExecutionReport", "MhcSeamResult", "OpCapability", "ServerInfo", "SwaNormQuantResult", "Tls",
+    "TRANSPORTS", "Verification", "WeightSetInfo", "read_token_file", "target_is_local",
+    "E4M3FN", "E4M3FNUZ", "bf16_to_float32", "float32_to_bf16", "fp8_to_float32", "round_to_bf16",
+    "AlreadyExists", "Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "FusedLayerError",
+    "FusedUnavailable", "Internal", "InvalidArgument", "NotFound", "PermissionDenied", "ResourceExhausted",
+    "Unauthenticated", "Unavailable",
+    "PackedWeightSet", "pack_arrays", "pack_manifest", "write_safetensors",
+    "CheckpointImport", "import_checkpoint",
+]

@@ -12,12 +12,12 @@ import threading
 import time
 from multiprocessing import shared_memory
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
 
 import grpc
 import numpy as np
 
-from . import dtypes, errors, weights
+from . import _torch, dtypes, errors, weights
 from ._health.v1 import health_pb2
 from .v1 import fusedlayer_pb2 as pb
 from .v1 import fusedlayer_pb2_grpc as pb_grpc
@@ -30,7 +30,7 @@ _PATHS = {"auto": pb.PATH_PREFERENCE_AUTO, "require_fused": pb.PATH_PREFERENCE_R
           "force_unfused": pb.PATH_PREFERENCE_FORCE_UNFUSED}
 _MODES = {"shifted": pb.MHC_MODE_SHIFTED, "normal": pb.MHC_MODE_NORMAL}
 _STAGES = {"seam": pb.MHC_STAGE_SEAM, "first": pb.MHC_STAGE_FIRST, "head": pb.MHC_STAGE_HEAD}
-_WIRE_DTYPES = {  # DataType -> (numpy dtype, what the user passes)
+_WIRE_DTYPES: Dict[Any, Tuple[np.dtype, str]] = {  # DataType -> (numpy dtype, what the user passes)
     pb.DATA_TYPE_BF16: (np.dtype("<u2"), "bf16 as uint16 bit patterns (fusedlayer.float32_to_bf16)"),
     pb.DATA_TYPE_FP32: (np.dtype("<f4"), "float32"),
     pb.DATA_TYPE_FP8_E4M3FN: (np.dtype("u1"), "uint8 e4m3fn codes"),
@@ -39,11 +39,15 @@ _WIRE_DTYPES = {  # DataType -> (numpy dtype, what the user passes)
 _HEALTH_STATUS = {v.number: v.name for v in health_pb2.HealthCheckResponse.ServingStatus.DESCRIPTOR.values}
 
 
+# A tensor handed to or returned by an op: a numpy array, or a torch.Tensor where torch is importable
+# (torch is not a dependency, so it is not named in the annotations).
+Array = Any
+
 # ExecutionReport.stages' fields (the queue wait is queue_seconds).
 _REPORT_STAGES = ("decode", "copy_in", "device", "copy_out", "response")
 
 
-def _enum_suffix(enum_type, value, prefix):
+def _enum_suffix(enum_type: Any, value: int, prefix: str) -> str:
     """FALLBACK_REASON_HC_MULT_UNSUPPORTED -> "hc_mult_unsupported" (the metrics' label)."""
     return enum_type.Name(value)[len(prefix):].lower()
 
@@ -62,10 +66,10 @@ class ExecutionReport:
     round_trip_seconds: float  # measured by this client: call start to response decoded
     # Where server_seconds went (ExecutionReport.stages, docs/operations.md): "decode", "copy_in",
     # "device", "copy_out", "response" -> seconds; empty from a server that does not send them.
-    stages: dict = field(default_factory=dict)
+    stages: Dict[str, float] = field(default_factory=dict)
 
     @staticmethod
-    def _from_proto(r, round_trip_seconds):
+    def _from_proto(r: Any, round_trip_seconds: float) -> "ExecutionReport":
         return ExecutionReport(
             path=_enum_suffix(pb.ExecutionPath, r.path, "EXECUTION_PATH_"),
             fallback_reason=_enum_suffix(pb.FallbackReason, r.fallback_reason, "FALLBACK_REASON_"),
@@ -81,17 +85,19 @@ class Verification:
     compared: bool
     reason: str
     mismatch: bool
-    outputs: List[dict]  # per output: output, mismatch, max_abs_diff, max_ulp_distance, ..., rule, detail
+    outputs: List[Dict[str, Any]]  # per output: output, mismatch, max_abs_diff, max_ulp_distance, ..., rule, detail
 
 
 @dataclass
 class MhcSeamResult:
-    new_residual: Optional[np.ndarray]  # uint16 (bf16) [T, n, C]; None for a session call without return_state
-    y: np.ndarray                       # uint16 (bf16) [T, C]
-    new_pre_mix: Optional[np.ndarray]   # float32 [T, n] (seam/first; None for head)
-    new_post_mix: Optional[np.ndarray]  # float32 [T, n]
-    new_comb_mix: Optional[np.ndarray]  # float32 [T, n, n]
-    aux: Optional[np.ndarray]           # uint16 (bf16) [T, C] with capture_aux
+    """Arrays are numpy (bf16 as uint16 bit patterns), or torch tensors (bf16 as torch.bfloat16) with
+    output="torch" or torch inputs."""
+    new_residual: Optional[Array]  # bf16 [T, n, C]; None for a session call without return_state
+    y: Array                       # bf16 [T, C]
+    new_pre_mix: Optional[Array]   # float32 [T, n] (seam/first; None for head)
+    new_post_mix: Optional[Array]  # float32 [T, n]
+    new_comb_mix: Optional[Array]  # float32 [T, n, n]
+    aux: Optional[Array]           # bf16 [T, C] with capture_aux
     report: ExecutionReport
     request_id: str
     verification: Optional[Verification]
@@ -99,10 +105,11 @@ class MhcSeamResult:
 
 @dataclass
 class SwaNormQuantResult:
-    q_fp8: np.ndarray                # uint8 codes [M, Q] in fp8_format
-    q_scale: np.ndarray              # float32 [M, G] or [G, align(M, 4)] per the set's layout
-    kv: np.ndarray                   # uint16 (bf16) [M, D]
-    q_proj: Optional[np.ndarray]     # uint16 (bf16) [M, N] when the set has wq_b
+    """Arrays as in MhcSeamResult; fp8 codes are uint8 either way."""
+    q_fp8: Array                     # uint8 codes [M, Q] in fp8_format
+    q_scale: Array                   # float32 [M, G] or [G, align(M, 4)] per the set's layout
+    kv: Array                        # bf16 [M, D]
+    q_proj: Optional[Array]          # bf16 [M, N] when the set has wq_b
     fp8_format: str                  # "e4m3fn" or "e4m3fnuz": decode with fusedlayer.fp8_to_float32
     report: ExecutionReport
     request_id: str
@@ -122,8 +129,8 @@ class WeightSetInfo:
     name: str
     # Effective hyper-parameters (defaults filled in) with the manifest's keys and enum spellings, so
     # they can be passed back as load_weights(mhc=..., swa=...); None without that part.
-    mhc: Optional[dict]
-    swa: Optional[dict]
+    mhc: Optional[Dict[str, Any]]
+    swa: Optional[Dict[str, Any]]
     resident_bytes: int
     source: str
     sha256: str
@@ -163,7 +170,7 @@ class Tls:
     server_name: Optional[str] = None
 
 
-def _read(path, what):
+def _read(path: str, what: str) -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -171,7 +178,7 @@ def _read(path, what):
         raise ValueError(f"{what} {path}: cannot read the file ({e.strerror})") from None
 
 
-def read_token_file(path):
+def read_token_file(path: str) -> str:
     """The bearer token in a file holding just the token (surrounding whitespace stripped)."""
     token = _read(path, "token file").decode("ascii", errors="replace").strip()
     if not token:
@@ -182,7 +189,7 @@ def read_token_file(path):
     return token
 
 
-def target_is_local(target):
+def target_is_local(target: str) -> bool:
     """True for unix: targets and loopback hosts (127.0.0.0/8, ::1, localhost)."""
     t = target
     if t.startswith(("unix:", "unix-abstract:")):
@@ -205,25 +212,27 @@ def target_is_local(target):
         return False
 
 
-def _tensor(name, array, data_type):
+def _tensor(name: str, array: Any, data_type: Any) -> "pb.Tensor":
     want, what = _WIRE_DTYPES[data_type]
+    if _torch.is_tensor(array):  # a CPU torch tensor: a zero-copy view when contiguous
+        array = _torch.host_array(name, array, want)
     a = np.asarray(array)
     if a.dtype.kind != want.kind or a.dtype.itemsize != want.itemsize:
         raise TypeError(f"{name} must be {what}, got a {a.dtype} array")
     return pb.Tensor(dtype=data_type, shape=list(a.shape), data=np.ascontiguousarray(a, dtype=want).tobytes())
 
 
-def _array(t, present=True):
+def _array(t: "pb.Tensor", present: bool = True) -> Optional[np.ndarray]:
     if not present:
         return None
-    np_dtype, _ = _WIRE_DTYPES.get(t.dtype, (None, None))
-    if np_dtype is None:
+    if t.dtype not in _WIRE_DTYPES:
         raise errors.FusedLayerError(grpc.StatusCode.INTERNAL, f"the server returned a tensor of dtype {t.dtype}")
+    np_dtype = _WIRE_DTYPES[t.dtype][0]
     # frombuffer views the immutable bytes; the copy gives the caller an ordinary writable array.
     return np.frombuffer(t.data, dtype=np_dtype).reshape(tuple(t.shape)).astype(np_dtype.newbyteorder("="))
 
 
-def _aligned(n):
+def _aligned(n: int) -> int:
     return (n + _SHM_ALIGNMENT - 1) // _SHM_ALIGNMENT * _SHM_ALIGNMENT
 
 
@@ -234,16 +243,17 @@ class _SharedMemoryArena:
     outputs placed there and read back, so no tensor travels in the messages. close() unregisters
     and removes it (and Python's resource tracker removes the object of a process that dies)."""
 
-    def __init__(self, client):
+    def __init__(self, client: "Client") -> None:
         self._client = client
-        self._shm = None
+        self._shm: Optional[shared_memory.SharedMemory] = None
         self.lock = threading.Lock()
 
     @property
-    def region(self):
+    def region(self) -> str:
+        assert self._shm is not None
         return "py-" + self._shm.name.lstrip("/")
 
-    def ensure(self, size):
+    def ensure(self, size: int) -> None:
         if self._shm is not None and self._shm.size >= size:
             return
         self.release()
@@ -255,12 +265,13 @@ class _SharedMemoryArena:
             self._drop()
             raise
 
-    def _drop(self):
+    def _drop(self) -> None:
+        assert self._shm is not None
         self._shm.close()
         self._shm.unlink()
         self._shm = None
 
-    def release(self):
+    def release(self) -> None:
         if self._shm is None:
             return
         try:
@@ -269,10 +280,11 @@ class _SharedMemoryArena:
             pass  # the server is gone or forgot it: nothing left to free there
         self._drop()
 
-    def place(self, request, inputs, outputs):
+    def place(self, request: Any, inputs: Sequence["pb.Tensor"], outputs: Sequence[Tuple[str, int]]) -> None:
         """inputs: the request's inline Tensor fields to move in; outputs: [(name, bytes)]."""
         need = sum(_aligned(len(t.data)) for t in inputs) + sum(_aligned(b) for _, b in outputs)
         self.ensure(need)
+        assert self._shm is not None
         at = 0
         for t in inputs:
             n = len(t.data)
@@ -284,25 +296,26 @@ class _SharedMemoryArena:
                 region=self.region, offset=at, byte_size=n))
             at += _aligned(n)
 
-    def fetch(self, t):
+    def fetch(self, t: "pb.Tensor") -> None:
         """An output the server wrote into the region, back as inline bytes."""
         if t.WhichOneof("storage") == "shared_memory":
+            assert self._shm is not None
             ref = t.shared_memory
             t.data = bytes(self._shm.buf[ref.offset:ref.offset + ref.byte_size])
 
 
-def _choice(kind, value, table):
+def _choice(kind: str, value: str, table: Mapping[str, Any]) -> Any:
     if value not in table:
         raise ValueError(f"{kind} = {value!r}; expected one of {', '.join(table)}")
     return table[value]
 
 
-def _capability(c):
+def _capability(c: Any) -> OpCapability:
     return OpCapability(op=c.op, fused_available=c.fused_available,
                         reason=_enum_suffix(pb.FallbackReason, c.reason, "FALLBACK_REASON_"), detail=c.detail)
 
 
-def _plain_dict(msg):
+def _plain_dict(msg: Any) -> Dict[str, Any]:
     """Every field of a flat message as Python values; enums by their manifest name ("ue8m0")."""
     out = {}
     for f in msg.DESCRIPTOR.fields:
@@ -315,7 +328,7 @@ def _plain_dict(msg):
     return out
 
 
-def _weight_set_info(w):
+def _weight_set_info(w: Any) -> WeightSetInfo:
     return WeightSetInfo(
         name=w.name, mhc=_plain_dict(w.mhc) if w.HasField("mhc") else None,
         swa=_plain_dict(w.swa) if w.HasField("swa") else None, resident_bytes=w.resident_bytes, source=w.source,
@@ -323,12 +336,252 @@ def _weight_set_info(w):
         wq_b_implementation=w.wq_b_implementation, capabilities={c.op: _capability(c) for c in w.capabilities})
 
 
-def _verification(response):
+def _verification(response: Any) -> Optional[Verification]:
     if not response.HasField("verification"):
         return None
     v = response.verification
     return Verification(compared=v.compared, reason=v.reason, mismatch=v.mismatch,
                         outputs=[_plain_dict(o) for o in v.outputs])
+
+
+def _server_info(r: Any) -> ServerInfo:
+    return ServerInfo(version=r.version, backend=r.backend, device=r.device, arch=r.arch,
+                      ops={c.op: _capability(c) for c in r.ops},
+                      max_receive_message_bytes=r.max_receive_message_bytes,
+                      max_send_message_bytes=r.max_send_message_bytes, fused_max_tokens=r.fused_max_tokens,
+                      max_tokens=r.max_tokens, queue_capacity=r.queue_capacity,
+                      shared_memory_enabled=r.shared_memory_enabled,
+                      cuda_shared_memory_enabled=r.cuda_shared_memory_enabled, device_id=r.device_id)
+
+
+# ---- request building and response decoding, shared by Client and fusedlayer.aio.AsyncClient ----
+
+_MHC_INPUTS = ("x", "residual", "post_mix", "comb_mix", "pre_mix")
+_MHC_OUTPUTS = ("new_residual", "y", "new_pre_mix", "new_post_mix", "new_comb_mix", "aux")
+_SWA_OUTPUTS = ("q_fp8", "q_scale", "kv", "q_proj")
+# mHC seam inputs and their wire dtypes, in request order.
+_MHC_INPUT_TYPES = (("x", pb.DATA_TYPE_BF16), ("residual", pb.DATA_TYPE_BF16), ("post_mix", pb.DATA_TYPE_FP32),
+                    ("comb_mix", pb.DATA_TYPE_FP32), ("pre_mix", pb.DATA_TYPE_FP32))
+
+WeightSource = Union[str, "os.PathLike[str]", Mapping[str, np.ndarray]]
+
+
+def _mhc_request(weight_set: str, inputs: Mapping[str, Any], mode: str, stage: str, path: str, capture_aux: bool,
+                 verify: bool, request_id: str, session: str, return_state: bool) -> "pb.MhcSeamRequest":
+    req = pb.MhcSeamRequest(weight_set=weight_set, stage=_choice("stage", stage, _STAGES),
+                            mode=_choice("mode", mode, _MODES), path_preference=_choice("path", path, _PATHS),
+                            capture_aux=capture_aux, verify=verify, request_id=request_id, session=session,
+                            return_state=return_state)
+    for name, data_type in _MHC_INPUT_TYPES:
+        value = inputs.get(name)
+        if value is not None and not _torch.is_cuda(value):
+            getattr(req, name).CopyFrom(_tensor(name, value, data_type))
+    return req
+
+
+def _mhc_placed_outputs(req: "pb.MhcSeamRequest", mhc: Optional[Dict[str, Any]],
+                        capture_aux: bool) -> List[Tuple[str, int]]:
+    """(output, bytes) of every output of a seam, for placing them in shared memory."""
+    if mhc is None:
+        raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {req.weight_set!r} has no mHC part")
+    shapes = _mhc_output_shapes(req, mhc, capture_aux)
+    return [(name, int(np.prod(shape)) * _OUTPUT_WIRE[name].itemsize) for name, shape in shapes.items()]
+
+
+# Wire dtype of every output.
+_OUTPUT_WIRE: Dict[str, np.dtype] = {"new_residual": np.dtype("<u2"), "y": np.dtype("<u2"), "aux": np.dtype("<u2"),
+                "new_pre_mix": np.dtype("<f4"), "new_post_mix": np.dtype("<f4"), "new_comb_mix": np.dtype("<f4"),
+                "q_fp8": np.dtype("u1"), "q_scale": np.dtype("<f4"), "kv": np.dtype("<u2"), "q_proj": np.dtype("<u2")}
+
+
+def _mhc_output_shapes(req: "pb.MhcSeamRequest", mhc: Dict[str, Any], capture_aux: bool) -> Dict[str, Tuple[int, ...]]:
+    """The shape of every output a seam returns (T from x: inline, in shared memory or on the device)."""
+    T, n, C = req.x.shape[0], mhc["hc_mult"], mhc["hidden"]
+    state = not req.session or req.return_state
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    if state:
+        shapes["new_residual"] = (T, n, C)
+    shapes["y"] = (T, C)
+    if state and req.stage != pb.MHC_STAGE_HEAD:
+        shapes.update(new_pre_mix=(T, n), new_post_mix=(T, n), new_comb_mix=(T, n, n))
+    if capture_aux:
+        shapes["aux"] = (T, C)
+    return shapes
+
+
+def _output(r: Any, name: str, kind: str, placed: Mapping[str, Any]) -> Array:
+    """One output of a response as the caller asked: numpy, or torch (on the device when it was placed
+    in CUDA shared memory). None when the response has no such output."""
+    if name in placed:
+        t = placed[name]
+        return t if kind == "torch" else _torch.host_array(name, t.cpu(), _OUTPUT_WIRE[name])
+    a = _array(getattr(r, name), r.HasField(name))
+    return _torch.to_torch(a) if kind == "torch" else a
+
+
+def _mhc_result(r: "pb.MhcSeamResponse", elapsed: float, kind: str = "numpy",
+                placed: Mapping[str, Any] = {}) -> MhcSeamResult:
+    out = {name: _output(r, name, kind, placed) for name in _MHC_OUTPUTS}
+    return MhcSeamResult(**out, report=ExecutionReport._from_proto(r.report, elapsed), request_id=r.request_id,
+                         verification=_verification(r))
+
+
+def _swa_request(weight_set: str, qr_kv: Any, path: str, verify: bool, request_id: str) -> "pb.SwaNormQuantRequest":
+    req = pb.SwaNormQuantRequest(weight_set=weight_set, path_preference=_choice("path", path, _PATHS),
+                                 verify=verify, request_id=request_id)
+    if not _torch.is_cuda(qr_kv):
+        req.qr_kv.CopyFrom(_tensor("qr_kv", qr_kv, pb.DATA_TYPE_BF16))
+    return req
+
+
+def _swa_placed_outputs(req: "pb.SwaNormQuantRequest", swa: Optional[Dict[str, Any]],
+                        wq_b_rows: int) -> List[Tuple[str, int]]:
+    if swa is None:
+        raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {req.weight_set!r} has no SWA part")
+    shapes = _swa_output_shapes(req, swa, wq_b_rows)
+    return [(name, int(np.prod(shape)) * _OUTPUT_WIRE[name].itemsize) for name, shape in shapes.items()]
+
+
+def _swa_output_shapes(req: "pb.SwaNormQuantRequest", swa: Dict[str, Any],
+                       wq_b_rows: int) -> Dict[str, Tuple[int, ...]]:
+    M, Q, D, G = req.qr_kv.shape[0], swa["q_rank"], swa["head_dim"], swa["q_rank"] // 128
+    shapes: Dict[str, Tuple[int, ...]] = {
+        "q_fp8": (M, Q), "q_scale": (M, G) if swa["scale_layout"] == "row_major" else (G, (M + 3) // 4 * 4),
+        "kv": (M, D)}
+    if wq_b_rows:
+        shapes["q_proj"] = (M, wq_b_rows)
+    return shapes
+
+
+def _swa_result(r: "pb.SwaNormQuantResponse", elapsed: float, kind: str = "numpy",
+                placed: Mapping[str, Any] = {}) -> SwaNormQuantResult:
+    out = {name: _output(r, name, kind, placed) for name in _SWA_OUTPUTS}
+    return SwaNormQuantResult(
+        **out,
+        fp8_format=dtypes.E4M3FNUZ if r.q_fp8.dtype == pb.DATA_TYPE_FP8_E4M3FNUZ else dtypes.E4M3FN,
+        report=ExecutionReport._from_proto(r.report, elapsed), request_id=r.request_id,
+        verification=_verification(r))
+
+
+def _packed_sets(source: WeightSource, name: Optional[str], mhc: Optional[Mapping[str, Any]],
+                 swa: Optional[Mapping[str, Any]], replace: bool) -> List[weights.PackedWeightSet]:
+    """load_weights' sources packed (every set, before anything is sent)."""
+    if isinstance(source, (str, os.PathLike)):
+        if name is not None or mhc is not None or swa is not None:
+            raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
+                                         "name/mhc/swa come from the manifest; pass them only with a dict of arrays")
+        return weights.pack_manifest(os.fspath(source), replace=replace)
+    if isinstance(source, Mapping):
+        if not name:
+            raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "load_weights(dict of arrays) needs name=")
+        return [weights.pack_arrays(name, source, mhc=mhc, swa=swa, replace=replace)]
+    raise TypeError(f"load_weights takes a manifest path or a dict of arrays, got {type(source).__name__}")
+
+
+def _weight_chunks(packed: weights.PackedWeightSet) -> Iterator["pb.WeightChunk"]:
+    first = pb.WeightChunk()
+    first.header.CopyFrom(packed.header)
+    first.data = packed.payload[:_CHUNK_BYTES]
+    yield first
+    for off in range(_CHUNK_BYTES, len(packed.payload), _CHUNK_BYTES):
+        yield pb.WeightChunk(data=packed.payload[off:off + _CHUNK_BYTES])
+
+
+def _cuda_inputs(inputs: Mapping[str, Any], types: Mapping[str, Any]) -> Dict[str, Tuple[Any, Any]]:
+    """The CUDA tensors among a call's inputs: name -> (tensor, wire DataType); checks their dtypes."""
+    cuda = {}
+    for name, value in inputs.items():
+        if _torch.is_cuda(value):
+            want, what = _WIRE_DTYPES[types[name]]
+            torch = _torch.loaded()
+            if value.dtype != (torch.bfloat16 if want.itemsize == 2 else torch.float32):
+                raise TypeError(f"{name} must be {what} (a torch tensor: "
+                                f"{'torch.bfloat16' if want.itemsize == 2 else 'torch.float32'}), got {value.dtype}")
+            cuda[name] = (value, types[name])
+    if cuda and len(cuda) != sum(v is not None for v in inputs.values()):
+        raise TypeError("a call's inputs are all CUDA tensors or none is (CUDA shared memory carries the device ones, "
+                        f"the message the others); CUDA: {', '.join(cuda)}")
+    return cuda
+
+
+ConfigEntry = Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], int]
+
+
+def _mhc_cuda_shapes(req: "pb.MhcSeamRequest", cuda: Mapping[str, Tuple[Any, Any]], config: ConfigEntry,
+                     capture_aux: bool) -> Dict[str, Tuple[int, ...]]:
+    if config[0] is None:
+        raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {req.weight_set!r} has no mHC part")
+    req.x.shape[:] = list(cuda["x"][0].shape)  # T for the output shapes (the CUDA path fills x's ref later)
+    return _mhc_output_shapes(req, config[0], capture_aux)
+
+
+def _swa_cuda_shapes(req: "pb.SwaNormQuantRequest", cuda: Mapping[str, Tuple[Any, Any]],
+                     config: ConfigEntry) -> Dict[str, Tuple[int, ...]]:
+    if config[1] is None:
+        raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {req.weight_set!r} has no SWA part")
+    req.qr_kv.shape[:] = list(cuda["qr_kv"][0].shape)
+    return _swa_output_shapes(req, config[1], config[2])
+
+
+def _cuda_prepare(regions: "_torch.CudaRegions", enabled: bool, target: str, req: Any,
+                  cuda: Dict[str, Tuple[Any, Any]],
+                  shapes: Dict[str, Tuple[int, ...]]) -> Tuple[List[Tuple[str, bytes, int, int, int]], Dict[str, Any]]:
+    """A request's CUDA inputs referenced and its outputs placed in CUDA shared memory: (registrations to
+    make first, output tensors). FailedPrecondition, before anything is registered, when the server
+    does not accept CUDA shared memory."""
+    if not enabled:
+        raise errors.FailedPrecondition(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"CUDA tensors travel by CUDA shared memory, which the server at {target} does not accept (it needs "
+            "--allow_cuda_shared_memory on a GPU backend, on this host); pass CPU tensors (tensor.cpu()) instead")
+    device = next(iter(cuda.values()))[0].device
+    outputs = [(n, int(np.prod(shape)) * _OUTPUT_WIRE[n].itemsize) for n, shape in shapes.items()]
+    return _torch.cuda_inputs_and_outputs(regions, req, cuda, outputs, _OUTPUT_WIRE, shapes, device)
+
+
+def _remember_configs(configs: Dict[str, ConfigEntry], sets: Sequence[WeightSetInfo], weight_set: str) -> ConfigEntry:
+    for w in sets:
+        configs[w.name] = (w.mhc, w.swa, w.wq_b_rows)
+    if weight_set not in configs:
+        raise errors.NotFound(grpc.StatusCode.NOT_FOUND, f"weight set {weight_set!r} is not loaded")
+    return configs[weight_set]
+
+
+def _health_status(r: Any) -> str:
+    return _HEALTH_STATUS.get(r.status, str(r.status))
+
+
+TlsArg = Union[None, bool, Tls, Mapping[str, Optional[str]]]
+
+
+def _metadata(target: str, tls: TlsArg,
+              token_file: Optional[str]) -> Tuple[Tuple[str, str], ...]:
+    if token_file is None:
+        return ()
+    if not tls and not target_is_local(target):
+        raise ValueError(f"a bearer token without TLS would cross the network in clear text to {target}: "
+                         "pass tls=... or use a loopback / unix: target")
+    return (("authorization", "Bearer " + read_token_file(token_file)),)
+
+
+def _channel_args(tls: TlsArg, max_message_bytes: int,
+                  options: Sequence[Tuple[str, Any]]) -> Tuple[Optional[grpc.ChannelCredentials], List[Tuple[str, Any]]]:
+    """(credentials or None for plaintext, channel options) of a Client or AsyncClient."""
+    # Both limits explicit (gRPC's receive default is 4 MiB), matching the server's flag.
+    channel_options: List[Tuple[str, Any]] = [("grpc.max_receive_message_length", max_message_bytes),
+                                              ("grpc.max_send_message_length", max_message_bytes)] + list(options)
+    if not tls:
+        return None, channel_options
+    t = tls if isinstance(tls, Tls) else Tls(**tls) if isinstance(tls, Mapping) else Tls()
+    if (t.cert is None) != (t.key is None):
+        raise ValueError("a TLS client certificate and its key must be given together")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(t.ca, "TLS CA") if t.ca else None,
+        private_key=_read(t.key, "TLS client key") if t.key else None,
+        certificate_chain=_read(t.cert, "TLS client certificate") if t.cert else None)
+    if t.server_name:
+        channel_options.append(("grpc.ssl_target_name_override", t.server_name))
+    return credentials, channel_options
 
 
 class Client:
@@ -347,8 +600,9 @@ class Client:
     timeout: default per-call deadline in seconds (None: no deadline); each method also takes one.
     """
 
-    def __init__(self, target, tls=None, token_file=None, transport="tcp", timeout=60.0,
-                 max_message_bytes=1 << 30, options=()):
+    def __init__(self, target: str, tls: TlsArg = None, token_file: Optional[str] = None, transport: str = "tcp",
+                 timeout: Optional[float] = 60.0, max_message_bytes: int = 1 << 30,
+                 options: Sequence[Tuple[str, Any]] = ()) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport = {transport!r} is not implemented yet (available: {', '.join(TRANSPORTS)})")
         if not target:
@@ -356,27 +610,15 @@ class Client:
         self.target = target
         self.transport = transport
         self._arena = _SharedMemoryArena(self) if transport == "shm" else None
-        self._configs = {}  # weight set -> (mhc, swa, wq_b_rows), for sizing shared-memory outputs
+        # weight set -> (mhc, swa, wq_b_rows), for sizing shared-memory outputs
+        self._configs: Dict[str, Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], int]] = {}
         self.timeout = timeout
-        self._metadata = ()
-        if token_file is not None:
-            if not tls and not target_is_local(target):
-                raise ValueError(f"a bearer token without TLS would cross the network in clear text to {target}: "
-                                 "pass tls=... or use a loopback / unix: target")
-            self._metadata = (("authorization", "Bearer " + read_token_file(token_file)),)
-        # Both limits explicit (gRPC's receive default is 4 MiB), matching the server's flag.
-        channel_options = [("grpc.max_receive_message_length", max_message_bytes),
-                           ("grpc.max_send_message_length", max_message_bytes)] + list(options)
-        if tls:
-            t = tls if isinstance(tls, Tls) else Tls(**tls) if isinstance(tls, dict) else Tls()
-            if (t.cert is None) != (t.key is None):
-                raise ValueError("a TLS client certificate and its key must be given together")
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=_read(t.ca, "TLS CA") if t.ca else None,
-                private_key=_read(t.key, "TLS client key") if t.key else None,
-                certificate_chain=_read(t.cert, "TLS client certificate") if t.cert else None)
-            if t.server_name:
-                channel_options.append(("grpc.ssl_target_name_override", t.server_name))
+        self._metadata = _metadata(target, tls, token_file)
+        self._cuda_regions = _torch.CudaRegions(f"py-cuda-{os.getpid()}-{id(self):x}")
+        self._cuda_enabled: Optional[bool] = None  # the server's cuda_shared_memory_enabled, asked once
+        self._cuda_lock = threading.Lock()
+        credentials, channel_options = _channel_args(tls, max_message_bytes, options)
+        if credentials is not None:
             self._channel = grpc.secure_channel(target, credentials, options=channel_options)
         else:
             self._channel = grpc.insecure_channel(target, options=channel_options)
@@ -385,18 +627,24 @@ class Client:
             "/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString)
 
-    def close(self):
+    def close(self) -> None:
         if self._arena is not None:
             self._arena.release()
+        for name in self._cuda_regions.names():
+            try:
+                self.unregister_cuda_shared_memory(name)
+            except errors.FusedLayerError:
+                pass  # the server is gone or forgot it
+        self._cuda_regions.clear()
         self._channel.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method, request, timeout):
+    def _call(self, method: Callable[..., Any], request: Any, timeout: Optional[float]) -> Any:
         try:
             return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -404,9 +652,11 @@ class Client:
 
     # ---- ops ---------------------------------------------------------------------------------
 
-    def mhc_seam(self, weight_set, x, residual=None, post_mix=None, comb_mix=None, pre_mix=None, mode="shifted",
-                 stage="seam", path="auto", capture_aux=False, verify=False, request_id="", timeout=None,
-                 session="", return_state=False):
+    def mhc_seam(self, weight_set: str, x: Array, residual: Optional[Array] = None, post_mix: Optional[Array] = None,
+                 comb_mix: Optional[Array] = None, pre_mix: Optional[Array] = None, mode: str = "shifted",
+                 stage: str = "seam", path: str = "auto", capture_aux: bool = False, verify: bool = False,
+                 request_id: str = "", timeout: Optional[float] = None, session: str = "",
+                 return_state: bool = False, output: Optional[str] = None) -> MhcSeamResult:
         """One mHC seam (docs/spec/mhc.md).
 
         stage "seam"/"head": x = sublayer output bf16 [T, C], residual bf16 [T, n, C], post_mix fp32
@@ -416,151 +666,140 @@ class Client:
         session: a residual session of this caller (open_residual_session): residual and the mixes
         come from it and the new ones stay there, so only x is sent and y returned (new_residual and
         the mixes are None unless return_state). Sent inline whatever the client's transport.
+        Arrays: numpy, or torch tensors (module docstring); output "numpy" / "torch" / None (like the
+        inputs). CUDA tensors go by CUDA shared memory and the outputs come back on their device.
         """
-        req = pb.MhcSeamRequest(weight_set=weight_set, stage=_choice("stage", stage, _STAGES),
-                                mode=_choice("mode", mode, _MODES), path_preference=_choice("path", path, _PATHS),
-                                capture_aux=capture_aux, verify=verify, request_id=request_id, session=session,
-                                return_state=return_state)
-        req.x.CopyFrom(_tensor("x", x, pb.DATA_TYPE_BF16))
-        for name, value, data_type in (("residual", residual, pb.DATA_TYPE_BF16),
-                                       ("post_mix", post_mix, pb.DATA_TYPE_FP32),
-                                       ("comb_mix", comb_mix, pb.DATA_TYPE_FP32),
-                                       ("pre_mix", pre_mix, pb.DATA_TYPE_FP32)):
-            if value is not None:
-                getattr(req, name).CopyFrom(_tensor(name, value, data_type))
+        inputs = dict(x=x, residual=residual, post_mix=post_mix, comb_mix=comb_mix, pre_mix=pre_mix)
+        kind = _torch.output_kind(output, inputs.values())
+        req = _mhc_request(weight_set, inputs, mode, stage, path, capture_aux, verify, request_id, session,
+                           return_state)
+        cuda = _cuda_inputs(inputs, dict(_MHC_INPUT_TYPES))
+        if cuda:
+            shapes = _mhc_cuda_shapes(req, cuda, self._config(weight_set), capture_aux)
+            r, elapsed, placed = self._cuda_call(self._stub.MhcSeam, req, cuda, shapes, timeout)
+            return _mhc_result(r, elapsed, kind, placed)
         if self._arena is None or session:
             start = time.perf_counter()
             r = self._call(self._stub.MhcSeam, req, timeout)
             elapsed = time.perf_counter() - start
         else:
-            mhc = self._config(weight_set)[0]
-            if mhc is None:
-                raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {weight_set!r} has no mHC part")
-            T, n, C = req.x.shape[0], mhc["hc_mult"], mhc["hidden"]
-            outputs = [("new_residual", T * n * C * 2), ("y", T * C * 2)]
-            if req.stage != pb.MHC_STAGE_HEAD:
-                outputs += [("new_pre_mix", T * n * 4), ("new_post_mix", T * n * 4), ("new_comb_mix", T * n * n * 4)]
-            if capture_aux:
-                outputs.append(("aux", T * C * 2))
-            inputs = [getattr(req, f) for f in ("x", "residual", "post_mix", "comb_mix", "pre_mix") if req.HasField(f)]
+            outputs = _mhc_placed_outputs(req, self._config(weight_set)[0], capture_aux)
+            inline = [getattr(req, f) for f in _MHC_INPUTS if req.HasField(f)]
             with self._arena.lock:
-                self._arena.place(req, inputs, outputs)
+                self._arena.place(req, inline, outputs)
                 start = time.perf_counter()
                 r = self._call(self._stub.MhcSeam, req, timeout)
                 elapsed = time.perf_counter() - start
-                for f in ("new_residual", "y", "new_pre_mix", "new_post_mix", "new_comb_mix", "aux"):
+                for f in _MHC_OUTPUTS:
                     self._arena.fetch(getattr(r, f))
-        report = ExecutionReport._from_proto(r.report, elapsed)
-        return MhcSeamResult(
-            new_residual=_array(r.new_residual, r.HasField("new_residual")), y=_array(r.y),
-            new_pre_mix=_array(r.new_pre_mix, r.HasField("new_pre_mix")),
-            new_post_mix=_array(r.new_post_mix, r.HasField("new_post_mix")),
-            new_comb_mix=_array(r.new_comb_mix, r.HasField("new_comb_mix")),
-            aux=_array(r.aux, r.HasField("aux")), report=report, request_id=r.request_id,
-            verification=_verification(r))
+        return _mhc_result(r, elapsed, kind)
 
-    def swa_norm_quant(self, weight_set, qr_kv, path="auto", verify=False, request_id="", timeout=None):
+    def swa_norm_quant(self, weight_set: str, qr_kv: Array, path: str = "auto", verify: bool = False,
+                       request_id: str = "", timeout: Optional[float] = None,
+                       output: Optional[str] = None) -> SwaNormQuantResult:
         """SWA q/kv RMSNorm + q FP8 1x128 group quant (+ wq_b) (docs/spec/swa.md).
 
-        qr_kv: bf16 [M, S], S >= Q + D: q = columns [0, Q), kv = [Q, Q + D).
+        qr_kv: bf16 [M, S], S >= Q + D: q = columns [0, Q), kv = [Q, Q + D). Arrays and output as
+        for mhc_seam.
         """
-        req = pb.SwaNormQuantRequest(weight_set=weight_set, path_preference=_choice("path", path, _PATHS),
-                                     verify=verify, request_id=request_id)
-        req.qr_kv.CopyFrom(_tensor("qr_kv", qr_kv, pb.DATA_TYPE_BF16))
+        kind = _torch.output_kind(output, [qr_kv])
+        req = _swa_request(weight_set, qr_kv, path, verify, request_id)
+        cuda = _cuda_inputs({"qr_kv": qr_kv}, {"qr_kv": pb.DATA_TYPE_BF16})
+        if cuda:
+            shapes = _swa_cuda_shapes(req, cuda, self._config(weight_set))
+            r, elapsed, placed = self._cuda_call(self._stub.SwaNormQuant, req, cuda, shapes, timeout)
+            return _swa_result(r, elapsed, kind, placed)
         if self._arena is None:
             start = time.perf_counter()
             r = self._call(self._stub.SwaNormQuant, req, timeout)
             elapsed = time.perf_counter() - start
         else:
             _, swa, wq_b_rows = self._config(weight_set)
-            if swa is None:
-                raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"weight set {weight_set!r} has no SWA part")
-            M, Q, D = req.qr_kv.shape[0], swa["q_rank"], swa["head_dim"]
-            scale_rows = M if swa["scale_layout"] == "row_major" else (M + 3) // 4 * 4
-            outputs = [("q_fp8", M * Q), ("q_scale", scale_rows * (Q // 128) * 4), ("kv", M * D * 2)]
-            if wq_b_rows:
-                outputs.append(("q_proj", M * wq_b_rows * 2))
+            outputs = _swa_placed_outputs(req, swa, wq_b_rows)
             with self._arena.lock:
                 self._arena.place(req, [req.qr_kv], outputs)
                 start = time.perf_counter()
                 r = self._call(self._stub.SwaNormQuant, req, timeout)
                 elapsed = time.perf_counter() - start
-                for f in ("q_fp8", "q_scale", "kv", "q_proj"):
+                for f in _SWA_OUTPUTS:
                     self._arena.fetch(getattr(r, f))
-        report = ExecutionReport._from_proto(r.report, elapsed)
-        return SwaNormQuantResult(
-            q_fp8=_array(r.q_fp8), q_scale=_array(r.q_scale), kv=_array(r.kv),
-            q_proj=_array(r.q_proj, r.HasField("q_proj")),
-            fp8_format=dtypes.E4M3FNUZ if r.q_fp8.dtype == pb.DATA_TYPE_FP8_E4M3FNUZ else dtypes.E4M3FN,
-            report=report, request_id=r.request_id, verification=_verification(r))
+        return _swa_result(r, elapsed, kind)
+
+    def _cuda_call(self, method: Callable[..., Any], req: Any, cuda: Dict[str, Tuple[Any, Any]],
+                   shapes: Dict[str, Tuple[int, ...]],
+                   timeout: Optional[float]) -> Tuple[Any, float, Dict[str, Any]]:
+        """A call whose inputs are CUDA tensors: they and the outputs (fresh device tensors) go by CUDA
+        shared memory, each allocation registered once (cached until close)."""
+        with self._cuda_lock:
+            if self._cuda_enabled is None:
+                self._cuda_enabled = self.server_info(timeout).cuda_shared_memory_enabled
+            registrations, placed = _cuda_prepare(self._cuda_regions, self._cuda_enabled, self.target, req, cuda,
+                                                  shapes)
+            for reg in registrations:
+                try:
+                    self.register_cuda_shared_memory(*reg, timeout=timeout)
+                except errors.FusedLayerError:
+                    self._cuda_regions.forget(reg[0])
+                    raise
+        start = time.perf_counter()
+        r = self._call(method, req, timeout)
+        return r, time.perf_counter() - start, placed
 
     # ---- weights -----------------------------------------------------------------------------
 
-    def load_weights(self, source, name=None, mhc=None, swa=None, replace=False, timeout=None):
+    def load_weights(self, source: WeightSource, name: Optional[str] = None, mhc: Optional[Mapping[str, Any]] = None,
+                     swa: Optional[Mapping[str, Any]] = None, replace: bool = False,
+                     timeout: Optional[float] = None) -> List[WeightSetInfo]:
         """Uploads weight sets over LoadWeights (SHA-256 checked by the server); returns their infos.
 
         source: a manifest path (docs/weights.md: every set in it is loaded, in order), or a dict of
         numpy arrays named as in docs/weights.md ("mhc.fn", ...) with name= and mhc= and/or swa=
         config dicts. replace=True swaps an existing set of the same name atomically.
+
+        Errors carry the gRPC code the server's loader would answer with, whether found here or by
+        the server: NotFound (a missing manifest, file or tensor), InvalidArgument (anything
+        malformed), AlreadyExists, ... Every set is packed and checked before the first is sent.
         """
-        if isinstance(source, (str, os.PathLike)):
-            if name is not None or mhc is not None or swa is not None:
-                raise ValueError("name/mhc/swa come from the manifest; pass them only with a dict of arrays")
-            packed = weights.pack_manifest(os.fspath(source), replace=replace)
-        elif isinstance(source, dict):
-            if not name:
-                raise ValueError("load_weights(dict of arrays) needs name=")
-            packed = [weights.pack_arrays(name, source, mhc=mhc, swa=swa, replace=replace)]
-        else:
-            raise TypeError(f"load_weights takes a manifest path or a dict of arrays, got {type(source).__name__}")
-        return [self.upload(p, timeout) for p in packed]
+        return [self.upload(p, timeout) for p in _packed_sets(source, name, mhc, swa, replace)]
 
-    def upload(self, packed, timeout=None):
+    def upload(self, packed: weights.PackedWeightSet, timeout: Optional[float] = None) -> WeightSetInfo:
         """Streams one PackedWeightSet (fusedlayer.pack_arrays / pack_manifest) over LoadWeights."""
-        def chunks():
-            first = pb.WeightChunk()
-            first.header.CopyFrom(packed.header)
-            first.data = packed.payload[:_CHUNK_BYTES]
-            yield first
-            for off in range(_CHUNK_BYTES, len(packed.payload), _CHUNK_BYTES):
-                yield pb.WeightChunk(data=packed.payload[off:off + _CHUNK_BYTES])
-        return _weight_set_info(self._call(self._stub.LoadWeights, chunks(), timeout))
+        return _weight_set_info(self._call(self._stub.LoadWeights, _weight_chunks(packed), timeout))
 
-    def unload_weight_set(self, name, timeout=None):
+    def unload_weight_set(self, name: str, timeout: Optional[float] = None) -> int:
         """Unloads a set (freed when the last request using it ends); returns the bytes freed."""
-        return self._call(self._stub.UnloadWeightSet, pb.UnloadWeightSetRequest(name=name), timeout).freed_bytes
+        return int(self._call(self._stub.UnloadWeightSet, pb.UnloadWeightSetRequest(name=name), timeout).freed_bytes)
 
-    def _config(self, weight_set):
+    def _config(self, weight_set: str) -> Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], int]:
         """(mhc dict or None, swa dict or None, wq_b_rows) of a weight set, cached (sets are immutable
         once published; a replaced set of the same name keeps its shapes or the server refuses the call)."""
         if weight_set not in self._configs:
-            for w in self.list_weight_sets():
-                self._configs[w.name] = (w.mhc, w.swa, w.wq_b_rows)
-            if weight_set not in self._configs:
-                raise errors.NotFound(grpc.StatusCode.NOT_FOUND, f"weight set {weight_set!r} is not loaded")
+            return _remember_configs(self._configs, self.list_weight_sets(), weight_set)
         return self._configs[weight_set]
 
     # ---- system shared memory (transport="shm" uses these; docs/operations.md) -------------
 
-    def register_system_shared_memory(self, name, key, offset, byte_size, timeout=None):
+    def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int,
+                                      timeout: Optional[float] = None) -> None:
         """Registers [offset, offset + byte_size) of the POSIX shared-memory object `key` ("/name")."""
         self._call(self._stub.RegisterSystemSharedMemory, pb.RegisterSystemSharedMemoryRequest(
             name=name, key=key, offset=offset, byte_size=byte_size), timeout)
 
-    def system_shared_memory_status(self, name="", timeout=None):
+    def system_shared_memory_status(self, name: str = "", timeout: Optional[float] = None) -> List[Dict[str, Any]]:
         """The caller's regions (all, or the one named) as dicts: name, key, offset, byte_size."""
         r = self._call(self._stub.SystemSharedMemoryStatus, pb.SystemSharedMemoryStatusRequest(name=name), timeout)
         return [_plain_dict(x) for x in r.regions]
 
-    def unregister_system_shared_memory(self, name="", timeout=None):
+    def unregister_system_shared_memory(self, name: str = "", timeout: Optional[float] = None) -> int:
         """Unregisters one region, or every region of the caller (name ""); returns how many."""
         r = self._call(self._stub.UnregisterSystemSharedMemory, pb.UnregisterSystemSharedMemoryRequest(name=name),
                        timeout)
-        return r.unregistered
+        return int(r.unregistered)
 
     # ---- CUDA shared memory (same host and GPU; docs/operations.md) ----------------------------
 
-    def register_cuda_shared_memory(self, name, raw_handle, device_id, offset, byte_size, timeout=None):
+    def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, offset: int, byte_size: int,
+                                    timeout: Optional[float] = None) -> None:
         """Registers [offset, offset + byte_size) of a device allocation of this process by its CUDA IPC
         handle (the 64 bytes of a cudaIpcMemHandle_t, e.g. from cudaIpcGetMemHandle). Tensors in it are then
         referenced by name in Tensor.cuda_shared_memory; the server's kernels use them in place, and the
@@ -569,55 +808,48 @@ class Client:
             name=name, raw_handle=bytes(raw_handle), device_id=device_id, offset=offset, byte_size=byte_size),
             timeout)
 
-    def cuda_shared_memory_status(self, name="", timeout=None):
+    def cuda_shared_memory_status(self, name: str = "", timeout: Optional[float] = None) -> List[Dict[str, Any]]:
         """The caller's CUDA shared-memory regions (all, or the one named) as dicts: name, device_id,
         offset, byte_size."""
         r = self._call(self._stub.CudaSharedMemoryStatus, pb.CudaSharedMemoryStatusRequest(name=name), timeout)
         return [_plain_dict(x) for x in r.regions]
 
-    def unregister_cuda_shared_memory(self, name="", timeout=None):
+    def unregister_cuda_shared_memory(self, name: str = "", timeout: Optional[float] = None) -> int:
         """Unregisters one CUDA shared-memory region, or every one of the caller (name ""); returns how many."""
         r = self._call(self._stub.UnregisterCudaSharedMemory, pb.UnregisterCudaSharedMemoryRequest(name=name),
                        timeout)
-        return r.unregistered
+        return int(r.unregistered)
 
     # ---- residual sessions (docs/operations.md "Residual sessions") ----------------------------
 
-    def open_residual_session(self, name, tokens, hc_mult, hidden, timeout=None):
+    def open_residual_session(self, name: str, tokens: int, hc_mult: int, hidden: int,
+                              timeout: Optional[float] = None) -> int:
         """Opens a session of T = tokens, n = hc_mult, C = hidden; returns the device bytes it holds."""
         r = self._call(self._stub.OpenResidualSession, pb.OpenResidualSessionRequest(
             name=name, tokens=tokens, hc_mult=hc_mult, hidden=hidden), timeout)
-        return r.bytes
+        return int(r.bytes)
 
-    def list_residual_sessions(self, timeout=None):
+    def list_residual_sessions(self, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
         """The caller's sessions as dicts: name, tokens, hc_mult, hidden, bytes, has_residual, has_mixes,
         calls, idle_seconds, last_weight_set."""
         r = self._call(self._stub.ListResidualSessions, pb.ListResidualSessionsRequest(), timeout)
         return [_plain_dict(s) for s in r.sessions]
 
-    def close_residual_session(self, name="", timeout=None):
+    def close_residual_session(self, name: str = "", timeout: Optional[float] = None) -> int:
         """Closes one session, or every session of the caller (name ""); returns how many."""
         r = self._call(self._stub.CloseResidualSession, pb.CloseResidualSessionRequest(name=name), timeout)
-        return r.closed
+        return int(r.closed)
 
-    def list_weight_sets(self, timeout=None):
+    def list_weight_sets(self, timeout: Optional[float] = None) -> List[WeightSetInfo]:
         r = self._call(self._stub.ListWeightSets, pb.ListWeightSetsRequest(), timeout)
         return [_weight_set_info(w) for w in r.weight_sets]
 
     # ---- server ------------------------------------------------------------------------------
 
-    def server_info(self, timeout=None):
-        r = self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
-        return ServerInfo(version=r.version, backend=r.backend, device=r.device, arch=r.arch,
-                          ops={c.op: _capability(c) for c in r.ops},
-                          max_receive_message_bytes=r.max_receive_message_bytes,
-                          max_send_message_bytes=r.max_send_message_bytes, fused_max_tokens=r.fused_max_tokens,
-                          max_tokens=r.max_tokens, queue_capacity=r.queue_capacity,
-                          shared_memory_enabled=r.shared_memory_enabled,
-                          cuda_shared_memory_enabled=r.cuda_shared_memory_enabled, device_id=r.device_id)
+    def server_info(self, timeout: Optional[float] = None) -> ServerInfo:
+        return _server_info(self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout))
 
-    def health(self, service="", timeout=None):
+    def health(self, service: str = "", timeout: Optional[float] = None) -> str:
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... Services: "", "fusedlayer.v1.FusedLayer",
         "fusedlayer.mhc", "fusedlayer.swa" (an unknown name raises NotFound)."""
-        r = self._call(self._health_check, health_pb2.HealthCheckRequest(service=service), timeout)
-        return _HEALTH_STATUS.get(r.status, str(r.status))
+        return _health_status(self._call(self._health_check, health_pb2.HealthCheckRequest(service=service), timeout))

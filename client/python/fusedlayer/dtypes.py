@@ -11,6 +11,8 @@ one (ml_dtypes is not packaged), so these helpers are ours:
   (max 240, NaN 0x80, no -0, no inf).
 """
 
+from typing import Any, Dict
+
 import numpy as np
 
 E4M3FN = "e4m3fn"
@@ -19,7 +21,7 @@ FP8_FORMATS = (E4M3FN, E4M3FNUZ)
 FP8_MAX = {E4M3FN: 448.0, E4M3FNUZ: 240.0}
 
 
-def float32_to_bf16(values):
+def float32_to_bf16(values: Any) -> np.ndarray:
     """float32 array (any shape) -> uint16 bf16 bit patterns, round to nearest even."""
     f = np.asarray(values)
     if f.dtype != np.float32:
@@ -34,7 +36,7 @@ def float32_to_bf16(values):
     return np.where(is_nan, quiet_nan, rounded)
 
 
-def bf16_to_float32(bits):
+def bf16_to_float32(bits: Any) -> np.ndarray:
     """uint16 bf16 bit patterns -> float32 (exact)."""
     b = np.asarray(bits)
     if b.dtype != np.uint16:
@@ -42,12 +44,12 @@ def bf16_to_float32(bits):
     return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def round_to_bf16(values):
+def round_to_bf16(values: Any) -> np.ndarray:
     """float32 -> float32 rounded through bf16 (the value the server would store)."""
     return bf16_to_float32(float32_to_bf16(values))
 
 
-def _fp8_table(fmt):
+def _fp8_table(fmt: str) -> np.ndarray:
     codes = np.arange(256, dtype=np.uint32)
     sign = np.where(codes & 0x80, -1.0, 1.0)
     e = (codes >> 3) & 0xF
@@ -63,10 +65,10 @@ def _fp8_table(fmt):
     return values.astype(np.float32)
 
 
-_FP8_TABLES = {fmt: _fp8_table(fmt) for fmt in FP8_FORMATS}
+_FP8_TABLES: Dict[str, np.ndarray] = {fmt: _fp8_table(fmt) for fmt in FP8_FORMATS}
 
 
-def fp8_to_float32(codes, fmt=E4M3FN):
+def fp8_to_float32(codes: Any, fmt: str = E4M3FN) -> np.ndarray:
     """uint8 fp8 codes -> float32 (exact), for fmt 'e4m3fn' or 'e4m3fnuz'."""
     c = np.asarray(codes)
     if c.dtype != np.uint8:

@@ -6,6 +6,7 @@ their meaning are listed at the top of proto/fusedlayer/v1/fusedlayer.proto.
 """
 
 import re
+from typing import Dict, Type
 
 import grpc
 
@@ -13,7 +14,7 @@ import grpc
 class FusedLayerError(Exception):
     """Base class: a call failed with a non-OK gRPC status."""
 
-    def __init__(self, code, message):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
@@ -42,7 +43,7 @@ class FusedUnavailable(FailedPrecondition):
     "hc_mult_unsupported"), ``detail`` the server's explanation.
     """
 
-    def __init__(self, code, message, reason, detail):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str, detail: str) -> None:
         super().__init__(code, message)
         self.reason = reason
         self.detail = detail
@@ -76,7 +77,13 @@ class Internal(FusedLayerError):
     """A kernel failed on both paths: a server bug."""
 
 
-_BY_CODE = {
+class Cancelled(FusedLayerError):
+    """The call was cancelled (CANCELLED): by this client (an RPC cancelled, a channel closed under a
+    call in flight) or by the server. An asyncio task cancelled while awaiting a call of
+    fusedlayer.aio raises asyncio.CancelledError, as every coroutine does; the RPC is cancelled with it."""
+
+
+_BY_CODE: Dict[grpc.StatusCode, Type[FusedLayerError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
@@ -88,6 +95,7 @@ _BY_CODE = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.INTERNAL: Internal,
+    grpc.StatusCode.CANCELLED: Cancelled,
 }
 
 # server/dispatcher.cc: "REQUIRE_FUSED: the fused mhc path cannot run (hc_mult_unsupported): <detail>"
@@ -95,9 +103,9 @@ _BY_CODE = {
 _REQUIRE_FUSED = re.compile(r"^REQUIRE_FUSED: the fused \w+ path (?:cannot run|failed) \(([a-z_]+)\): (.*)$", re.S)
 
 
-def from_rpc_error(err):
+def from_rpc_error(err: grpc.RpcError) -> FusedLayerError:
     """grpc.RpcError -> the matching FusedLayerError subclass."""
-    code = err.code()
+    code = err.code()  # the RpcErrors gRPC raises are also grpc.Call objects
     message = err.details() or ""
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         m = _REQUIRE_FUSED.match(message)

@@ -14,7 +14,7 @@ Tolerances (the contract's, both modes): ``check_seam`` applies them.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -24,7 +24,7 @@ DEFAULTS = {"hc_norm_eps": 1e-6, "norm_eps": 1e-6, "hc_pre_eps": 1e-6, "sinkhorn
             "sinkhorn_iters": 20}
 
 
-def _round_to_odd_sum(p, c):
+def _round_to_odd_sum(p: Any, c: Any) -> np.ndarray:
     """p + c in float64, rounded to odd (exact sum via TwoSum, then the lsb forced odd if inexact)."""
     s = p + c
     bb = s - p
@@ -37,14 +37,14 @@ def _round_to_odd_sum(p, c):
     return s
 
 
-def fma32(a, b, c):
+def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
     """Correctly rounded fp32 fma(a, b, c) on float32 arrays (broadcasting)."""
     p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32).astype(np.float64)  # exact
     c = np.broadcast_to(np.asarray(c, np.float32).astype(np.float64), p.shape)
     return _round_to_odd_sum(p, c).astype(np.float32)
 
 
-def double_to_bf16(d):
+def double_to_bf16(d: Any) -> np.ndarray:
     """float64 -> bf16 bits, one round to nearest even (via fp32 rounded to odd: 24 >= 8 + 2 bits)."""
     d = np.asarray(d, np.float64)
     f = d.astype(np.float32)
@@ -69,7 +69,7 @@ class SeamReference:
     norm_weight: Optional[np.ndarray]    # bf16 bits [C], as given
 
 
-def _mix(R, fn, scale, base, hp, n):
+def _mix(R: Any, fn: Any, scale: Any, base: Any, hp: Mapping[str, Any], n: int) -> Any:
     """Mix_theta(R') per token: R float64 [T, n, C] (bf16 values)."""
     T, _, C = R.shape
     K = n * C
@@ -92,7 +92,7 @@ def _mix(R, fn, scale, base, hp, n):
     return pre, post, P
 
 
-def _collapse_norm(Rbits, coef, norm_weight, hp):
+def _collapse_norm(Rbits: Any, coef: Any, norm_weight: Any, hp: Mapping[str, Any]) -> Any:
     """(y, z, rho): y = RMSNorm_g(Collapse(R', coef)), z the bf16 collapse, rho the norm's factor
     (1 without a norm weight); coef None selects stream 0."""
     if coef is None:
@@ -110,8 +110,9 @@ def _collapse_norm(Rbits, coef, norm_weight, hp):
     return double_to_bf16((zf * rho) * bf16_to_float32(norm_weight).astype(np.float64)), z, rho
 
 
-def mhc_seam(weights, x, residual=None, post_mix=None, comb_mix=None, pre_mix=None, mode="shifted", stage="seam",
-             hc_mult=4, **hyper):
+def mhc_seam(weights: Mapping[str, np.ndarray], x: Any, residual: Any = None, post_mix: Any = None,
+             comb_mix: Any = None, pre_mix: Any = None, mode: str = "shifted", stage: str = "seam",
+             hc_mult: int = 4, **hyper: float) -> "SeamReference":
     """The seam of docs/spec/mhc.md. weights: {"mhc.fn", "mhc.scale", "mhc.base", optional "mhc.norm_weight"};
     arrays as the client sends them (bf16 as uint16 bits); hyper: the set's hyper-parameters."""
     hp = dict(DEFAULTS, **hyper)
@@ -135,6 +136,7 @@ def mhc_seam(weights, x, residual=None, post_mix=None, comb_mix=None, pre_mix=No
         pre, post, comb = _mix(bf16_to_float32(Rp).astype(np.float64), weights["mhc.fn"], weights["mhc.scale"],
                                weights["mhc.base"], hp, n)
     if mode == "normal":
+        assert pre is not None  # normal mode has no head stage
         coef = pre.astype(np.float32)  # the collapse consumes the fp32 pre' output
     elif stage != "first" and pre_mix is not None:
         coef = np.asarray(pre_mix, np.float32)
@@ -145,27 +147,28 @@ def mhc_seam(weights, x, residual=None, post_mix=None, comb_mix=None, pre_mix=No
                          norm_weight=norm_weight)
 
 
-def bf16_ulp_distance(a, b):
+def bf16_ulp_distance(a: Any, b: Any) -> np.ndarray:
     """Elementwise distance in bf16 ulps between two arrays of bf16 bits (ordered integer distance)."""
-    def ordered(bits):
+    def ordered(bits: Any) -> np.ndarray:
         v = bits.astype(np.int32)
         return np.where(v & 0x8000, 0x8000 - v, v)  # -0 and +0 both map to 0
     return np.abs(ordered(np.asarray(a)) - ordered(np.asarray(b)))
 
 
-def bf16_ulp(bits):
+def bf16_ulp(bits: Any) -> np.ndarray:
     """ulp of each bf16 value (spacing of bf16 at its magnitude; 2^-133 for zero and subnormals)."""
     exponent = (np.asarray(bits).astype(np.int32) >> 7) & 0xFF
     return np.exp2(np.maximum(exponent, 1).astype(np.float64) - 127 - 7)
 
 
-def _normal_mode_y_problems(y, ref):
+def _normal_mode_y_problems(y: Any, ref: "SeamReference") -> List[str]:
     """Normal-mode y (docs/spec/mhc.md): within 1 ulp of ref on >= 99.9% of elements, and on every one
     |y - ref.y| <= 2 ulp(ref.y) + rho |g| (ulp(z) + sum_j (1e-5 + 1e-4 pre'[j]) |R'[j]|)."""
     got = bf16_to_float32(y).astype(np.float64)
     want = bf16_to_float32(ref.y).astype(np.float64)
     g = np.ones(ref.y.shape[1]) if ref.norm_weight is None else np.abs(bf16_to_float32(ref.norm_weight))
     R = np.abs(bf16_to_float32(ref.new_residual).astype(np.float64))  # [T, n, C]
+    assert ref.new_pre_mix is not None  # normal mode computes the mixes at every stage it has
     carried = np.einsum("tj,tjc->tc", 1e-5 + 1e-4 * ref.new_pre_mix, R)
     bound = 2 * bf16_ulp(ref.y) + ref.rho * g * (bf16_ulp(ref.z) + carried)
     excess = np.abs(got - want) - bound
@@ -174,17 +177,18 @@ def _normal_mode_y_problems(y, ref):
         i = int(np.argmax(np.where(np.isnan(excess), np.inf, excess)))
         problems.append(f"y: element {i} got {got.ravel()[i]!r}, reference {want.ravel()[i]!r}, "
                         f"bound {bound.ravel()[i]!r}")
-    within_one = np.mean(bf16_ulp_distance(y, ref.y) <= 1) if y.size else 1.0
+    within_one = float(np.mean(bf16_ulp_distance(y, ref.y) <= 1)) if y.size else 1.0
     if within_one < 0.999:
         problems.append(f"y: {within_one:.4%} of elements within 1 ulp (at least 99.9%)")
     return problems
 
 
-def check_seam(result, ref, mode="shifted"):
+def check_seam(result: Any, ref: "SeamReference", mode: str = "shifted") -> Dict[str, Any]:
     """Asserts the contract's tolerances of a service result against the reference; returns a summary dict.
 
     new_residual bitwise; mixes |got - ref| <= 1e-5 + 1e-4 |ref|; shifted-mode y within 1 bf16 ulp;
     normal-mode y within the contract's element-wise bound and within 1 ulp on >= 99.9%.
+    The summary's max_mix_abs_diff is None when the stage returns no mixes (head).
     """
     if mode not in ("shifted", "normal"):
         raise ValueError(f"mode = {mode!r}; expected shifted or normal")
@@ -192,11 +196,12 @@ def check_seam(result, ref, mode="shifted"):
     residual_diff = int(np.count_nonzero(result.new_residual != ref.new_residual))
     if residual_diff:
         problems.append(f"new_residual: {residual_diff} elements differ (must be bitwise equal)")
-    worst_mix = 0.0
+    worst_mix: Optional[float] = None  # stays None for a stage that returns no mixes (head)
     for name in ("new_pre_mix", "new_post_mix", "new_comb_mix"):
         want = getattr(ref, name)
         if want is None:
             continue
+        worst_mix = worst_mix or 0.0
         got = getattr(result, name).astype(np.float64)
         excess = np.abs(got - want) - (1e-5 + 1e-4 * np.abs(want))
         worst_mix = max(worst_mix, float(np.max(np.abs(got - want), initial=0.0)))

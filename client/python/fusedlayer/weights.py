@@ -10,8 +10,11 @@ Two sources, one result (a ``PackedWeightSet``: a ``WeightSetHeader`` and the pa
   manifest loader (server/weights/dtype_conversion.h): nothing is rounded silently.
 
 The server validates every set again (shapes, hyper-parameters, names); these functions check what
-they need to build a correct stream and report a clear ``ValueError`` (``FileNotFoundError`` for
-missing files) naming the manifest, set and tensor.
+they need to build a correct stream and raise the exception class the server's own manifest loader
+would answer with, naming the manifest, set and tensor: ``fusedlayer.NotFound`` (``.code`` NOT_FOUND)
+for a missing manifest, safetensors file or tensor, ``fusedlayer.PermissionDenied`` for an unreadable
+file, ``fusedlayer.InvalidArgument`` (INVALID_ARGUMENT) for everything else. Every set is packed
+before anything is sent, so a bad manifest loads nothing.
 """
 
 import hashlib
@@ -19,28 +22,49 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
-from . import dtypes
+import grpc
+
+from . import dtypes, errors
 from .v1 import fusedlayer_pb2 as pb
 
 # The table of docs/weights.md, in payload order: name -> kind of dtype ("fp32", "bf16", "fp8").
-TENSOR_KINDS = {
+TENSOR_KINDS: Dict[str, str] = {
     "mhc.fn": "fp32", "mhc.scale": "fp32", "mhc.base": "fp32", "mhc.norm_weight": "bf16",
     "swa.q_norm": "bf16", "swa.kv_norm": "bf16", "swa.wq_b": "fp8", "swa.wq_b_scale": "fp32",
 }
 _ALIGN = 64  # each tensor starts at a multiple of 64 bytes, like the server's packing
 
-MHC_KEYS = {"hc_mult": int, "hidden": int, "hc_norm_eps": float, "norm_eps": float, "hc_pre_eps": float,
+MHC_KEYS: Dict[str, type] = {"hc_mult": int, "hidden": int, "hc_norm_eps": float, "norm_eps": float, "hc_pre_eps": float,
             "sinkhorn_eps": float, "post_scale": float, "sinkhorn_iters": int}
-SWA_KEYS = {"q_rank": int, "head_dim": int, "eps": float, "fp8_format": str, "scale_format": str,
+SWA_KEYS: Dict[str, type] = {"q_rank": int, "head_dim": int, "eps": float, "fp8_format": str, "scale_format": str,
             "scale_layout": str}
-_SWA_ENUMS = {
+_SWA_ENUMS: Dict[str, Dict[str, Any]] = {
     "fp8_format": {"e4m3fn": pb.FP8_FORMAT_E4M3FN, "e4m3fnuz": pb.FP8_FORMAT_E4M3FNUZ},
     "scale_format": {"fp32": pb.SCALE_FORMAT_FP32, "ue8m0": pb.SCALE_FORMAT_UE8M0},
     "scale_layout": {"row_major": pb.SCALE_LAYOUT_ROW_MAJOR, "column_major_tma": pb.SCALE_LAYOUT_COLUMN_MAJOR_TMA},
 }
+
+
+def _invalid(message: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _not_found(message: str) -> errors.NotFound:
+    return errors.NotFound(grpc.StatusCode.NOT_FOUND, message)
+
+
+def _os_error(e: OSError, what: str) -> errors.FusedLayerError:
+    """An OSError opening or reading a file -> the class the server's loader answers with (ErrnoStatus)."""
+    message = f"{what}: {e.strerror or e}"
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+        return _not_found(message)
+    if isinstance(e, PermissionError):
+        return errors.PermissionDenied(grpc.StatusCode.PERMISSION_DENIED, message)
+    return errors.Internal(grpc.StatusCode.INTERNAL, message)
 
 
 @dataclass
@@ -49,33 +73,34 @@ class PackedWeightSet:
     payload: bytes
 
 
-def _config(kind, config, keys, where):
+def _config(kind: str, config: Any, keys: Mapping[str, type], where: str) -> Any:
     if not isinstance(config, dict):
-        raise ValueError(f"{where}: '{kind}' must be an object/dict, got {type(config).__name__}")
+        raise _invalid(f"{where}: '{kind}' must be an object/dict, got {type(config).__name__}")
     msg = pb.MhcConfig() if kind == "mhc" else pb.SwaConfig()
     for key, value in config.items():
         if key not in keys:
-            raise ValueError(f"{where}: unknown {kind} key '{key}' (known: {', '.join(keys)})")
+            raise _invalid(f"{where}: unknown {kind} key '{key}' (known: {', '.join(keys)})")
         want = keys[key]
         # bool is an int in Python; a JSON true for hc_mult is a typo, not 1.
         if isinstance(value, bool) or not isinstance(value, (int, float) if want is float else want):
-            raise ValueError(f"{where}: {kind}.{key} must be {want.__name__}, got {value!r}")
+            raise _invalid(f"{where}: {kind}.{key} must be {want.__name__}, got {value!r}")
         if key in _SWA_ENUMS:
             if value not in _SWA_ENUMS[key]:
-                raise ValueError(f"{where}: swa.{key} = '{value}', expected one of {', '.join(_SWA_ENUMS[key])}")
+                raise _invalid(f"{where}: swa.{key} = '{value}', expected one of {', '.join(_SWA_ENUMS[key])}")
             value = _SWA_ENUMS[key][value]
         setattr(msg, key, value)
     for required in (("hc_mult", "hidden") if kind == "mhc" else ("q_rank", "head_dim")):
         if required not in config:
-            raise ValueError(f"{where}: {kind}.{required} is required")
+            raise _invalid(f"{where}: {kind}.{required} is required")
     return msg
 
 
-def _fp8_format_name(swa_msg):
+def _fp8_format_name(swa_msg: Any) -> str:
     return dtypes.E4M3FNUZ if swa_msg is not None and swa_msg.fp8_format == pb.FP8_FORMAT_E4M3FNUZ else dtypes.E4M3FN
 
 
-def _pack(name, tensors, mhc_msg, swa_msg, replace, where):
+def _pack(name: str, tensors: Mapping[str, Tuple[int, np.ndarray]], mhc_msg: Any, swa_msg: Any, replace: bool,
+          where: str) -> "PackedWeightSet":
     """tensors: name -> (DataType, numpy array of the wire dtype)."""
     header = pb.WeightSetHeader(name=name, replace=replace)
     if mhc_msg is not None:
@@ -93,7 +118,8 @@ def _pack(name, tensors, mhc_msg, swa_msg, replace, where):
     return PackedWeightSet(header, bytes(payload))
 
 
-def pack_arrays(name, tensors, mhc=None, swa=None, replace=False):
+def pack_arrays(name: str, tensors: Mapping[str, Any], mhc: Optional[Mapping[str, Any]] = None,
+                swa: Optional[Mapping[str, Any]] = None, replace: bool = False) -> "PackedWeightSet":
     """One weight set from numpy arrays; mhc / swa are config dicts (keys of docs/weights.md)."""
     where = f"weight set '{name}'"
     mhc_msg = _config("mhc", mhc, MHC_KEYS, where) if mhc is not None else None
@@ -103,11 +129,11 @@ def pack_arrays(name, tensors, mhc=None, swa=None, replace=False):
     packed = {}
     for tname, array in tensors.items():
         if tname not in TENSOR_KINDS:
-            raise ValueError(f"{where}: unknown tensor name '{tname}' (known: {', '.join(TENSOR_KINDS)})")
+            raise _invalid(f"{where}: unknown tensor name '{tname}' (known: {', '.join(TENSOR_KINDS)})")
         array = np.asarray(array)
         np_dtype, data_type = wire[TENSOR_KINDS[tname]]
         if array.dtype != np_dtype:
-            raise TypeError(f"{where}: {tname} must be a numpy {np.dtype(np_dtype).name} array "
+            raise _invalid(f"{where}: {tname} must be a numpy {np.dtype(np_dtype).name} array "
                             f"({TENSOR_KINDS[tname]}{' bit patterns' if np_dtype is np.uint16 else ''}"
                             f"{' codes' if np_dtype is np.uint8 else ''}), got {array.dtype}")
         packed[tname] = (data_type, array)
@@ -116,11 +142,11 @@ def pack_arrays(name, tensors, mhc=None, swa=None, replace=False):
 
 # ---- manifest + safetensors --------------------------------------------------------------------
 
-def _reject_duplicates(pairs):
+def _reject_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
     out = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key '{key}'")
+            raise _invalid(f"duplicate key '{key}'")
         out[key] = value
     return out
 
@@ -132,41 +158,45 @@ _ST_DTYPES = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "F8_E4M3
 class _SafetensorsFile:
     """Reads the header once; tensors on demand (only the ones a manifest names)."""
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         self.path = path
-        self.size = os.path.getsize(path)  # FileNotFoundError passes through, naming the path
-        with open(path, "rb") as f:
+        try:
+            self.size = os.path.getsize(path)
+            f = open(path, "rb")
+        except OSError as e:
+            raise _os_error(e, f"safetensors file {path}") from None
+        with f:
             head = f.read(8)
             if len(head) < 8:
-                raise ValueError(f"{path}: not a safetensors file (under 8 bytes)")
+                raise _invalid(f"{path}: not a safetensors file (under 8 bytes)")
             (n,) = struct.unpack("<Q", head)
             if n > 100_000_000 or 8 + n > self.size:
-                raise ValueError(f"{path}: header length {n} is past the end of the file or over 100 MB")
+                raise _invalid(f"{path}: header length {n} is past the end of the file or over 100 MB")
             try:
                 self.header = json.loads(f.read(n), object_pairs_hook=_reject_duplicates)
-            except ValueError as e:
-                raise ValueError(f"{path}: malformed safetensors header: {e}") from None
+            except (ValueError, errors.InvalidArgument) as e:
+                raise _invalid(f"{path}: malformed safetensors header: {getattr(e, 'message', e)}") from None
         self.data_start = 8 + n
 
-    def read(self, tensor):
+    def read(self, tensor: str) -> Tuple[str, np.ndarray]:
         entry = self.header.get(tensor)
         if tensor == "__metadata__" or not isinstance(entry, dict):
             raise KeyError(tensor)
         dtype = entry.get("dtype")
         if dtype not in _ST_DTYPES:
-            raise ValueError(f"{self.path}: tensor '{tensor}' has dtype {dtype}, which no weight-set tensor takes")
+            raise _invalid(f"{self.path}: tensor '{tensor}' has dtype {dtype}, which no weight-set tensor takes")
         np_dtype, size = _ST_DTYPES[dtype]
         shape = [int(d) for d in entry["shape"]]
         begin, end = (int(v) for v in entry["data_offsets"])
         if end - begin != int(np.prod(shape, dtype=np.int64)) * size or self.data_start + end > self.size:
-            raise ValueError(f"{self.path}: tensor '{tensor}' data_offsets do not match its shape or the file size")
+            raise _invalid(f"{self.path}: tensor '{tensor}' data_offsets do not match its shape or the file size")
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)
             raw = f.read(end - begin)
         return dtype, np.frombuffer(raw, dtype=np_dtype).reshape(shape)
 
 
-def _to_fp32(dtype, a, what):
+def _to_fp32(dtype: str, a: np.ndarray, what: str) -> np.ndarray:
     if dtype == "F32":
         return a.astype(np.float32)
     if dtype == "F16":
@@ -175,12 +205,12 @@ def _to_fp32(dtype, a, what):
         return dtypes.bf16_to_float32(a.astype(np.uint16))
     if dtype == "F8_E8M0":
         if np.any(a == 0xFF):
-            raise ValueError(f"{what}: F8_E8M0 code 0xFF (NaN) at element {int(np.argmax(a.ravel() == 0xFF))}")
+            raise _invalid(f"{what}: F8_E8M0 code 0xFF (NaN) at element {int(np.argmax(a.ravel() == 0xFF))}")
         return np.ldexp(np.float32(1.0), a.astype(np.int32) - 127).astype(np.float32)
-    raise ValueError(f"{what}: dtype {dtype} cannot become fp32 (accepted: F32, BF16, F16, F8_E8M0)")
+    raise _invalid(f"{what}: dtype {dtype} cannot become fp32 (accepted: F32, BF16, F16, F8_E8M0)")
 
 
-def _to_bf16(dtype, a, what):
+def _to_bf16(dtype: str, a: np.ndarray, what: str) -> np.ndarray:
     if dtype == "BF16":
         return a.astype(np.uint16)
     if dtype in ("F32", "F16"):
@@ -190,21 +220,25 @@ def _to_bf16(dtype, a, what):
         changed = ~((back == f) | (np.isnan(back) & np.isnan(f)))
         if np.any(changed):
             i = int(np.argmax(changed.ravel()))
-            raise ValueError(f"{what}: {dtype} value {f.ravel()[i]!r} at element {i} is not a bf16 value "
+            raise _invalid(f"{what}: {dtype} value {f.ravel()[i]!r} at element {i} is not a bf16 value "
                              "(only exact conversions are done)")
         return bits
-    raise ValueError(f"{what}: dtype {dtype} cannot become bf16 (accepted: BF16, or F32/F16 holding bf16 values)")
+    raise _invalid(f"{what}: dtype {dtype} cannot become bf16 (accepted: BF16, or F32/F16 holding bf16 values)")
 
 
-def pack_manifest(path, replace=False):
+def pack_manifest(path: Union[str, "os.PathLike[str]"], replace: bool = False) -> List["PackedWeightSet"]:
     """Every weight set of a manifest (docs/weights.md), packed for LoadWeights."""
-    with open(path, "rb") as f:
-        try:
-            doc = json.loads(f.read(), object_pairs_hook=_reject_duplicates)
-        except ValueError as e:
-            raise ValueError(f"manifest {path}: {e}") from None
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as e:
+        raise _os_error(e, f"cannot open manifest {path}") from None
+    try:
+        doc = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except (ValueError, errors.InvalidArgument) as e:
+        raise _invalid(f"manifest {path}: {getattr(e, 'message', e)}") from None
     if not isinstance(doc, dict) or set(doc) != {"weight_sets"} or not isinstance(doc["weight_sets"], list):
-        raise ValueError(f"manifest {path}: expected {{\"weight_sets\": [...]}} and no other key")
+        raise _invalid(f"manifest {path}: expected {{\"weight_sets\": [...]}} and no other key")
     base = os.path.dirname(os.path.abspath(path))
     files = {}
     out = []
@@ -212,37 +246,37 @@ def pack_manifest(path, replace=False):
     for i, entry in enumerate(doc["weight_sets"]):
         where = f"manifest {path}: weight_sets[{i}]"
         if not isinstance(entry, dict):
-            raise ValueError(f"{where}: must be an object")
+            raise _invalid(f"{where}: must be an object")
         unknown = set(entry) - {"name", "mhc", "swa", "tensors"}
         if unknown:
-            raise ValueError(f"{where}: unknown key '{sorted(unknown)[0]}'")
+            raise _invalid(f"{where}: unknown key '{sorted(unknown)[0]}'")
         name = entry.get("name")
         if not isinstance(name, str):
-            raise ValueError(f"{where}: 'name' (a string) is required")
+            raise _invalid(f"{where}: 'name' (a string) is required")
         where = f"manifest {path}: weight set '{name}'"
         if name in seen:
-            raise ValueError(f"{where}: duplicate set name")
+            raise _invalid(f"{where}: duplicate set name")
         seen.add(name)
         mhc_msg = _config("mhc", entry["mhc"], MHC_KEYS, where) if "mhc" in entry else None
         swa_msg = _config("swa", entry["swa"], SWA_KEYS, where) if "swa" in entry else None
         tensors = entry.get("tensors")
         if not isinstance(tensors, dict):
-            raise ValueError(f"{where}: 'tensors' (an object) is required")
+            raise _invalid(f"{where}: 'tensors' (an object) is required")
         packed = {}
         for tname, ref in tensors.items():
             what = f"{where}: {tname}"
             if tname not in TENSOR_KINDS:
-                raise ValueError(f"{where}: unknown tensor name '{tname}'")
+                raise _invalid(f"{where}: unknown tensor name '{tname}'")
             if not isinstance(ref, dict) or set(ref) != {"file", "tensor"} or not all(
                     isinstance(v, str) for v in ref.values()):
-                raise ValueError(f"{what}: expected {{\"file\": ..., \"tensor\": ...}} (strings)")
+                raise _invalid(f"{what}: expected {{\"file\": ..., \"tensor\": ...}} (strings)")
             file = ref["file"] if os.path.isabs(ref["file"]) else os.path.join(base, ref["file"])
             if file not in files:
                 files[file] = _SafetensorsFile(file)
             try:
                 st_dtype, array = files[file].read(ref["tensor"])
             except KeyError:
-                raise FileNotFoundError(f"{what}: tensor '{ref['tensor']}' not found in {file}") from None
+                raise _not_found(f"{what}: tensor '{ref['tensor']}' not found in {file}") from None
             what = f"{what} ({file}:{ref['tensor']})"
             kind = TENSOR_KINDS[tname]
             if kind == "fp32":
@@ -252,16 +286,19 @@ def pack_manifest(path, replace=False):
             else:
                 want = "F8_E4M3FNUZ" if _fp8_format_name(swa_msg) == dtypes.E4M3FNUZ else "F8_E4M3"
                 if st_dtype != want:
-                    raise ValueError(f"{what}: dtype {st_dtype}, the set's fp8_format needs {want} (never converted)")
+                    raise _invalid(f"{what}: dtype {st_dtype}, the set's fp8_format needs {want} (never converted)")
                 data_type = pb.DATA_TYPE_FP8_E4M3FNUZ if want == "F8_E4M3FNUZ" else pb.DATA_TYPE_FP8_E4M3FN
                 packed[tname] = (data_type, array.astype(np.uint8))
         out.append(_pack(name, packed, mhc_msg, swa_msg, replace, where))
     return out
 
 
-def write_safetensors(path, tensors):
-    """Writes {name: (safetensors dtype, numpy array)} as a safetensors file (tests, examples)."""
-    header, offset, blobs = {}, 0, []
+def write_safetensors(path: Union[str, "os.PathLike[str]"], tensors: Mapping[str, Tuple[str, Any]],
+                      metadata: Optional[Mapping[str, str]] = None) -> None:
+    """Writes {name: (safetensors dtype, numpy array)} as a safetensors file (tests, examples), with an
+    optional __metadata__ of strings."""
+    header: Dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset, blobs = 0, []
     for name, (dtype, array) in tensors.items():
         blob = np.ascontiguousarray(array).astype(np.dtype(_ST_DTYPES[dtype][0]), copy=False).tobytes()
         header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}

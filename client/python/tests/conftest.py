@@ -79,3 +79,9 @@ def rng(request):
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed = {seed}")
     return np.random.default_rng(seed)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cuda_host: needs a GPU, torch.cuda and a CUDA fusedlayer_server (FUSEDLAYER_CUDA_SERVER); "
+        "CI deselects these (-m 'not cuda_host'), the GPU host runs them (-m cuda_host)")

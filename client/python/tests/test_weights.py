@@ -2,6 +2,7 @@
 
 import json
 
+import grpc
 import numpy as np
 import pytest
 
@@ -114,30 +115,63 @@ def test_manifest_errors_are_clear(tmp_path, rng):
         return str(p)
 
     ref = {"file": "w.safetensors", "tensor": "norm"}
-    with pytest.raises(ValueError, match="not a bf16 value"):
+    with pytest.raises(fusedlayer.InvalidArgument, match="not a bf16 value") as e:
         fusedlayer.pack_manifest(manifest(tensors={"mhc.norm_weight": ref}))
-    with pytest.raises(ValueError, match="0xFF"):
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(fusedlayer.InvalidArgument, match="0xFF"):
         fusedlayer.pack_manifest(manifest(tensors={"mhc.scale": {"file": "w.safetensors", "tensor": "e8"}}))
-    with pytest.raises(FileNotFoundError, match="missing"):
+    # A tensor missing from an existing file and a missing file are both NOT_FOUND, as on the server.
+    with pytest.raises(fusedlayer.NotFound, match="missing") as e:
         fusedlayer.pack_manifest(manifest(tensors={"mhc.fn": {"file": "w.safetensors", "tensor": "missing"}}))
-    with pytest.raises(FileNotFoundError):
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(fusedlayer.NotFound, match="nope.safetensors") as e:
         fusedlayer.pack_manifest(manifest(tensors={"mhc.fn": {"file": "nope.safetensors", "tensor": "x"}}))
-    with pytest.raises(ValueError, match="unknown tensor name"):
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(fusedlayer.NotFound, match="cannot open manifest"):
+        fusedlayer.pack_manifest(str(tmp_path / "no-such.json"))
+    with pytest.raises(fusedlayer.InvalidArgument, match="unknown tensor name"):
         fusedlayer.pack_manifest(manifest(tensors={"mhc.typo": ref}))
-    with pytest.raises(ValueError, match="unknown key"):
+    with pytest.raises(fusedlayer.InvalidArgument, match="unknown key"):
         fusedlayer.pack_manifest(manifest(tensors={}, extra=1))
     p = tmp_path / "dup.json"
     p.write_text('{"weight_sets": [], "weight_sets": []}')
-    with pytest.raises(ValueError, match="duplicate key"):
+    with pytest.raises(fusedlayer.InvalidArgument, match="duplicate key"):
         fusedlayer.pack_manifest(str(p))
 
 
 def test_array_errors_are_caught_before_sending(rng):
-    with pytest.raises(TypeError, match="uint16"):
+    with pytest.raises(fusedlayer.InvalidArgument, match="uint16"):
         fusedlayer.pack_arrays("s", {"mhc.norm_weight": np.ones(4, np.float32)}, mhc=dict(hc_mult=1, hidden=4))
-    with pytest.raises(ValueError, match="unknown tensor name"):
+    with pytest.raises(fusedlayer.InvalidArgument, match="unknown tensor name"):
         fusedlayer.pack_arrays("s", {"mhc.weights": np.ones(4, np.float32)}, mhc=dict(hc_mult=1, hidden=4))
-    with pytest.raises(ValueError, match="unknown mhc key"):
+    with pytest.raises(fusedlayer.InvalidArgument, match="unknown mhc key"):
         fusedlayer.pack_arrays("s", {}, mhc=dict(hc_mult=1, hidden=4, hc_mul=4))
-    with pytest.raises(ValueError, match="hidden is required"):
+    with pytest.raises(fusedlayer.InvalidArgument, match="hidden is required"):
         fusedlayer.pack_arrays("s", {}, mhc=dict(hc_mult=1))
+
+
+def test_load_weights_errors_carry_the_grpc_code_and_load_nothing(client, tmp_path, rng):
+    """A manifest whose second set names a tensor its file lacks: NotFound with .code, and the first set
+    (valid) is not loaded either: every set is packed before the first byte is sent."""
+    n, C = 2, 64
+    w = mhc_weights(rng, n, C)
+    fusedlayer.write_safetensors(tmp_path / "w.safetensors", {
+        t: ("BF16" if a.dtype == np.uint16 else "F32", a) for t, a in w.items()})
+    good = {t: {"file": "w.safetensors", "tensor": t} for t in w}
+    bad = dict(good, **{"mhc.fn": {"file": "w.safetensors", "tensor": "absent"}})
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps({"weight_sets": [
+        {"name": "py-err/ok", "mhc": {"hc_mult": n, "hidden": C}, "tensors": good},
+        {"name": "py-err/bad", "mhc": {"hc_mult": n, "hidden": C}, "tensors": bad}]}))
+    with pytest.raises(fusedlayer.NotFound, match="absent") as e:
+        client.load_weights(str(p))
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(fusedlayer.NotFound) as e:
+        client.load_weights(str(tmp_path / "missing.json"))
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(fusedlayer.InvalidArgument) as e:
+        client.load_weights({"mhc.fn": np.ones(4, np.float64)}, name="py-err/dtype", mhc={"hc_mult": 1, "hidden": 4})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(fusedlayer.InvalidArgument, match="needs name="):
+        client.load_weights(w)
+    assert not {"py-err/ok", "py-err/bad", "py-err/dtype"} & {s.name for s in client.list_weight_sets()}
