@@ -1,5 +1,6 @@
 // fusedctl info | health | list | unload | load | sessions | close-session.
 #include <ostream>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -143,26 +144,57 @@ absl::Status RunCloseSession(const FusedLayerClient& client, const CommandLine& 
   return absl::OkStatus();
 }
 
+// A manifest loads all or nothing: every set is uploaded under one stage id (WeightSetHeader.stage),
+// where the server builds and warms it up without publishing it, and CommitWeightSets then publishes
+// them all in one step. A set that cannot be read (missing tensor, truncated shard) or that the
+// server refuses ends the load before the commit: the stage is discarded and the loaded sets are
+// the ones before the command.
 absl::Status RunLoad(const FusedLayerClient& client, const CommandLine& cl, std::ostream& out) {
   const size_t chunk = cl.chunk_bytes > 0 ? size_t(cl.chunk_bytes) : kDefaultChunkBytes;
   size_t count = 0;
+  std::random_device random;
+  const std::string stage = absl::StrFormat("fusedctl-load-%08x%08x%08x%08x", random(), random(), random(), random());
+  bool staged_any = false;
   // One set's payload at a time: a whole checkpoint (fusedctl import-checkpoint) can be GiBs.
   absl::Status status = ForEachManifestSet(
       cl.args.at(0),
       [&](PackedWeights set) -> absl::Status {
         set.header.set_replace(cl.replace);
+        set.header.set_stage(stage);
         const std::string name = set.header.name();
+        staged_any = true;
         absl::StatusOr<v1::WeightSetInfo> info = client.LoadWeights(set.header, set.payload, chunk);
         if (!info.ok()) {
           return absl::Status(info.status().code(), absl::StrCat("loading \"", name, "\": ", info.status().message()));
         }
-        out << "loaded " << name << " (" << FormatBytes(double(set.payload.size())) << " payload)\n";
-        PrintWeightSet(*info, out);
+        out << "staged " << name << " (" << FormatBytes(double(set.payload.size())) << " payload)\n";
         return absl::OkStatus();
       },
       &count);
-  if (!status.ok()) return status;
-  if (count == 0) return absl::InvalidArgumentError(absl::StrCat(cl.args.at(0), " lists no weight sets"));
+  if (status.ok() && count == 0) {
+    status = absl::InvalidArgumentError(absl::StrCat(cl.args.at(0), " lists no weight sets"));
+  }
+  if (!status.ok()) {
+    // Best effort: the server also drops a stage nobody commits. NOT_FOUND means nothing was staged.
+    if (staged_any) {
+      if (absl::StatusOr<v1::CommitWeightSetsResponse> d = client.CommitWeightSets(stage, /*discard=*/true);
+          !d.ok() && d.status().code() != absl::StatusCode::kNotFound) {
+        out << "note: discarding the staged sets failed (" << d.status() << "); the server drops them later\n";
+      }
+    }
+    return absl::Status(status.code(), absl::StrCat(status.message(), " (nothing was loaded: the manifest loads all ",
+                                                    "its sets or none)"));
+  }
+  absl::StatusOr<v1::CommitWeightSetsResponse> committed = client.CommitWeightSets(stage);
+  if (!committed.ok()) {
+    return absl::Status(committed.status().code(), absl::StrCat("publishing the ", count, " set(s) of ", cl.args.at(0),
+                                                                ": ", committed.status().message(),
+                                                                " (nothing was loaded)"));
+  }
+  for (const v1::WeightSetInfo& info : committed->weight_sets()) {
+    out << "loaded " << info.name() << "\n";
+    PrintWeightSet(info, out);
+  }
   return absl::OkStatus();
 }
 

@@ -132,6 +132,15 @@ absl::StatusOr<v1::UnloadWeightSetResponse> FusedLayerClient::UnloadWeightSet(co
   return Unary(*stub_, &v1::FusedLayer::Stub::UnloadWeightSet, request, call);
 }
 
+absl::StatusOr<v1::CommitWeightSetsResponse> FusedLayerClient::CommitWeightSets(const std::string& stage,
+                                                                                bool discard,
+                                                                                const CallOptions& call) const {
+  v1::CommitWeightSetsRequest request;
+  request.set_stage(stage);
+  request.set_discard(discard);
+  return Unary(*stub_, &v1::FusedLayer::Stub::CommitWeightSets, request, call);
+}
+
 absl::Status FusedLayerClient::RegisterSystemSharedMemory(const std::string& name, const std::string& key,
                                                           uint64_t offset, uint64_t byte_size,
                                                           const CallOptions& call) const {

@@ -103,6 +103,9 @@ class FusedLayerClient {
   absl::StatusOr<v1::UnloadWeightSetResponse> UnloadWeightSet(const std::string& name,
                                                               const CallOptions& call = {}) const;
   absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo(const CallOptions& call = {}) const;
+  // Publishes (discard: drops) every set uploaded with header.stage = `stage`, all in one step.
+  absl::StatusOr<v1::CommitWeightSetsResponse> CommitWeightSets(const std::string& stage, bool discard = false,
+                                                                const CallOptions& call = {}) const;
 
   // System shared memory (client/shared_memory.h wraps these for a whole request).
   absl::Status RegisterSystemSharedMemory(const std::string& name, const std::string& key, uint64_t offset,

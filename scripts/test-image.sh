@@ -24,12 +24,15 @@
 #     fails when FUSEDLAYER_ADDRESS names a port nothing listens on (it can fail);
 #   - through the published port: gRPC health SERVING (whole server, fusedlayer.mhc, fusedlayer.swa),
 #     the weight set loaded from the manifest in the read-only mount (ListWeightSets source), an mHC
-#     seam and an SWA call answered on the fused path (--path=require_fused);
+#     seam and an SWA call answered on the fused path (--path=require_fused), whose outputs
+#     (fusedctl --seed, --output) are byte for byte those of the same calls served by the build
+#     tree's fusedlayer_server on the host from the same manifest;
 #   - /metrics lists the fallback counters (every op) and counted the two fused calls;
 #   - stop (SIGTERM) drains: exit code 0 and the server's "shut down cleanly" log line.
 # Everything it made (containers, the image it built and its intermediate layers, temp dirs) is
 # removed on exit, also on failure. Needs fusedctl on the host: $BUILD_DIR/client/fusedctl (default
-# build/), or FUSEDCTL=PATH; when missing it is built (CPU configuration, target fusedctl only).
+# build/), or FUSEDCTL=PATH, and the reference server $BUILD_DIR/server/fusedlayer_server, or
+# FUSEDLAYER_SERVER=PATH; when missing they are built (CPU configuration, those targets only).
 # Ports are free ones picked by the kernel (never 50051, which other tests may use).
 #
 #   IMAGE_TEST_KEEP_CACHE=1   keep the intermediate build layers (faster re-runs; CI never sets it)
@@ -61,12 +64,14 @@ TMP="$(mktemp -d)"
 BUILT_IMAGE=""       # the tag this run built (removed on exit)
 LAYERS_BEFORE=""     # image ids present before the build (the ones after it that are new are ours)
 CONTAINERS=()
+REF_PID=""          # the host reference server (killed on exit)
 ENGINE=""
 E=()                 # the engine command with its global options, e.g. (podman --storage-driver=vfs)
 
 cleanup() {
   local rc=$? c id
   set +e
+  if [ -n "$REF_PID" ]; then kill -KILL "$REF_PID" 2>/dev/null; wait "$REF_PID" 2>/dev/null; fi
   if [ -n "$ENGINE" ]; then
     for c in "${CONTAINERS[@]}"; do "${E[@]}" rm -f "$c" > /dev/null 2>&1; done
     if [ -n "$BUILT_IMAGE" ]; then
@@ -193,16 +198,21 @@ fi
 "${E[@]}" image inspect "$IMAGE" > /dev/null || fail "no image $IMAGE"
 
 # ------------------------------------------------------------------------------------------------
-step "fusedctl on the host"
+step "fusedctl and the reference server on the host"
 FUSEDCTL="${FUSEDCTL:-$BUILD/client/fusedctl}"
-if [ ! -x "$FUSEDCTL" ]; then
-  echo "  $FUSEDCTL missing: building target fusedctl in $BUILD"
+REF_SERVER="${FUSEDLAYER_SERVER:-$BUILD/server/fusedlayer_server}"
+missing=()
+[ -x "$FUSEDCTL" ] || missing+=(fusedctl)
+[ -x "$REF_SERVER" ] || missing+=(fusedlayer_server)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "  building ${missing[*]} in $BUILD"
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DFUSEDLAYER_CUDA=OFF > "$TMP/cmake.log" 2>&1 \
     || { cat "$TMP/cmake.log" >&2; fail "cmake configure failed"; }
-  cmake --build "$BUILD" --target fusedctl > "$TMP/cmake.log" 2>&1 \
-    || { tail -n 40 "$TMP/cmake.log" >&2; fail "fusedctl build failed"; }
+  cmake --build "$BUILD" --target "${missing[@]}" > "$TMP/cmake.log" 2>&1 \
+    || { tail -n 40 "$TMP/cmake.log" >&2; fail "${missing[*]} build failed"; }
 fi
 ok "$FUSEDCTL"
+ok "$REF_SERVER"
 
 # ------------------------------------------------------------------------------------------------
 step "image configuration"
@@ -233,15 +243,15 @@ WEIGHTS="$TMP/weights"
 chmod 0755 "$TMP" "$WEIGHTS"
 chmod 0644 "$WEIGHTS"/*
 
-read -r GRPC_PORT METRICS_PORT < <("$PYTHON" - <<'PY'
+read -r GRPC_PORT METRICS_PORT REF_PORT < <("$PYTHON" - <<'PY'
 import socket
-socks = [socket.socket() for _ in range(2)]
+socks = [socket.socket() for _ in range(3)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))
 PY
 )
-[ "$GRPC_PORT" != 50051 ] || fail "picked port 50051"
+if [ "$GRPC_PORT" = 50051 ] || [ "$REF_PORT" = 50051 ]; then fail "picked port 50051"; fi
 TARGET="127.0.0.1:$GRPC_PORT"
 
 start_container() {  # start_container NAME NETWORK(bridge|host)
@@ -342,12 +352,35 @@ if ! grep -q 'image-test/small' "$TMP/list.txt" || ! grep -q 'manifest:/weights/
 fi
 ok "weight set image-test/small loaded from manifest:/weights/manifest.json"
 # require_fused: the image's CPU backend must run the fused kernels (FAILED_PRECONDITION otherwise).
-timeout 30 "$FUSEDCTL" --target="$TARGET" --deadline=20s seam --weight_set=image-test/small --tokens=8 --path=require_fused \
-  > "$TMP/seam.txt" 2>&1 || { cat "$TMP/seam.txt" >&2; fail "mHC seam call failed"; }
-ok "mHC seam: $(head -n 1 "$TMP/seam.txt")"
-timeout 30 "$FUSEDCTL" --target="$TARGET" --deadline=20s swa --weight_set=image-test/small --tokens=8 --path=require_fused \
-  > "$TMP/swa.txt" 2>&1 || { cat "$TMP/swa.txt" >&2; fail "SWA call failed"; }
-ok "SWA: $(head -n 1 "$TMP/swa.txt")"
+# Fixed seeds, outputs written, so that the same calls to the reference server below can be compared.
+calls() {  # calls TARGET PREFIX: the mHC and SWA calls, outputs in PREFIX-{mhc,swa}.safetensors
+  timeout 30 "$FUSEDCTL" --target="$1" --deadline=20s seam --weight_set=image-test/small --tokens=8 --path=require_fused \
+    --seed=1101 --output="$2-mhc.safetensors" > "$2-seam.txt" 2>&1 || { cat "$2-seam.txt" >&2; fail "mHC seam call to $1 failed"; }
+  timeout 30 "$FUSEDCTL" --target="$1" --deadline=20s swa --weight_set=image-test/small --tokens=8 --path=require_fused \
+    --seed=1102 --output="$2-swa.safetensors" > "$2-swa.txt" 2>&1 || { cat "$2-swa.txt" >&2; fail "SWA call to $1 failed"; }
+}
+calls "$TARGET" "$TMP/image"
+ok "mHC seam: $(head -n 1 "$TMP/image-seam.txt")"
+ok "SWA: $(head -n 1 "$TMP/image-swa.txt")"
+
+step "the image's outputs are the build tree's: the same calls to $REF_SERVER on port $REF_PORT"
+"$REF_SERVER" --backend=cpu --cpu_threads=2 --address="127.0.0.1:$REF_PORT" --metrics_address= \
+  --weights_manifest="$WEIGHTS/manifest.json" > "$TMP/ref-server.log" 2>&1 &
+REF_PID=$!
+for i in $(seq 1 90); do
+  timeout 5 "$FUSEDCTL" --target="127.0.0.1:$REF_PORT" --deadline=2s health --service=fusedlayer.swa > /dev/null 2>&1 && break
+  kill -0 "$REF_PID" 2>/dev/null || { cat "$TMP/ref-server.log" >&2; fail "the reference server exited during startup"; }
+  [ "$i" -lt 90 ] || { cat "$TMP/ref-server.log" >&2; fail "the reference server did not answer within 90 s"; }
+  sleep 1
+done
+calls "127.0.0.1:$REF_PORT" "$TMP/ref"
+for out in mhc swa; do
+  [ -s "$TMP/image-$out.safetensors" ] || fail "the image's $out call wrote no output file"
+  cmp "$TMP/image-$out.safetensors" "$TMP/ref-$out.safetensors" \
+    || fail "the image's $out outputs differ from the build tree server's for the same request"
+  ok "$out outputs byte for byte equal ($(stat -c %s "$TMP/image-$out.safetensors") bytes)"
+done
+kill -TERM "$REF_PID"; wait "$REF_PID" || true; REF_PID=""
 
 step "/metrics on port $METRICS_PORT"
 curl -fsS --max-time 10 "http://127.0.0.1:$METRICS_PORT/metrics" > "$TMP/metrics.txt" || fail "GET /metrics failed"

@@ -4,6 +4,9 @@
 #   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab
 #                                                  samebits abclient sessions shm cudaipc profile mhcncu
 #                                                  serversan)
+#   SUITES="gpu_swa_tests swa_contract_tests"     the test suites the tests step runs (default: all)
+# The run fails (exit 1) when the GPU or the CUDA backend is missing, a suite it asks for is not in
+# the bundle, a test fails or skips, or any step's command fails.
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -12,14 +15,43 @@ STEPS=${STEPS:-"tests sanitize serversan bench torch smoke dataplane sessions sh
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # start_server PORT METRICS_PORT LOG [extra flags...]: a CUDA-backend server with the demo weights in
 # the background (pid in $pid), returning once its health check answers (or after 60 s).
+# A server that never answers fails the run (a server that cannot open the GPU exits at startup).
 start_server() {
   local port=$1 mport=$2 log=$3; shift 3
   ./fusedlayer_server --demo_weights --backend=cuda --address=127.0.0.1:$port \
     --metrics_address=127.0.0.1:$mport "$@" > "$log" 2>&1 &
   pid=$!
-  for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:$port --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
+  for _ in $(seq 1 60); do ./fusedctl health --target=127.0.0.1:$port --service=fusedlayer.mhc >/dev/null 2>&1 && return 0; sleep 1; done
+  echo "FAILED: the server on :$port did not answer its health check within 60 s ($log)"; failed=1
 }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
+# must CMD...: runs a step's command; a non-zero exit fails the run and is named in the step's log.
+must() { "$@" || { local rc=$?; echo "FAILED (rc=$rc): $*"; failed=1; }; }
+# stop_server LOG: SIGTERM, then the drain must end with exit 0.
+stop_server() {
+  kill -TERM $pid; wait $pid; local rc=$?
+  echo "server exit rc=$rc" >> "$1"
+  [ $rc -eq 0 ] || { echo "FAILED: server exited $rc after SIGTERM ($1)"; failed=1; }
+}
+# gtest_verdict NAME RC LOG: a suite passes only with exit status 0, a "[  PASSED  ]" line and no
+# "[  SKIPPED ]" line (the GPU suites skip themselves where no device answers; gtest 1.12 has no
+# --gtest_fail_if_no_test, so a skipped test is caught here), and at least one test run.
+gtest_verdict() {
+  local name=$1 rc=$2 log=$3
+  if [ "$rc" -ne 0 ]; then echo "FAILED: $name rc=$rc"; return 1; fi
+  if grep -q '^\[  SKIPPED \]' "$log"; then echo "FAILED: $name skipped tests:"; grep '^\[  SKIPPED \]' "$log"; return 1; fi
+  if ! grep -q '^\[  PASSED  \] [1-9]' "$log"; then echo "FAILED: $name ran no test"; return 1; fi
+}
+
+# Every failing suite, sanitizer run or step sets `failed`; the script exits non-zero at the end.
+failed=0
+# The GPU must answer before anything runs: without it every GPU suite would skip and the contract
+# suites would run on the CPU backend only (AvailableBackends() leaves out a backend whose device
+# does not open), and the run would pass having tested nothing on the GPU.
+if ! nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/device.txt" 2>&1 \
+   || ! [ -s "$OUT/device.txt" ]; then
+  cat "$OUT/device.txt"; echo "FAILED: nvidia-smi found no GPU"; failed=1
+fi
+cat "$OUT/device.txt"
 # same_bits A B LOG: each A*.safetensors against the file of the same name after prefix B, byte for
 # byte; a line each on the console and in LOG. A difference or a missing file fails the run. (The
 # loop writes to a file, not a pipe, so that `failed` is set in this shell, not in a subshell.)
@@ -32,16 +64,20 @@ same_bits() {
   tee -a "$log" < /tmp/same_bits.txt
 }
 
-# Every failing suite or sanitizer run sets `failed`; the script exits non-zero at the end.
-failed=0
 if want tests; then
   # server_residual_session_tests: its OnTheDefaultBackend case runs on the CUDA backend here.
   # server_batching_tests: only its OnTheDefaultBackend case (batched requests bitwise the same
   # requests alone, on the CUDA backend); the rest compares with the CPU library and runs in CI.
   # gpu_cuda_ipc_tests: two processes, itself the client and the bundled fusedlayer_server.
-  for t in mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests server_residual_session_tests \
-           server_batching_tests gpu_cuda_ipc_tests; do
-    [ -x ./$t ] || { echo "$t not in this bundle"; continue; }
+  # SUITES names the suites this run asks for (default: all of them; a bundle built with a subset of
+  # GPU_TARGETS passes its own list). A suite asked for and absent from the bundle fails the run.
+  for t in ${SUITES:-mhc_contract_tests swa_contract_tests gpu_mhc_tests gpu_swa_tests gpu_lanes_tests \
+           server_residual_session_tests server_batching_tests gpu_cuda_ipc_tests}; do
+    [ -x ./$t ] || { echo "FAILED: $t is not in this bundle"; failed=1; continue; }
+    # The contract suites are instantiated per AvailableBackends(): the cuda instances must be there.
+    if [ $t = mhc_contract_tests ] || [ $t = swa_contract_tests ]; then
+      ./$t --gtest_list_tests | grep -q 'cuda' || { echo "FAILED: $t has no cuda backend instances (the CUDA backend did not open)"; failed=1; }
+    fi
     # (The session suite's fusedctl case runs the build tree's fusedctl, which the bundle does not
     # have; the bench rows below run the bundled one.)
     filter=""; [ $t = server_residual_session_tests ] && filter="--gtest_filter=-*Fusedctl*"
@@ -50,7 +86,8 @@ if want tests; then
     cat /tmp/$t.log >> "$OUT/tests.log"; echo "$t rc=$rc"; tail -3 /tmp/$t.log
     # A failure's own lines on the console too, so they survive when only the console of a run
     # comes back (a run with the sanitizers' logs can leave tests.log behind).
-    [ $rc -eq 0 ] || { failed=1; grep -B2 -A14 -E "Failure|FAILED  \]" /tmp/$t.log | head -80; }
+    gtest_verdict $t $rc /tmp/$t.log | tee -a "$OUT/tests.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { failed=1; grep -B2 -A14 -E "Failure|FAILED  \]" /tmp/$t.log | head -80; }
   done
 fi
 # sanitize NAME TOOL ARGS...: one compute-sanitizer run, its full report in $OUT/sanitizer-NAME.log.
@@ -65,6 +102,7 @@ sanitize() {
   local summary; summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1)
   local ok=1
   [ $rc -eq 0 ] || ok=0
+  grep -q '^\[  SKIPPED \]' "$log" && ok=0  # a test that skipped checked nothing
   case "$tool" in
     memcheck) [[ "$summary" == *"ERROR SUMMARY: 0 errors"* ]] || ok=0 ;;
     racecheck) [[ "$summary" == *"RACECHECK SUMMARY: 0 hazards"* ]] || ok=0 ;;
@@ -83,13 +121,13 @@ if want sanitize; then
   sanitize memcheck-swa_contract_tests memcheck ./swa_contract_tests --gtest_brief=1 --gtest_filter='*cuda*' &
   # Lanes: four streams at once through pinned staging (stream-ordered allocation, async copies,
   # one event wait each): an early reuse of staging or device memory is a memcheck error.
-  [ -x ./gpu_lanes_tests ] && sanitize memcheck-gpu_lanes_tests memcheck ./gpu_lanes_tests --gtest_brief=1 \
+  sanitize memcheck-gpu_lanes_tests memcheck ./gpu_lanes_tests --gtest_brief=1 \
     --gtest_filter='-*TruncatedObjectNeverFaults*' &
   # That test page-locks a mapping that reaches past its object's end, which must fail
   # (cudaHostRegister: invalid argument, on purpose); memcheck counts a failed API call as an error
   # (2: the call and the cudaGetLastError that clears it), so it runs apart with API error reports
   # off. Memory errors of its copies from the truncated object are still reported and fail the run.
-  [ -x ./gpu_lanes_tests ] && sanitize memcheck-gpu_lanes_page_lock memcheck --report-api-errors no ./gpu_lanes_tests \
+  sanitize memcheck-gpu_lanes_page_lock memcheck --report-api-errors no ./gpu_lanes_tests \
     --gtest_brief=1 --gtest_filter='*TruncatedObjectNeverFaults*' &
   # The SWA graph/fused tests run cuBLASLt's wq_b GEMM (nvjet_sm90_qqtst_*: closed source,
   # warp-specialised; its producer and consumer warps are ordered by mbarriers). racecheck reports
@@ -111,6 +149,7 @@ if want sanitize; then
     [ "$ours" -eq 0 ] || ok=0
     grep -q "\[  PASSED  \]" "$log" || ok=0
     grep -q "\[  FAILED  \]\|Internal Sanitizer Error" "$log" && ok=0
+    grep -q '^\[  SKIPPED \]' "$log" && ok=0
     # rc 0, or the sanitizer's error exit code when every report is in cuBLASLt.
     [ $rc -eq 0 ] || [ $rc -eq 9 ] || ok=0
     echo "== $name (racecheck): rc=$rc ${summary:-no summary}; reports outside cuBLASLt: $ours, in cuBLASLt" \
@@ -119,28 +158,34 @@ if want sanitize; then
   racecheck_known_cublaslt racecheck-gpu_swa_tests --error-exitcode 9 ./gpu_swa_tests --gtest_brief=1 \
     --gtest_filter='*Graph*:*Fused*' &
   wait
-  # Every run above passed (seven, or five when the bundle has no gpu_lanes_tests).
-  runs=$([ -x ./gpu_lanes_tests ] && echo 7 || echo 5)
-  [ "$(grep -c -- '-> PASS' "$OUT/sanitizers.log")" -eq "$runs" ] || failed=1
+  # Every run above passed (seven; a binary missing from the bundle fails its run).
+  [ "$(grep -c -- '-> PASS' "$OUT/sanitizers.log")" -eq 7 ] || failed=1
 fi
 # bench: with bench_mhc_gpu_base in the bundle (build_and_bundle.sh BASE_BENCH=...), the old and new
 # mHC benchmark run interleaved, base/new MHC_AB_PASSES times (default 2), for each size in
 # BENCH_MHC_SIZES ("C:T ..."; default the full table), every row tagged with its binary and pass.
-mhc_bench() {  # mhc_bench BINARY TAG
+mhc_bench() {  # mhc_bench BINARY TAG (a run that fails fails the whole run: pipefail gives its status)
   if [ -n "${BENCH_MHC_SIZES:-}" ]; then
-    for ct in $BENCH_MHC_SIZES; do timeout 100 "$1" --C "${ct%%:*}" --T "${ct##*:}" | sed -n "s/^ *[0-9]/$2 &/p"; done
+    for ct in $BENCH_MHC_SIZES; do
+      timeout 100 "$1" --C "${ct%%:*}" --T "${ct##*:}" | sed -n "s/^ *[0-9]/$2 &/p" \
+        || { echo "FAILED: $1 --C ${ct%%:*} --T ${ct##*:}"; failed=1; }
+    done
   else
-    timeout 200 "$1" ${BENCH_MHC_ARGS:-} | sed "s/^ *[0-9]/$2 &/"
+    timeout 200 "$1" ${BENCH_MHC_ARGS:-} | sed "s/^ *[0-9]/$2 &/" || { echo "FAILED: $1"; failed=1; }
   fi
 }
 if want bench; then
-  { if [ -x ./bench_mhc_gpu_base ]; then
+  # Both benchmarks must be in the bundle (bench_swa_gpu is not run with BENCH_MHC_SIZES).
+  { for b in ./bench_mhc_gpu ./bench_swa_gpu; do [ -x $b ] || { echo "FAILED: $b is not in this bundle"; failed=1; }; done
+    if [ -x ./bench_mhc_gpu_base ]; then
       echo "== bench_mhc_gpu: base (old) and new interleaved; columns: binary pass C T fused_us unfused_us floor_us fused_%bw L"
       for pass in $(seq 1 "${MHC_AB_PASSES:-2}"); do mhc_bench ./bench_mhc_gpu_base "base $pass"; mhc_bench ./bench_mhc_gpu "new $pass"; done
     elif [ -x ./bench_mhc_gpu ]; then
       echo "== bench_mhc_gpu"; mhc_bench ./bench_mhc_gpu new
     fi
-    [ -x ./bench_swa_gpu ] && [ -z "${BENCH_MHC_SIZES:-}" ] && { echo "== bench_swa_gpu"; timeout 150 ./bench_swa_gpu ${BENCH_SWA_ARGS:-}; }; } > "$OUT/bench.log" 2>&1; cat "$OUT/bench.log"
+    if [ -x ./bench_swa_gpu ] && [ -z "${BENCH_MHC_SIZES:-}" ]; then
+      echo "== bench_swa_gpu"; must timeout 150 ./bench_swa_gpu ${BENCH_SWA_ARGS:-}
+    fi; } > "$OUT/bench.log" 2>&1; cat "$OUT/bench.log"
 fi
 # mhcncu: ncu of the mHC kernels (cold caches, clocks as found) for each "C:T" of MHC_NCU_SIZES, one
 # eager launch per path, with the base binary too when the bundle has it.
@@ -162,26 +207,27 @@ if want smoke; then
   echo "== server smoke (CUDA backend, demo weights)"
   start_server 50151 50152 "$OUT/server.log"
   { C="--target=127.0.0.1:50151"
-    ./fusedctl info $C; ./fusedctl health $C --service=fusedlayer.swa
-    ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64
-    ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=64
-    ./fusedctl seam $C --weight_set=v41-flash/demo --tokens=8 --path=force_unfused
-    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
-    ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
+    must ./fusedctl info $C; must ./fusedctl health $C --service=fusedlayer.swa
+    must ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64
+    must ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=64
+    must ./fusedctl seam $C --weight_set=v41-flash/demo --tokens=8 --path=force_unfused
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
+    must ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50152/metrics').read().decode())" \
-      | grep -E '^fusedlayer_(op_executions_total|op_fallbacks_total\{op="mhc",reason="client_forced_unfused"|fused_kernel_available|build_info|weights_resident)'
+      | grep -E '^fusedlayer_(op_executions_total|op_fallbacks_total\{op="mhc",reason="client_forced_unfused"|fused_kernel_available|build_info|weights_resident)' \
+        || { echo "FAILED: metrics missing from /metrics"; failed=1; }
   } > "$OUT/smoke.log" 2>&1
-  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/smoke.log"
+  stop_server "$OUT/smoke.log"
   cat "$OUT/smoke.log"
   # A/B of the request staging allocator (docs/operations.md): the same benches with plain
   # cudaMalloc/cudaFree per request buffer.
   echo "== server smoke, FUSEDLAYER_NO_GPU_STAGING_POOL=1 (plain allocation, for comparison)"
   FUSEDLAYER_NO_GPU_STAGING_POOL=1 start_server 50171 50172 "$OUT/server-nopool.log"
   { C="--target=127.0.0.1:50171"
-    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
-    ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
+    must ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=4 --duration=10s
   } > "$OUT/smoke-nopool.log" 2>&1
-  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/smoke-nopool.log"
+  stop_server "$OUT/smoke-nopool.log"
   cat "$OUT/smoke-nopool.log"
 fi
 # The data path (BENCHMARKS.md, "End to end over gRPC"): each row beside its transport floor
@@ -195,13 +241,14 @@ if want sessions; then
   echo "== residual sessions"
   start_server 50191 50192 "$OUT/server-sessions.log"
   { C="--target=127.0.0.1:50191"
-    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=6s --transport=session --echo_floor
-    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=6s --transport=session --echo_floor
-    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=6s --transport=session
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=6s --transport=session --echo_floor
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=6s --transport=session --echo_floor
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=6s --transport=session
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50192/metrics').read().decode())" \
-      | grep -E '^fusedlayer_residual_session'
+      | grep -E '^fusedlayer_residual_session' \
+        || { echo "FAILED: metrics missing from /metrics"; failed=1; }
   } >> "$OUT/sessions.log" 2>&1
-  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/sessions.log"
+  stop_server "$OUT/sessions.log"
 fi
 # System shared memory on one server: first the outputs of each op through a registered
 # region against the same inputs inline over TCP (fusedctl --seed, compared byte for byte), then the
@@ -227,15 +274,16 @@ if want shm; then
   { C="--target=127.0.0.1:50187"
     for pass in 1 2; do
       echo "---- pass $pass"
-      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=shm --echo_floor
-      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=5s --transport=shm --echo_floor
-      ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=shm --echo_floor
+      must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=shm --echo_floor
+      must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=5s --transport=shm --echo_floor
+      must ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=shm --echo_floor
     done
-    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=5s --transport=shm
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=5s --transport=shm
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50188/metrics').read().decode())" \
-      | grep -E '^fusedlayer_shared_memory'
+      | grep -E '^fusedlayer_shared_memory' \
+        || { echo "FAILED: metrics missing from /metrics"; failed=1; }
   } >> "$OUT/shm.log" 2>&1
-  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/shm.log"
+  stop_server "$OUT/shm.log"
 fi
 # CUDA shared memory: the tensors in this host's device memory, used by the server's
 # kernels in place, against the same request inline (TCP row) and the echo floor of its bytes.
@@ -246,19 +294,20 @@ if want cudaipc; then
   { C="--target=127.0.0.1:50195"
     for pass in 1 2; do
       echo "---- pass $pass"
-      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=cuda_ipc --echo_floor
-      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=5s --transport=cuda_ipc
-      ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=cuda_ipc
+      must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=cuda_ipc --echo_floor
+      must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=5s --transport=cuda_ipc
+      must ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=5s --transport=cuda_ipc
     done
-    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=5s --transport=cuda_ipc
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=5s --transport=cuda_ipc
     # Large calls: T = 4096 (300 MB inline, its TCP row beside it) and T = 16384, whose 1.2 GB of
     # outputs are over the 1 GiB message limit inline (that row is refused) but run by reference.
-    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=4096 --concurrency=1 --duration=5s --transport=cuda_ipc
-    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=16384 --concurrency=1 --duration=5s --transport=cuda_ipc
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=4096 --concurrency=1 --duration=5s --transport=cuda_ipc
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=16384 --concurrency=1 --duration=5s --transport=cuda_ipc
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50196/metrics').read().decode())" \
-      | grep -E '^fusedlayer_cuda_shared_memory'
+      | grep -E '^fusedlayer_cuda_shared_memory' \
+        || { echo "FAILED: metrics missing from /metrics"; failed=1; }
   } >> "$OUT/cudaipc.log" 2>&1
-  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/cudaipc.log"
+  stop_server "$OUT/cudaipc.log"
 fi
 # serversan: the server process itself under compute-sanitizer memcheck (its lanes, staging, the
 # kernels it launches, the IPC openings) while fusedctl drives every transport and both paths;
@@ -273,16 +322,16 @@ if want serversan; then
   for _ in $(seq 1 240); do ./fusedctl health --target=127.0.0.1:50201 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
   { C="--target=127.0.0.1:50201"
     for transport in tcp shm cuda_ipc; do
-      ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64 --transport=$transport
-      ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=3 --transport=$transport --path=force_unfused
-      ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=64 --transport=$transport
+      must ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64 --transport=$transport
+      must ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=3 --transport=$transport --path=force_unfused
+      must ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=64 --transport=$transport
     done
-    ./fusedctl seam $C --weight_set=v4-pro/demo --session=s --stage=first --tokens=16
-    ./fusedctl seam $C --weight_set=v4-pro/demo --session=s --return_state
-    ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=1100              # the large-T finalize instances
-    ./fusedctl seam $C --weight_set=v41-flash/demo --tokens=1300 --mode=normal
-    ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=16 --concurrency=4 --duration=3s
-    ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=16 --concurrency=4 --duration=3s --transport=cuda_ipc
+    must ./fusedctl seam $C --weight_set=v4-pro/demo --session=s --stage=first --tokens=16
+    must ./fusedctl seam $C --weight_set=v4-pro/demo --session=s --return_state
+    must ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=1100              # the large-T finalize instances
+    must ./fusedctl seam $C --weight_set=v41-flash/demo --tokens=1300 --mode=normal
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=16 --concurrency=4 --duration=3s
+    must ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=16 --concurrency=4 --duration=3s --transport=cuda_ipc
   } > "$OUT/serversan.log" 2>&1
   # The server itself gets the SIGTERM (compute-sanitizer, $pid, waits for it and then reports).
   pkill -TERM -x fusedlayer_serv; wait $pid; rc=$?
@@ -300,18 +349,19 @@ if want dataplane; then
     { C="--target=127.0.0.1:50181"
       echo "---- --max_batch_tokens=$batching"
       if [ "$batching" = 64 ]; then
-        ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=6s --echo_floor
-        ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=6s --echo_floor
-        ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=6s --echo_floor
-        ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=6s --echo_floor
-        ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=6s --echo_floor
+        must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=6s --echo_floor
+        must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=6s --echo_floor
+        must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=6s --echo_floor
+        must ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=1 --duration=6s --echo_floor
+        must ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=6s --echo_floor
       fi
-      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=6s
-      ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=6s
+      must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=6s
+      must ./fusedctl bench $C --op=swa --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=6s
       python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50182/metrics').read().decode())" \
-        | grep -E '^fusedlayer_batch_(requests|tokens)_(sum|count)'
+        | grep -E '^fusedlayer_batch_(requests|tokens)_(sum|count)' \
+          || { echo "FAILED: metrics missing from /metrics"; failed=1; }
     } >> "$OUT/dataplane.log" 2>&1
-    kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
+    stop_server "$OUT/dataplane.log"
   done
   # Device lanes A/B (docs/operations.md "Device lanes"): the same binary with one
   # lane (the serial data path) and the default (auto = 4), batching off so only the lanes differ.
@@ -323,14 +373,15 @@ if want dataplane; then
       grep -h "device lanes:" "$OUT/server-dataplane-lanes-$lanes.log" || true
       for op in mhc swa; do
         for conc in 1 4 16; do
-          ./fusedctl bench $C --op=$op --weight_set=v4-pro/demo --tokens=64 --concurrency=$conc --duration=5s
+          must ./fusedctl bench $C --op=$op --weight_set=v4-pro/demo --tokens=64 --concurrency=$conc --duration=5s
         done
       done
-      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=5s
+      must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=5s
       python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50186/metrics').read().decode())" \
-        | grep -E '^fusedlayer_host_staging_'
+        | grep -E '^fusedlayer_host_staging_' \
+          || { echo "FAILED: metrics missing from /metrics"; failed=1; }
     } >> "$OUT/dataplane.log" 2>&1
-    kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
+    stop_server "$OUT/dataplane.log"
   done
   # The same A/B on the CPU backend (2 threads, like the CI machine; this host is otherwise idle).
   for batching in 64 0; do
@@ -338,10 +389,10 @@ if want dataplane; then
       --max_batch_tokens=$batching
     { C="--target=127.0.0.1:50183"
       echo "---- CPU backend, 2 threads, --max_batch_tokens=$batching"
-      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=6s
-      ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=4s
+      must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=16 --duration=6s
+      must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=1 --concurrency=1 --duration=4s
     } >> "$OUT/dataplane.log" 2>&1
-    kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/dataplane.log"
+    stop_server "$OUT/dataplane.log"
   done
   cat "$OUT/dataplane.log"
 fi
@@ -364,10 +415,11 @@ if want shadow; then
     python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50162/metrics').read().decode())" \
       | grep -E '^fusedlayer_shadow_(comparisons_total|mismatches_total|dropped_total|errors_total)' | grep -v ' 0$'
   } > "$OUT/shadow.log" 2>&1
-  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/shadow.log"
+  stop_server "$OUT/shadow.log"
   cat "$OUT/shadow.log"
+  grep -q " failed$" "$OUT/shadow.log" && failed=1
 fi
-# Old and new server in one run (compare binaries on the same machine, back to back):
+# Old and new server in one session (METHOD.md: compare binaries on the same machine, back to back):
 # the bundle carries a baseline server as fusedlayer_server_base (build_and_bundle.sh BASE_SERVER=...).
 # Each row runs against the baseline and then the new server, same flags, same client; the new
 # server's rows also get their echo floor. AB_ROWS / AB_SECONDS / AB_FLAGS (both servers) override the
@@ -464,7 +516,7 @@ if want abclient; then
       done
     done
   done
-  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/abclient.log"
+  stop_server "$OUT/abclient.log"
 fi
 # Where a small CUDA shared-memory call's server time goes on the host (decode ~30-40 us):
 # a CPU profile of the server during an mHC T = 1 bench, and its system calls. Needs perf / strace
@@ -490,7 +542,7 @@ if want profile; then
     if [ -x ./strace ]; then timeout -s INT 3 ./strace -c -f -p $pid -o /tmp/strace.txt; cat /tmp/strace.txt; fi
     wait $bench
   } >> "$OUT/profile.log" 2>&1
-  kill -TERM $pid; wait $pid; echo "server exit rc=$?" >> "$OUT/profile.log"
+  stop_server "$OUT/profile.log"
 fi
 echo "run_device: failed=$failed"
 exit $failed

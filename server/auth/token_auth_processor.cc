@@ -36,7 +36,7 @@ bool RightForMethod(absl::string_view path, uint8_t* right) {
     *right = kRightCompute;
     return true;
   }
-  if (method == "LoadWeights" || method == "UnloadWeightSet") {
+  if (method == "LoadWeights" || method == "UnloadWeightSet" || method == "CommitWeightSets") {
     *right = kRightAdmin;
     return true;
   }

@@ -29,7 +29,7 @@ namespace fusedlayer::server::auth {
 enum Right : uint8_t {
   kRightNone = 0,
   kRightCompute = 1,  // MhcSeam, SwaNormQuant, GetServerInfo, ListWeightSets
-  kRightAdmin = 2,    // LoadWeights, UnloadWeightSet
+  kRightAdmin = 2,    // LoadWeights, CommitWeightSets, UnloadWeightSet
 };
 
 using TokenDigest = std::array<uint8_t, 32>;  // SHA-256 of the token bytes

@@ -46,6 +46,7 @@ const char* MethodName(Method m) {
     case Method::kOpenResidualSession: return "OpenResidualSession";
     case Method::kListResidualSessions: return "ListResidualSessions";
     case Method::kCloseResidualSession: return "CloseResidualSession";
+    case Method::kCommitWeightSets: return "CommitWeightSets";
   }
   return "unknown";
 }

@@ -39,8 +39,9 @@ enum class Method : uint8_t {
   kOpenResidualSession,
   kListResidualSessions,
   kCloseResidualSession,
+  kCommitWeightSets,
 };
-inline constexpr int kNumMethods = 15;
+inline constexpr int kNumMethods = 16;
 const char* MethodName(Method m);
 // gRPC code name as the "code" label: "OK", "INVALID_ARGUMENT", ...
 const char* StatusCodeName(grpc::StatusCode code);

@@ -1,13 +1,16 @@
 #include "exec/weight_manager.h"
 
+#include <algorithm>
 #include <cctype>
 #include <future>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "exec/dispatcher.h"
 #include "common/log.h"
 #include "exec/warmup.h"
+#include "weights/string_view_compat.h"
 
 namespace fusedlayer::server {
 namespace {
@@ -136,6 +139,11 @@ absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallOnWorker(const v1::Weigh
                                                                  const std::function<absl::Status()>& may_publish,
                                                                  std::optional<std::string> payload_sha256) {
   deferred_->FreeParked();  // any a failed SubmitControl left behind
+  if (!header.stage().empty() && !IsValidWeightSetName(header.stage())) {
+    return absl::InvalidArgumentError(absl::StrCat("weight set '", header.name(), "': stage \"",
+                                                   absl::CHexEscape(header.stage().substr(0, 160)),
+                                                   "\" is invalid: it must match [A-Za-z0-9._/-]{1,128}"));
+  }
   // Fail fast before preparing (uploading) anything; Publish re-checks atomically.
   if (!header.replace() && store_.Get(header.name()).ok()) {
     return absl::AlreadyExistsError(
@@ -162,6 +170,7 @@ absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallOnWorker(const v1::Weigh
       return s;
     }
   }
+  if (!header.stage().empty()) return StageOnWorker(header, std::move(set));
   if (absl::StatusOr<std::shared_ptr<const WeightSet>> replaced = store_.Publish(set, header.replace());
       !replaced.ok()) {
     return replaced.status();
@@ -170,6 +179,68 @@ absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallOnWorker(const v1::Weigh
   LogInfo("loaded weight set '", set->name, "' from ", set->source, ": ", set->mhc ? "mhc " : "",
           set->swa ? "swa " : "", set->resident_bytes, " bytes resident");
   return InfoOf(*set);
+}
+
+void WeightManager::DropAbandonedStagesOnWorker() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = stages_.begin(); it != stages_.end();) {
+    if (now - it->second.touched < kAbandonedStageAge) {
+      ++it;
+      continue;
+    }
+    LogWarning("dropping stage '", it->first, "': ", it->second.sets.size(), " staged weight set(s) not committed within ",
+               kAbandonedStageAge.count(), " minutes of their last upload");
+    it = stages_.erase(it);  // on the executor: the sets' backend memory is freed here
+  }
+}
+
+absl::StatusOr<v1::WeightSetInfo> WeightManager::StageOnWorker(const v1::WeightSetHeader& header,
+                                                               std::shared_ptr<const WeightSet> set) {
+  DropAbandonedStagesOnWorker();
+  Stage& stage = stages_[header.stage()];
+  stage.touched = std::chrono::steady_clock::now();
+  for (const WeightStore::Staged& s : stage.sets) {
+    if (s.set->name == set->name) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("weight set '", set->name, "' is already staged under '", header.stage(), "'"));
+    }
+  }
+  v1::WeightSetInfo info = InfoOf(*set);
+  LogInfo("staged weight set '", set->name, "' under '", header.stage(), "' from ", set->source, ": ",
+          set->resident_bytes, " bytes resident, published when the stage is committed");
+  stage.sets.push_back({std::move(set), header.replace()});
+  return info;
+}
+
+absl::StatusOr<std::vector<v1::WeightSetInfo>> WeightManager::CommitStagedOnWorker(std::string_view stage,
+                                                                                   bool discard) {
+  deferred_->FreeParked();
+  DropAbandonedStagesOnWorker();
+  auto it = stages_.find(stage);
+  if (it == stages_.end()) {
+    return absl::NotFoundError(absl::StrCat("no weight set is staged under '", absl::CHexEscape(AbslView(stage.substr(0, 160))),
+                                            "' (never uploaded, already committed or discarded, or abandoned)"));
+  }
+  std::vector<WeightStore::Staged> sets = std::move(it->second.sets);
+  stages_.erase(it);
+  if (discard) {
+    LogInfo("discarded stage '", std::string(stage), "': ", sets.size(), " staged weight set(s)");
+    return std::vector<v1::WeightSetInfo>{};
+  }
+  std::vector<std::shared_ptr<const WeightSet>> published;
+  for (const WeightStore::Staged& s : sets) published.push_back(s.set);
+  // The sets this replaces are dropped here, on the executor, once no request holds them.
+  absl::StatusOr<std::vector<std::shared_ptr<const WeightSet>>> replaced = store_.PublishGroup(std::move(sets));
+  if (!replaced.ok()) return replaced.status();
+  RefreshOnWorker();
+  std::sort(published.begin(), published.end(), [](const auto& a, const auto& b) { return a->name < b->name; });
+  std::vector<v1::WeightSetInfo> infos;
+  for (const auto& set : published) {
+    infos.push_back(InfoOf(*set));
+    LogInfo("loaded weight set '", set->name, "' from ", set->source, " (stage '", std::string(stage), "'): ",
+            set->mhc ? "mhc " : "", set->swa ? "swa " : "", set->resident_bytes, " bytes resident");
+  }
+  return infos;
 }
 
 v1::WeightSetInfo WeightManager::InfoOf(const WeightSet& set) const {

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <array>
+#include <chrono>
+#include <map>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -42,6 +44,13 @@ class WeightManager {
                                                     std::string source,
                                                     const std::function<absl::Status()>& may_publish = nullptr,
                                                     std::optional<std::string> payload_sha256 = std::nullopt);
+  // With header.stage() set, InstallOnWorker builds and warms up the set but publishes nothing: the set
+  // waits under the stage until CommitStagedOnWorker (all or nothing across the sets of a manifest).
+  // Executor thread only. Publishes every set staged under `stage` in one step (WeightStore::
+  // PublishGroup), or drops them all when `discard`; the stage is consumed either way. NOT_FOUND for
+  // an unknown stage, ALREADY_EXISTS as for Publish (nothing published). Returns the published sets'
+  // infos, by name.
+  absl::StatusOr<std::vector<v1::WeightSetInfo>> CommitStagedOnWorker(std::string_view stage, bool discard);
   // Executor thread only. NOT_FOUND for an unknown name; returns the bytes freed (the memory is
   // released once in-flight calls holding the set finish).
   absl::StatusOr<uint64_t> UnloadOnWorker(std::string_view name);
@@ -67,6 +76,18 @@ class WeightManager {
   // `set` as published: the same set, whose last reference frees it on the executor.
   std::shared_ptr<const WeightSet> FreedOnExecutor(std::shared_ptr<const WeightSet> set);
 
+  // Sets uploaded under a stage id, built and warmed up, not yet published (executor thread only).
+  struct Stage {
+    std::vector<WeightStore::Staged> sets;
+    std::chrono::steady_clock::time_point touched;  // last upload to it
+  };
+  // A stage whose client went away (crashed between uploads) holds device memory for nothing: one
+  // without an upload for this long is dropped at the next staging or commit.
+  static constexpr std::chrono::minutes kAbandonedStageAge{10};
+  void DropAbandonedStagesOnWorker();
+  absl::StatusOr<v1::WeightSetInfo> StageOnWorker(const v1::WeightSetHeader& header,
+                                                  std::shared_ptr<const WeightSet> set);
+
   // Recomputes capability, health, infos and resident bytes from the store (executor thread).
   void RefreshOnWorker();
   // The wire description of a set on this server (kill switch applied). Executor thread.
@@ -79,6 +100,7 @@ class WeightManager {
   Health& health_;
   std::shared_ptr<DeferredRelease> deferred_;
   WeightStore store_;
+  std::map<std::string, Stage, std::less<>> stages_;  // executor thread only
 
   mutable std::mutex mu_;  // guards the snapshots below
   std::vector<v1::WeightSetInfo> infos_;

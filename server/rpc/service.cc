@@ -146,6 +146,32 @@ grpc::ServerUnaryReactor* FusedLayerService::UnloadWeightSet(grpc::CallbackServe
   return call;
 }
 
+grpc::ServerUnaryReactor* FusedLayerService::CommitWeightSets(grpc::CallbackServerContext* ctx,
+                                                              const v1::CommitWeightSetsRequest* request,
+                                                              v1::CommitWeightSetsResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kCommitWeightSets, config_.max_message_bytes, ctx, request, response);
+  // A discard is let through while draining: it only frees memory.
+  if (!request->discard()) {
+    if (absl::Status s = AdmitDuringDrain(); !s.ok()) {
+      call->Complete(std::move(s));
+      return call;
+    }
+  }
+  // On the executor, like every change of the loaded sets: the staged sets live there, and the
+  // replaced ones are freed there.
+  absl::Status submitted = executor_.SubmitControl([this, call, request, response](double queue_seconds) {
+    metrics_.ObserveQueue(queue_seconds);
+    absl::StatusOr<std::vector<v1::WeightSetInfo>> infos =
+        weights_.CommitStagedOnWorker(request->stage(), request->discard());
+    if (infos.ok()) {
+      for (v1::WeightSetInfo& info : *infos) *response->add_weight_sets() = std::move(info);
+    }
+    call->Complete(infos.status());
+  });
+  if (!submitted.ok()) call->Complete(std::move(submitted));
+  return call;
+}
+
 grpc::ServerUnaryReactor* FusedLayerService::GetServerInfo(grpc::CallbackServerContext* ctx,
                                                            const v1::GetServerInfoRequest* request,
                                                            v1::GetServerInfoResponse* response) {

@@ -59,6 +59,10 @@ class FusedLayerService final : public FusedLayerCallbackBase {
                                                        v1::WeightSetInfo* response) override;
   grpc::ServerUnaryReactor* ListWeightSets(grpc::CallbackServerContext* ctx, const v1::ListWeightSetsRequest* request,
                                            v1::ListWeightSetsResponse* response) override;
+  // Publishes (or discards) the sets staged under a stage id, all in one step, on the executor.
+  grpc::ServerUnaryReactor* CommitWeightSets(grpc::CallbackServerContext* ctx,
+                                             const v1::CommitWeightSetsRequest* request,
+                                             v1::CommitWeightSetsResponse* response) override;
   grpc::ServerUnaryReactor* UnloadWeightSet(grpc::CallbackServerContext* ctx,
                                             const v1::UnloadWeightSetRequest* request,
                                             v1::UnloadWeightSetResponse* response) override;

@@ -49,6 +49,35 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> WeightStore::Publish(std::share
   return previous;
 }
 
+absl::StatusOr<std::vector<std::shared_ptr<const WeightSet>>> WeightStore::PublishGroup(std::vector<Staged> sets) {
+  std::vector<std::shared_ptr<const WeightSet>> previous;
+  MutexLock lock(&mu_);
+  // Every check before the first change: a refusal leaves the store as it was.
+  for (size_t i = 0; i < sets.size(); ++i) {
+    if (sets[i].set == nullptr) return absl::InvalidArgumentError("cannot publish a null weight set");
+    for (size_t j = 0; j < i; ++j) {
+      if (sets[j].set->name == sets[i].set->name) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("weight set \"", sets[i].set->name, "\" appears twice in one group"));
+      }
+    }
+    if (!sets[i].replace && sets_.find(sets[i].set->name) != sets_.end()) {
+      return absl::AlreadyExistsError(absl::StrCat("weight set \"", sets[i].set->name,
+                                                   "\" is already loaded (set replace to swap it)"));
+    }
+  }
+  for (Staged& staged : sets) {
+    std::shared_ptr<const WeightSet>& slot = sets_[staged.set->name];
+    if (slot != nullptr) {
+      resident_bytes_ -= slot->resident_bytes;
+      previous.push_back(std::exchange(slot, nullptr));
+    }
+    resident_bytes_ += staged.set->resident_bytes;
+    slot = std::move(staged.set);
+  }
+  return previous;
+}
+
 absl::StatusOr<uint64_t> WeightStore::Unload(std::string_view name) {
   std::shared_ptr<const WeightSet> removed;  // destroyed after the lock is released
   MutexLock lock(&mu_);

@@ -29,6 +29,16 @@ class WeightStore {
   // `replace` is false (the store is unchanged). Returns the set it replaced, or null.
   absl::StatusOr<std::shared_ptr<const WeightSet>> Publish(std::shared_ptr<const WeightSet> set, bool replace);
 
+  // Makes every set of `sets` visible in one step, each replacing its name only where its `replace`
+  // is true: all or nothing. AlreadyExists naming the first set whose name is loaded without
+  // `replace`, and InvalidArgument for a null set or a name twice in the group; the store is then
+  // unchanged. Returns the sets it replaced (so that the caller decides where they are freed).
+  struct Staged {
+    std::shared_ptr<const WeightSet> set;
+    bool replace = false;
+  };
+  absl::StatusOr<std::vector<std::shared_ptr<const WeightSet>>> PublishGroup(std::vector<Staged> sets);
+
   // Removes `name`; returns its resident_bytes (freed once no request holds it any more).
   // NotFound as for Get.
   absl::StatusOr<uint64_t> Unload(std::string_view name);

@@ -99,6 +99,28 @@ trap 'exit 130' INT TERM
 WATCHDOG_PID=$!
 
 step() { printf '\n== %s\n' "$*"; }
+
+# The lists the checks below loop over come from check_manifests.py. Each is read into a file first,
+# so a generator that fails (or prints nothing) fails the test instead of making its loop check
+# nothing. FUSEDLAYER_MANIFEST_LISTER replaces the generator command (the tests of this script use
+# it to make it fail).
+if [[ -n "${FUSEDLAYER_MANIFEST_LISTER:-}" ]]; then
+  read -r -a MANIFEST_LISTER <<< "$FUSEDLAYER_MANIFEST_LISTER"
+else
+  MANIFEST_LISTER=("$PYTHON" "$ROOT/tests/deploy/check_manifests.py")
+fi
+manifest_list() {  # manifest_list WHAT OUT: the non-empty list `check_manifests.py WHAT` prints, in OUT
+  local rc=0
+  "${MANIFEST_LISTER[@]}" "$1" > "$2" || rc=$?
+  if [[ $rc -ne 0 ]]; then
+    echo "FAIL: check_manifests.py $1 (the list this step checks) exited $rc" >&2
+    exit 1
+  fi
+  if ! grep -q '[^[:space:]]' "$2"; then
+    echo "FAIL: check_manifests.py $1 printed an empty list: this step would check nothing" >&2
+    exit 1
+  fi
+}
 check() { "$PYTHON" "$ROOT/tests/deploy/prom_check.py" "http://127.0.0.1:$PROM_PORT" "$@"; }
 
 # Three distinct free loopback ports (bound by the kernel, released just before use).
@@ -115,13 +137,14 @@ TARGET="127.0.0.1:$GRPC_PORT"
 step "deployment files use only flags fusedlayer_server defines"
 # --helpfull prints every flag and exits (non-zero, by Abseil's convention).
 "$SERVER" --helpfull > "$TMP/helpfull.txt" 2>&1 || true
+manifest_list flags "$TMP/flags.txt"
 while read -r flag; do
   if ! grep -qE -- "--${flag} \(" "$TMP/helpfull.txt"; then
     echo "FAIL: deployment files pass --$flag, which fusedlayer_server does not define" >&2
     exit 1
   fi
   echo "  ok: --$flag"
-done < <("$PYTHON" "$ROOT/tests/deploy/check_manifests.py" flags)
+done < "$TMP/flags.txt"
 
 start_server() {  # start_server [EXTRA FLAGS...]: start and wait until both ops are warm
   "$SERVER" --demo_weights --backend="$BACKEND" --address="$TARGET" \
@@ -163,13 +186,14 @@ step "the Kubernetes readinessProbe and the image HEALTHCHECK commands pass on t
 # listen address the image HEALTHCHECK reads) set to the test server's.
 mkdir -p "$TMP/bin"
 ln -s "$FUSEDCTL" "$TMP/bin/fusedctl"
+manifest_list probes "$TMP/probes.txt"
 while read -r probe; do
   probe="${probe//127.0.0.1:50051/$TARGET}"
   if ! FUSEDLAYER_ADDRESS="$TARGET" PATH="$TMP/bin:$PATH" timeout 10 /bin/sh -c "$probe" >> "$TMP/fusedctl.log" 2>&1; then
     echo "FAIL: probe command failed: $probe" >&2; exit 1
   fi
   echo "  ok: $probe"
-done < <("$PYTHON" "$ROOT/tests/deploy/check_manifests.py" probes)
+done < "$TMP/probes.txt"
 
 step "start Prometheus on 127.0.0.1:$PROM_PORT with deploy/prometheus/fusedlayer-rules.yml"
 cat > "$TMP/prometheus.yml" <<YAML

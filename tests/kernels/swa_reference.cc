@@ -107,6 +107,16 @@ float RefCeilPow2(float s) {
   return f == 0.5 ? s : static_cast<float>(std::ldexp(1.0, e));
 }
 
+bool RefUe8m0Edge(float amax, Fp8Format fmt) {
+  const float s = amax / static_cast<float>(RefFp8Max(fmt));
+  int e;
+  std::frexp(s, &e);  // s in [2^(e-1), 2^e)
+  for (const float p : {std::ldexp(1.0f, e - 1), std::ldexp(1.0f, e)}) {
+    if (s == p || s == std::nextafter(p, 0.0f) || s == std::nextafter(p, 2 * p)) return true;
+  }
+  return false;
+}
+
 SwaRefOutput SwaReference(const SwaRefConfig& c, const std::vector<uint16_t>& x, int64_t row_stride,
                           int64_t M, const std::vector<uint16_t>& q_norm,
                           const std::vector<uint16_t>& kv_norm, Path path) {
@@ -116,6 +126,7 @@ SwaRefOutput SwaReference(const SwaRefConfig& c, const std::vector<uint16_t>& x,
   out.q.resize(M * Q);
   out.scale.resize(M * G);
   out.amax.resize(M * G);
+  out.v.resize(M * Q);
   out.kv.resize(M * D);
   std::vector<float> v(Q);
   for (int64_t m = 0; m < M; ++m) {
@@ -126,6 +137,7 @@ SwaRefOutput SwaReference(const SwaRefConfig& c, const std::vector<uint16_t>& x,
       const float t = Bf16Value(xq[i]) * rq;
       const float y = t * Bf16Value(q_norm[i]);
       v[i] = path == Path::kFused ? y : Bf16Value(RefBf16Encode(y));
+      out.v[m * Q + i] = v[i];
     }
     for (int64_t g = 0; g < G; ++g) {
       float amax = 1e-10f;

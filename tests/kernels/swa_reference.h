@@ -34,6 +34,11 @@ uint8_t RefFp8Encode(double x, Fp8Format fmt);
 uint16_t RefBf16Encode(double x);
 // 2^ceil(log2(s)) for a positive normal s.
 float RefCeilPow2(float s);
+// The contract's one exception to exact UE8M0 scales: amax / MAX (the fp32 quotient the ceiling is
+// taken of) within 1 fp32 ulp of a power of two P (P itself or one of its two fp32 neighbours). Only
+// there can a kernel whose y differs from the reference's in the last fp32 bit put its ceiling one
+// binade away.
+bool RefUe8m0Edge(float amax, Fp8Format fmt);
 
 struct SwaRefConfig {
   int64_t Q = 0, D = 0;
@@ -46,6 +51,7 @@ struct SwaRefOutput {
   std::vector<uint8_t> q;        // [M, Q]
   std::vector<float> scale;      // [M, G] (logical, row-major)
   std::vector<float> amax;       // [M, G] the group amax the scale came from
+  std::vector<float> v;          // [M, Q] the quantizer's input (y fused, float(bf16(y)) unfused)
   std::vector<uint16_t> kv;      // [M, D]
 };
 

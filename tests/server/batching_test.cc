@@ -355,6 +355,15 @@ TEST(ServerBatching, IncompatibleRequestsNeverShareALaunch) {
     EXPECT_GE(responses[i].report().batch_requests(), 1u);
     EXPECT_LE(responses[i].report().batch_requests(), static_cast<uint32_t>(max_share)) << "request " << i;
     const Path path = group[i] == 2 ? Path::kUnfused : Path::kFused;
+    // The path each request asked for is the path its launch ran, and the report says so: a launch
+    // that mixed AUTO and FORCE_UNFUSED requests would report one path for both, and on the CPU
+    // backend their outputs can be bitwise the same on either path, so the outputs alone cannot
+    // tell.
+    EXPECT_EQ(responses[i].report().path(), group[i] == 2 ? v1::EXECUTION_PATH_UNFUSED : v1::EXECUTION_PATH_FUSED)
+        << "request " << i;
+    EXPECT_EQ(responses[i].report().fallback_reason(),
+              group[i] == 2 ? v1::FALLBACK_REASON_CLIENT_FORCED_UNFUSED : v1::FALLBACK_REASON_NONE)
+        << "request " << i;
     ExpectMhcEqual(responses[i], (group[i] == 3 ? ref_b : ref_a).RunMhc(requests[i], path));
   }
   EXPECT_TRUE(responses[5].verification().compared());

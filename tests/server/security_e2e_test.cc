@@ -927,7 +927,7 @@ TEST(TokenAuth, MethodRights) {
     ASSERT_TRUE(auth::RightForMethod(std::string("/fusedlayer.v1.FusedLayer/") + m, &r)) << m;
     EXPECT_EQ(r, auth::kRightCompute) << m;
   }
-  for (const char* m : {"LoadWeights", "UnloadWeightSet"}) {
+  for (const char* m : {"LoadWeights", "CommitWeightSets", "UnloadWeightSet"}) {
     ASSERT_TRUE(auth::RightForMethod(std::string("/fusedlayer.v1.FusedLayer/") + m, &r)) << m;
     EXPECT_EQ(r, auth::kRightAdmin) << m;
   }

@@ -1229,6 +1229,44 @@ TEST_F(WeightStoreTest, DuplicatePublishIsAlreadyExists) {
   EXPECT_EQ(store.resident_bytes(), first->resident_bytes);
 }
 
+// A group publishes all its sets or none: one refused member (a loaded name without replace, a name
+// twice, a null set) leaves every loaded set as it was, the members before it included.
+TEST_F(WeightStoreTest, PublishGroupIsAllOrNothing) {
+  WeightStore store;
+  auto a1 = Build("g/a"), b1 = Build("g/b");
+  ASSERT_TRUE(a1 && b1);
+  ASSERT_TRUE(store.Publish(a1, false).ok());
+  ASSERT_TRUE(store.Publish(b1, false).ok());
+  const uint64_t resident = store.resident_bytes();
+  auto a2 = Build("g/a", {.swa = false}), b2 = Build("g/b", {.swa = false}), c2 = Build("g/c");
+  ASSERT_TRUE(a2 && b2 && c2);
+  auto unchanged = [&] {
+    EXPECT_EQ(store.Get("g/a").value(), a1);
+    EXPECT_EQ(store.Get("g/b").value(), b1);
+    EXPECT_EQ(store.Get("g/c").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(store.resident_bytes(), resident);
+  };
+  // g/b is loaded and its member does not replace: nothing of the group is published.
+  auto r = store.PublishGroup({{a2, true}, {c2, false}, {b2, false}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(r.status().message(), HasSubstr("g/b"));
+  unchanged();
+  r = store.PublishGroup({{a2, true}, {a2, true}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  unchanged();
+  r = store.PublishGroup({{c2, false}, {nullptr, true}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  unchanged();
+  // All accepted: every member visible, the replaced sets handed back.
+  r = store.PublishGroup({{a2, true}, {b2, true}, {c2, false}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(*r, ::testing::UnorderedElementsAre(a1, b1));
+  EXPECT_EQ(store.Get("g/a").value(), a2);
+  EXPECT_EQ(store.Get("g/b").value(), b2);
+  EXPECT_EQ(store.Get("g/c").value(), c2);
+  EXPECT_EQ(store.resident_bytes(), a2->resident_bytes + b2->resident_bytes + c2->resident_bytes);
+}
+
 TEST_F(WeightStoreTest, ReplaceSwapsWhileOldReaderKeepsItsSet) {
   WeightStore store;
   auto old_set = Build("swap");
