@@ -117,6 +117,22 @@ bool RefUe8m0Edge(float amax, Fp8Format fmt) {
   return false;
 }
 
+bool RefUnfusedNeighbourScale(float amax, float scale, Fp8Format fmt, bool ue8m0) {
+  uint32_t bits;
+  std::memcpy(&bits, &amax, sizeof(bits));
+  if ((bits & 0xffffu) != 0 || !(amax > 0)) return false;  // not a positive bf16 value
+  for (const int dir : {-1, 1}) {
+    const uint32_t nb = ((bits >> 16) + static_cast<uint32_t>(dir)) << 16;
+    float neighbour;
+    std::memcpy(&neighbour, &nb, sizeof(neighbour));
+    if (!(neighbour > 0) || !std::isfinite(neighbour)) continue;
+    const float s = neighbour / static_cast<float>(RefFp8Max(fmt));  // IEEE division, as the contract
+    const bool same = ue8m0 ? scale == RefCeilPow2(s) : std::fabs(double(scale) - s) <= std::ldexp(double(s), -20);
+    if (same) return true;
+  }
+  return false;
+}
+
 SwaRefOutput SwaReference(const SwaRefConfig& c, const std::vector<uint16_t>& x, int64_t row_stride,
                           int64_t M, const std::vector<uint16_t>& q_norm,
                           const std::vector<uint16_t>& kv_norm, Path path) {

@@ -39,6 +39,14 @@ float RefCeilPow2(float s);
 // there can a kernel whose y differs from the reference's in the last fp32 bit put its ceiling one
 // binade away.
 bool RefUe8m0Edge(float amax, Fp8Format fmt);
+// The unfused path quantizes its own bf16 intermediate, and the contract lets each of its values
+// differ from the reference's by one bf16 ulp (the kv clause: the same RMSNorm and the same bf16
+// rounding; an fp32 row norm summed in another order moves y by an fp32 ulp, which flips the
+// rounding of a y that lies that close to a bf16 midpoint). Where the group's largest value is such
+// a value, the scale is the contract's formula of the neighbouring bf16 amax: true when `scale` is
+// exactly that (fp32 scales within 2^-20 of it; UE8M0 equal to its ceiling). `amax` is the
+// reference's (a bf16 value on this path).
+bool RefUnfusedNeighbourScale(float amax, float scale, Fp8Format fmt, bool ue8m0);
 
 struct SwaRefConfig {
   int64_t Q = 0, D = 0;
