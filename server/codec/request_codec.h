@@ -53,7 +53,7 @@ struct ResponseSize {
 };
 
 // The response's tensor bytes for this request, from its token count, the weight set's shapes and
-// its output placements, before anything is allocated (memory admission, rpc/compute_rpcs.cc).
+// its output placements, before anything is allocated (memory admission, exec/compute_engine.h).
 // Checks what the size depends on (stage, mode, the token tensor's rank and --max_tokens) with the
 // same errors Decode*Request gives; the rest of the request is validated by Decode*Request.
 absl::StatusOr<ResponseSize> MhcResponseBytes(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
