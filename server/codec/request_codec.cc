@@ -551,8 +551,10 @@ absl::StatusOr<MhcCall> DecodeMhcRequestImpl(const v1::MhcSeamRequest& req, cons
     if (absl::Status s = PlaceOutputs(req.output_placements(), produced, transfer, external); !s.ok()) return s;
   }
 
-  // The library's own contract check, so nothing invalid reaches the executor.
+  // The library's own contract check, so nothing invalid reaches the executor; the only one on the
+  // request path (the backends' launch prologue skips arguments marked checked).
   if (absl::Status s = ValidateMhcArgs(p, weights.has_norm_weight(), a); !s.ok()) return s;
+  a.contract_checked = true;
   call.query = MhcShapeQuery{a.stage, a.mode, a.capture_aux, a.tokens};
   return call;
 }
@@ -596,6 +598,7 @@ absl::StatusOr<SwaCall> DecodeSwaRequestImpl(const v1::SwaNormQuantRequest& req,
   }
 
   if (absl::Status s = ValidateSwaArgs(p, a); !s.ok()) return s;
+  a.contract_checked = true;  // as for mHC above
   call.query = SwaShapeQuery{a.tokens};
   return call;
 }
