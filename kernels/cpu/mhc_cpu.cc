@@ -31,6 +31,7 @@
 #endif
 
 #include "absl/strings/str_cat.h"
+#include "fusedlayer/launch_prologue.h"
 #include "fusedlayer/numeric.h"
 
 namespace fusedlayer::cpu {
@@ -561,18 +562,12 @@ FusedSupport MhcFusedSupportCpu(const CpuMhcWeights& weights, const MhcShapeQuer
 absl::Status RunMhcCpu(const CpuMhcWeights& weights, const MhcArgs& args, Path path, int64_t fused_max_tokens,
                        ThreadPool& pool) {
   const MhcHyperParams& hp = weights.params();
-  if (absl::Status s = ValidateMhcArgs(hp, weights.has_norm_weight(), args); !s.ok()) return s;
-  if (path == Path::kFused) {
-    MhcShapeQuery q;
-    q.stage = args.stage;
-    q.mode = args.mode;
-    q.capture_aux = args.capture_aux;
-    q.tokens = args.tokens;
-    FusedSupport sup = MhcFusedSupportCpu(weights, q, fused_max_tokens);
-    if (!sup.supported) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("fused mHC path unavailable (", FallbackReasonName(sup.reason), "): ", sup.detail));
-    }
+  if (absl::Status s = MhcLaunchPrologue(weights, args, path,
+                                         [&](const MhcShapeQuery& q) {
+                                           return MhcFusedSupportCpu(weights, q, fused_max_tokens);
+                                         });
+      !s.ok()) {
+    return s;
   }
   if (args.tokens == 0) return absl::OkStatus();
   Problem p{&weights, &args, hp.hc_mult, hp.hidden, hp.flat_width()};

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "fusedlayer/launch_prologue.h"
 #include "swa_cpu_gemm.h"
 #include "swa_cpu_rows.h"
 
@@ -218,13 +219,12 @@ FusedSupport SwaFusedSupportCpu(const CpuSwaWeights& weights, const SwaShapeQuer
 absl::Status RunSwaCpu(const CpuSwaWeights& weights, const SwaArgs& args, Path path, int64_t fused_max_tokens,
                        ThreadPool& pool) {
   const SwaHyperParams& p = weights.params_;
-  if (absl::Status s = ValidateSwaArgs(p, args); !s.ok()) return s;
-  if (path == Path::kFused) {
-    const FusedSupport support = SwaFusedSupportCpu(weights, SwaShapeQuery{args.tokens}, fused_max_tokens);
-    if (!support.supported) {
-      return absl::FailedPreconditionError(absl::StrCat("fused SWA path unsupported (",
-                                                        FallbackReasonName(support.reason), "): ", support.detail));
-    }
+  if (absl::Status s = SwaLaunchPrologue(weights, args, path,
+                                         [&](const SwaShapeQuery& q) {
+                                           return SwaFusedSupportCpu(weights, q, fused_max_tokens);
+                                         });
+      !s.ok()) {
+    return s;
   }
   if (args.tokens == 0) return absl::OkStatus();
   if (path == Path::kFused) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "fusedlayer/launch_prologue.h"
 #include "device/mhc_finalize_kernel.cuh"
 #include "device/mhc_fused_kernel.cuh"
 #include "device/mhc_staged_pass_kernel.cuh"
@@ -566,18 +567,12 @@ FusedSupport MhcFusedSupportGpu(const GpuMhcWeights& weights, const MhcShapeQuer
 
 absl::Status LaunchMhcGpu(const GpuMhcWeights& weights, const MhcArgs& args, Path path, GpuContext& ctx,
                           int64_t fused_max_tokens) {
-  if (absl::Status s = ValidateMhcArgs(weights.params(), weights.has_norm_weight(), args); !s.ok()) return s;
-  if (path == Path::kFused) {
-    MhcShapeQuery q;
-    q.stage = args.stage;
-    q.mode = args.mode;
-    q.capture_aux = args.capture_aux;
-    q.tokens = args.tokens;
-    const FusedSupport sup = MhcFusedSupportGpu(weights, q, ctx, fused_max_tokens);
-    if (!sup.supported) {
-      return absl::FailedPreconditionError(absl::StrCat("fused mHC path unsupported (",
-                                                        FallbackReasonName(sup.reason), "): ", sup.detail));
-    }
+  if (absl::Status s = MhcLaunchPrologue(weights, args, path,
+                                         [&](const MhcShapeQuery& q) {
+                                           return MhcFusedSupportGpu(weights, q, ctx, fused_max_tokens);
+                                         });
+      !s.ok()) {
+    return s;
   }
   if (args.tokens == 0) return absl::OkStatus();
 #if !FL_HIP

@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "fusedlayer/launch_prologue.h"
 #include "swa_kernel_launch.h"
 
 namespace fusedlayer::gpu {
@@ -133,12 +134,12 @@ FusedSupport SwaFusedSupportGpu(const GpuSwaWeights& /*weights*/, const SwaShape
 absl::Status LaunchSwaGpu(const GpuSwaWeights& weights, const SwaArgs& args, Path path, GpuContext& ctx,
                           int64_t fused_max_tokens) {
   const SwaHyperParams& hp = weights.params();
-  if (absl::Status s = ValidateSwaArgs(hp, args); !s.ok()) return s;
-  if (path == Path::kFused) {
-    FusedSupport sup = SwaFusedSupportGpu(weights, SwaShapeQuery{args.tokens}, ctx, fused_max_tokens);
-    if (!sup.supported) {
-      return absl::FailedPreconditionError(absl::StrCat("fused SWA path not supported: ", sup.detail));
-    }
+  if (absl::Status s = SwaLaunchPrologue(weights, args, path,
+                                         [&](const SwaShapeQuery& q) {
+                                           return SwaFusedSupportGpu(weights, q, ctx, fused_max_tokens);
+                                         });
+      !s.ok()) {
+    return s;
   }
   const int64_t M = args.tokens;
   if (M == 0) return absl::OkStatus();

@@ -113,6 +113,7 @@ const MhcArgs& BatchAssembly::Gather(const std::vector<const MhcArgs*>& calls) {
   for (const MhcArgs* a : calls) total += a->tokens;
   mhc_ = *calls.front();
   mhc_.tokens = total;
+  mhc_.contract_checked = false;  // new arguments: the backend checks them before the launch
   mhc_.x = Input(FieldOf(calls, &MhcArgs::x), total);
   mhc_.residual = Input(FieldOf(calls, &MhcArgs::residual), total);
   mhc_.post_mix = Input(FieldOf(calls, &MhcArgs::post_mix), total);
@@ -132,6 +133,7 @@ const SwaArgs& BatchAssembly::Gather(const std::vector<const SwaArgs*>& calls, S
   for (const SwaArgs* a : calls) total += a->tokens;
   swa_ = *calls.front();
   swa_.tokens = total;
+  swa_.contract_checked = false;  // new arguments: the backend checks them before the launch
   swa_.qr_kv = Input(FieldOf(calls, &SwaArgs::qr_kv), total);
   swa_.q_fp8 = Output(FieldOf(calls, &SwaArgs::q_fp8), total);
   if (scale_layout == ScaleLayout::kRowMajor) {

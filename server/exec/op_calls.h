@@ -1,5 +1,5 @@
 // One compute call of each op: the call (backend arguments over host views of the request and
-// response bytes, built by rpc/proto_convert.h's Decode*Request) and its run on `path`.
+// response bytes, built by codec/request_codec.h's Decode*Request) and its run on `path`.
 //
 // Where it runs (ExecTarget):
 //   - host-accessible backend (CPU): the host views are handed to the kernels as they are, no copy;

@@ -92,7 +92,7 @@ struct WeightManager::DeferredRelease {
 };
 
 WeightManager::WeightManager(const ServerConfig& config, Backend& backend, Executor& executor, Metrics& metrics,
-                             Health& health)
+                             OpServingListener& health)
     : config_(config),
       backend_(backend),
       executor_(executor),

@@ -19,9 +19,9 @@
 #include "absl/status/statusor.h"
 #include "config.h"
 #include "exec/executor.h"
+#include "exec/op_serving.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
-#include "rpc/health.h"
 #include "common/metrics.h"
 #include "weights/weight_set.h"
 #include "weights/weight_store.h"
@@ -30,7 +30,8 @@ namespace fusedlayer::server {
 
 class WeightManager {
  public:
-  WeightManager(const ServerConfig& config, Backend& backend, Executor& executor, Metrics& metrics, Health& health);
+  WeightManager(const ServerConfig& config, Backend& backend, Executor& executor, Metrics& metrics,
+                OpServingListener& health);
   // Frees, here, the sets whose last reference dropped off the executor and are still waiting.
   ~WeightManager();
 
@@ -97,7 +98,7 @@ class WeightManager {
   Backend& backend_;
   Executor& executor_;
   Metrics& metrics_;
-  Health& health_;
+  OpServingListener& health_;
   std::shared_ptr<DeferredRelease> deferred_;
   WeightStore store_;
   std::map<std::string, Stage, std::less<>> stages_;  // executor thread only

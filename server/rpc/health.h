@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "config.h"
+#include "exec/op_serving.h"
 #include "grpcpp/health_check_service_interface.h"
 
 namespace fusedlayer::server {
@@ -21,12 +22,12 @@ inline constexpr char kHealthMhc[] = "fusedlayer.mhc";
 inline constexpr char kHealthSwa[] = "fusedlayer.swa";
 const char* HealthServiceName(Op op);
 
-class Health {
+class Health final : public OpServingListener {
  public:
   // Binds to the started server's default health service and publishes every status.
   void Attach(grpc::HealthCheckServiceInterface* service);
   // Per-op readiness (weights loaded and warmed up). May be called before Attach().
-  void SetOpServing(Op op, bool serving);
+  void SetOpServing(Op op, bool serving) override;
   // Draining: every name NOT_SERVING, and later updates are ignored.
   void Shutdown();
 

@@ -1,6 +1,5 @@
 #include "rpc/service.h"
 
-#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -25,9 +24,7 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
       weights_(weights),
       metrics_(metrics),
       shadow_(shadow),
-      inflight_bytes_(config.EffectiveMaxInflightBytes(), metrics.inflight_bytes()),
       upload_bytes_(config.EffectiveMaxUploadBufferBytes(), metrics.upload_buffered_bytes()),
-      verify_slots_(static_cast<uint64_t>(config.max_inflight_verify)),
       shared_memory_(transport::SharedMemoryLimits{config.allow_shared_memory, config.shared_memory_max_regions,
                                                    config.shared_memory_max_bytes, config.shared_memory_locked_bytes,
                                                    config.shared_memory_idle_seconds,
@@ -46,70 +43,9 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
                                                  config.EffectiveResidualSessionTotalBytes(), config.max_tokens,
                                                  config.residual_session_idle_seconds},
                 backend, *metrics.registry()),
-      upload_idle_(std::chrono::seconds(config.upload_idle_timeout_seconds)),
-      request_id_salt_(std::random_device{}() & 0xffffff) {}
-
-std::string FusedLayerService::RequestId(const std::string& given) {
-  // Echoed in the response and written into log lines and error messages: escaped and bounded.
-  if (!given.empty()) return ClientString(given);
-  return absl::StrFormat("srv-%06x-%d", request_id_salt_, next_request_id_.fetch_add(1, std::memory_order_relaxed));
-}
-
-void FusedLayerService::FillReport(v1::ExecutionReport* report, const std::string& weight_set) const {
-  report->set_backend(identity_.backend);
-  report->set_device(identity_.device);
-  report->set_weight_set(weight_set);
-}
-
-absl::Status FusedLayerService::AdmitDuringDrain() const {
-  if (!draining_.load(std::memory_order_acquire)) return absl::OkStatus();
-  return absl::UnavailableError("the server is draining (shutting down); retry on another replica");
-}
-
-absl::Status FusedLayerService::AdmitComputeBytes(ComputeCall* call, const ResponseSize& response,
-                                                  uint64_t staged_bytes) {
-  const uint64_t send_limit = static_cast<uint64_t>(config_.max_message_bytes);
-  if (response.sent > send_limit) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the response would hold ", response.sent, " bytes of tensors, over the server's send limit of ", send_limit,
-        " bytes (--max_message_bytes); refused before running; send fewer tokens per call, or place the outputs "
-        "in shared memory"));
-  }
-  // What the call holds in server memory: its request, its outputs (those the kernels write in the
-  // client's CUDA buffers excepted) and its shared-memory inputs read into staging.
-  uint64_t need = call->request_bytes() + response.held;
-  if (__builtin_add_overflow(need, staged_bytes, &need)) need = UINT64_MAX;
-  if (need > inflight_bytes_.limit()) {
-    return absl::ResourceExhaustedError(absl::StrCat("this call needs ", need, " bytes (request ",
-                                                     call->request_bytes(), " + outputs ", response.held,
-                                                     staged_bytes > 0 ? absl::StrCat(" + shared-memory inputs ", staged_bytes) : "",
-                                                     "), more than the server admits at once (--max_inflight_bytes = ",
-                                                     inflight_bytes_.limit(), "); send fewer tokens per call"));
-  }
-  std::optional<ByteBudget::Lease> lease = inflight_bytes_.TryAcquire(need);
-  if (!lease.has_value()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "server busy: this call needs ", need, " bytes and the compute calls in flight already hold ",
-        inflight_bytes_.in_use(), " of ", inflight_bytes_.limit(), " (--max_inflight_bytes); retry with backoff"));
-  }
-  call->HoldBytes(std::move(*lease));
-  return absl::OkStatus();
-}
-
-absl::Status FusedLayerService::AdmitVerify(ComputeCall* call) {
-  if (verify_slots_.limit() == 0) {
-    return absl::FailedPreconditionError(
-        "verify is switched off on this server (--max_inflight_verify=0); send the call without verify");
-  }
-  std::optional<ByteBudget::Lease> slot = verify_slots_.TryAcquire(1);
-  if (!slot.has_value()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "server busy: ", verify_slots_.limit(), " verify = true calls are already in flight (--max_inflight_verify; "
-        "each runs the op twice); retry with backoff or send the call without verify"));
-  }
-  call->HoldVerifySlot(std::move(*slot));
-  return absl::OkStatus();
-}
+      engine_(config, ReportIdentity{identity_.backend, identity_.device}, backend, executor, lanes, weights, metrics,
+              shadow, shared_memory_, cuda_shared_memory_, sessions_),
+      upload_idle_(std::chrono::seconds(config.upload_idle_timeout_seconds)) {}
 
 // ---- admin and discovery --------------------------------------------------------------------------
 

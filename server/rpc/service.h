@@ -1,6 +1,6 @@
-// The FusedLayer gRPC service on the callback API. Reactors never block: a compute RPC is decoded
-// and validated inline (cheap), then queued on the device executor, which checks the deadline and
-// cancellation before launching, runs the dispatcher's path, records metrics and finishes the RPC.
+// The FusedLayer gRPC service on the callback API. Reactors never block: a compute RPC's request is
+// read inline and handed to the compute engine (exec/compute_engine.h), which admits, decodes and
+// queues it on the device executor and answers the RPC from there (rpc/compute_rpcs.cc).
 // LoadWeights accumulates the stream in its reactor and hands build + warm-up + publish to the
 // executor; UnloadWeightSet runs there too (the backend is single-threaded).
 #pragma once
@@ -13,6 +13,7 @@
 #include "auth/caller_identity.h"
 #include "common/byte_budget.h"
 #include "config.h"
+#include "exec/compute_engine.h"
 #include "exec/device_lanes.h"
 #include "exec/executor.h"
 #include "fusedlayer/backend.h"
@@ -102,7 +103,9 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   // Graceful drain (FusedLayerServer::Shutdown): from now on compute and UnloadWeightSet calls that
   // reach the service are refused with UNAVAILABLE instead of being queued. gRPC's own Shutdown
   // still dispatches calls that raced with its GOAWAY, and those must not start new device work.
-  void StartDraining() { draining_.store(true, std::memory_order_release); }
+  void StartDraining() { engine_.StartDraining(); }
+  // The compute engine, which every transport of the compute calls submits them to.
+  ComputeEngine& engine() { return engine_; }
 
  private:
   // The caller's identity, the owner of its shared-memory regions and sessions (auth/caller_identity.h).
@@ -111,34 +114,14 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   }
   std::string CallerIdentity(const grpc::ServerContextBase& ctx) const { return CallerOf(ctx).identity; }
   // UNAVAILABLE while draining, OK otherwise.
-  absl::Status AdmitDuringDrain() const;
-  // Memory admission of a compute call with outputs of `response` bytes, before any of them is
-  // allocated: RESOURCE_EXHAUSTED when the outputs the response sends are over the send limit
-  // (--max_message_bytes) or when the call's request + held outputs (+ shared-memory input staging)
-  // bytes do not fit in what --max_inflight_bytes leaves; otherwise the call holds the bytes until
-  // it is done.
-  absl::Status AdmitComputeBytes(ComputeCall* call, const ResponseSize& response, uint64_t staged_bytes = 0);
-  // A verify = true call runs the op twice: FAILED_PRECONDITION when --max_inflight_verify is 0,
-  // RESOURCE_EXHAUSTED when that many verify calls are already admitted; otherwise the call holds
-  // a slot until it is done.
-  absl::Status AdmitVerify(ComputeCall* call);
+  absl::Status AdmitDuringDrain() const { return engine_.AdmitDuringDrain(); }
   class LoadWeightsReactor;
-  // One compute request on the executor, alone or in a dynamic batch (rpc/compute_rpcs.cc).
-  template <typename Rpc>
-  class ComputeTask;
-
   // A compute call from the wire: its messages (reference counted: shadow capture without
-  // copies), the read (ReadWireRequest: tensor data into pinned memory where it can), then StartCompute. `Rpc` is the op's traits (rpc/op_traits.h).
-  template <typename Rpc>
+  // copies), the read (ReadWireRequest: tensor data into pinned memory where it can), then the
+  // engine's Submit. `Op` is the op's traits (exec/op_traits.h).
+  template <typename Op>
   grpc::ServerUnaryReactor* ServeCompute(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* wire_request,
                                          grpc::ByteBuffer* wire_response);
-  // Validates and decodes a compute request, then queues its execution on the device executor.
-  // `held` is the call's reference-counted messages.
-  template <typename Rpc>
-  absl::Status StartCompute(ComputeCall* call, typename Rpc::Messages* held, const typename Rpc::Request* request,
-                            typename Rpc::Response* response, std::unique_ptr<WireTensorData> wire);
-  std::string RequestId(const std::string& given);
-  void FillReport(v1::ExecutionReport* report, const std::string& weight_set) const;
 
   const ServerConfig& config_;
   const ServerIdentity identity_;
@@ -151,11 +134,7 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   WeightManager& weights_;
   Metrics& metrics_;
   shadow::ShadowVerifier& shadow_;
-  std::atomic<uint64_t> next_request_id_{1};
-  std::atomic<bool> draining_{false};
-  ByteBudget inflight_bytes_;  // compute request + response bytes admitted (--max_inflight_bytes)
   ByteBudget upload_bytes_;    // payload bytes buffered by LoadWeights streams (--max_upload_buffer_bytes)
-  ByteBudget verify_slots_;    // verify = true calls admitted, one unit each (--max_inflight_verify)
   std::atomic<int> open_uploads_{0};  // LoadWeights streams not yet done (--max_concurrent_uploads)
   // Registered system shared-memory regions (--allow_shared_memory); in-flight requests hold
   // references to the regions they use, so it may go before them.
@@ -164,8 +143,10 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   transport::CudaSharedMemoryRegistry cuda_shared_memory_;
   // Open residual sessions (MhcSeamRequest.session); in-flight calls hold their session's block.
   transport::ResidualSessionStore sessions_;
+  // Admission, batching, path choice, the run and the report of every compute call (after the
+  // registries and sessions it uses).
+  ComputeEngine engine_;
   IdleWatch upload_idle_;             // ends LoadWeights streams idle for --upload_idle_timeout_seconds
-  const uint64_t request_id_salt_;
 };
 
 }  // namespace fusedlayer::server

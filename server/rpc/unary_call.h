@@ -15,6 +15,7 @@
 #include "common/metrics.h"
 #include "common/tsan_annotations.h"
 #include "exec/output_buffers.h"
+#include "exec/transport_call.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -81,8 +82,9 @@ class UnaryCall : public grpc::ServerUnaryReactor {
 // its output tensors that are not in the response message (outputs(), exec/output_buffers.h) and
 // its reference to its messages (shadow/shared_messages.h, dropped in OnDone); Complete() encodes
 // the response message and those outputs into gRPC's response ByteBuffer before Finish(). It holds
-// its admitted bytes (HoldBytes) until OnDone.
-class ComputeCall final : public UnaryCall {
+// its admitted bytes (HoldBytes) until OnDone. To the compute engine it is the call's transport
+// (exec/transport_call.h).
+class ComputeCall final : public UnaryCall, public TransportCall {
  public:
   // `request_bytes` as received, `response` the message part of what Complete() encodes into
   // `wire`, `messages` the call's reference to them.
@@ -92,13 +94,17 @@ class ComputeCall final : public UnaryCall {
       : UnaryCall(metrics, method, max_send_bytes, ctx, request_bytes, response), wire_(wire), messages_(messages) {}
 
   // The output tensors that are not in the response message (exec/output_buffers.h).
-  OutputBuffers* outputs() { return &outputs_; }
-  // The call's admitted bytes (rpc/service.cc AdmitComputeBytes): given back in OnDone, once the
+  OutputBuffers* outputs() override { return &outputs_; }
+  // The call's admitted bytes (exec/compute_engine.h AdmitComputeBytes): given back in OnDone, once the
   // response has been sent or the call has failed, when its messages are no longer needed.
-  void HoldBytes(ByteBudget::Lease lease) { bytes_lease_ = std::move(lease); }
+  void HoldBytes(ByteBudget::Lease lease) override { bytes_lease_ = std::move(lease); }
   // A verify = true call's slot in --max_inflight_verify, given back in Complete() before the
   // status is sent (the bytes stay held until OnDone: the messages live until then).
-  void HoldVerifySlot(ByteBudget::Lease slot) { verify_slot_ = std::move(slot); }
+  void HoldVerifySlot(ByteBudget::Lease slot) override { verify_slot_ = std::move(slot); }
+  absl::Status LaunchCheck() const override { return UnaryCall::LaunchCheck(); }
+  double elapsed() const override { return UnaryCall::elapsed(); }
+  uint64_t request_bytes() const override { return UnaryCall::request_bytes(); }
+  bool Complete(absl::Status status) override { return UnaryCall::Complete(std::move(status)); }
 
  private:
   uint64_t ResponseBytes() const override;

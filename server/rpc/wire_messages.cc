@@ -159,20 +159,6 @@ uint64_t TensorFields(const google::protobuf::Descriptor& type) {
 
 }  // namespace
 
-const std::string_view* WireTensorData::Find(const v1::Tensor& t) const {
-  for (const auto& [tensor, bytes] : tensors_) {
-    if (tensor == &t) return &bytes;
-  }
-  return nullptr;
-}
-
-void WireTensorData::MoveIntoMessages() {
-  for (const auto& [tensor, bytes] : tensors_) tensor->set_data(bytes.data(), bytes.size());
-  tensors_.clear();
-  block_.Release();
-  used_ = 0;
-}
-
 absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* request, HostStagingPool* pool,
                              ParallelCopy* copier, WireTensorData* data) {
   const uint64_t tensor_fields = pool == nullptr ? 0 : TensorFields(*request->GetDescriptor());
@@ -267,7 +253,7 @@ absl::Status ReadWireRequest(grpc::ByteBuffer* wire, google::protobuf::Message* 
   // each as one occurrence holding everything but its data.
   for (const TensorState& t : tensors) {
     // Data without a dtype: the tensor is reported as missing or mistyped from the message as
-    // protobuf parses it (proto_convert.cc), with its data there.
+    // protobuf parses it (codec/request_codec.cc), with its data there.
     if (t.has_data && t.dtype == 0) readable = false;
     AppendVarint(&skeleton, LengthDelimitedKey(t.field));
     AppendVarint(&skeleton, t.body.size());

@@ -10,7 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "fusedlayer/numeric.h"
-#include "rpc/proto_convert.h"
+#include "codec/request_codec.h"
 
 namespace fusedlayer::server::shadow {
 namespace {

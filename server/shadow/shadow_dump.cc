@@ -12,7 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "rpc/proto_convert.h"
+#include "codec/request_codec.h"
 #include "weights/safetensors.h"
 #include "weights/safetensors_writer.h"
 

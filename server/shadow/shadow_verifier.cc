@@ -8,7 +8,7 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/reflection.h"
 #include "common/log.h"
-#include "rpc/proto_convert.h"
+#include "codec/request_codec.h"
 
 namespace fusedlayer::server::shadow {
 

@@ -20,7 +20,7 @@
 // request is only written by the parse, before the call is queued. The job only reads (const
 // accessors): concurrent const access to a protobuf message is safe (its only mutable state, the
 // cached sizes, is atomic in protobuf 3.21: internal::CachedSize). A sampled request keeps its
-// outputs in the response message (rpc/compute_rpcs.cc), so the job finds them there.
+// outputs in the response message (exec/compute_engine.cc), so the job finds them there.
 //
 // Plain heap objects rather than a protobuf arena: the holder is one heap allocation per call, and
 // must outlive the call when a job holds it.

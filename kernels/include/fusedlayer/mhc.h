@@ -58,6 +58,10 @@ struct MhcArgs {
 
   TensorView x, residual, post_mix, comb_mix, pre_mix;
   TensorView new_residual, new_pre_mix, new_post_mix, new_comb_mix, y, aux;
+
+  // Set by a caller that ran ValidateMhcArgs on exactly these arguments (the server, when it
+  // decodes a request): the backends' launch prologue (launch_prologue.h) does not check them again.
+  bool contract_checked = false;
 };
 
 // What a capability query needs to know about a request (no memory).

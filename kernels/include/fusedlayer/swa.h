@@ -51,6 +51,10 @@ struct SwaArgs {
   TensorView q_scale;  // fp32 [M, G] (row-major) or [G, align(M,4)] (column-major TMA)
   TensorView kv;       // bf16 [M, D]
   TensorView q_proj;   // bf16 [M, N] when the weight set has wq_b, else empty
+
+  // Set by a caller that ran ValidateSwaArgs on exactly these arguments (the server, when it
+  // decodes a request): the backends' launch prologue (launch_prologue.h) does not check them again.
+  bool contract_checked = false;
 };
 
 struct SwaShapeQuery {

@@ -1,7 +1,8 @@
-// One traits table per compute op: what differs between MhcSeam and SwaNormQuant, for the RPC
-// layer's one StartCompute (rpc/compute_rpcs.cc): the messages, the weight-set part, decoding
-// (rpc/proto_convert.h) and the response size it is admitted by, the fused-support query, the run (exec/op_calls.h), and the shadow
-// verifier's synchronous verify and zero-copy capture (server/shadow/).
+// One traits table per compute op: what differs between MhcSeam and SwaNormQuant for the compute
+// engine's one lifecycle (exec/compute_engine.h): the messages, the weight-set part, decoding
+// (codec/request_codec.h) and the response size it is admitted by, the fused-support query, the
+// run (exec/op_calls.h), dynamic batching, residual sessions, and the shadow verifier's synchronous
+// verify and zero-copy capture (server/shadow/).
 #pragma once
 
 #include <memory>
@@ -9,13 +10,13 @@
 #include <utility>
 #include <vector>
 
+#include "codec/request_codec.h"
 #include "common/metrics.h"
 #include "config.h"
 #include "exec/batch_assembly.h"
 #include "exec/op_calls.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
-#include "rpc/proto_convert.h"
 #include "shadow/shadow_verifier.h"
 #include "shadow/shared_messages.h"
 #include "transport/residual_sessions.h"
@@ -24,7 +25,7 @@
 
 namespace fusedlayer::server {
 
-struct MhcRpc {
+struct MhcOp {
   using Request = v1::MhcSeamRequest;
   using Response = v1::MhcSeamResponse;
   using Messages = shadow::MhcMessages;
@@ -80,7 +81,7 @@ struct MhcRpc {
   }
 };
 
-struct SwaRpc {
+struct SwaOp {
   using Request = v1::SwaNormQuantRequest;
   using Response = v1::SwaNormQuantResponse;
   using Messages = shadow::SwaMessages;
