@@ -30,10 +30,10 @@ import grpc.aio
 from . import _torch, errors, weights
 from ._health.v1 import health_pb2
 from .client import (_MHC_INPUT_TYPES, Array, ConfigEntry, MhcSeamResult, ServerInfo, SwaNormQuantResult,
-                     TlsArg, WeightSetInfo, WeightSource, _channel_args, _cuda_inputs, _cuda_prepare,
-                     _health_status, _metadata, _mhc_cuda_shapes, _mhc_request, _mhc_result, _packed_sets,
-                     _plain_dict, _remember_configs, _server_info, _swa_cuda_shapes, _swa_request, _swa_result,
-                     _weight_chunks, _weight_set_info)
+                     TlsArg, WeightSetInfo, WeightSource, _channel_args, _commit_failed, _cuda_inputs, _cuda_prepare,
+                     _health_status, _in_manifest_order, _manifest_path, _metadata, _mhc_cuda_shapes, _mhc_request,
+                     _mhc_result, _packed_sets, _plain_dict, _remember_configs, _server_info, _stage_id,
+                     _swa_cuda_shapes, _swa_request, _swa_result, _upload_failed, _weight_chunks, _weight_set_info)
 from .v1 import fusedlayer_pb2 as pb
 from .v1 import fusedlayer_pb2_grpc as pb_grpc
 
@@ -167,11 +167,43 @@ class AsyncClient:
     async def load_weights(self, source: WeightSource, name: Optional[str] = None,
                            mhc: Optional[Mapping[str, Any]] = None, swa: Optional[Mapping[str, Any]] = None,
                            replace: bool = False, timeout: Optional[float] = None) -> List[WeightSetInfo]:
-        """fusedlayer.Client.load_weights as a coroutine (every set packed before the first is sent)."""
-        return [await self.upload(p, timeout) for p in _packed_sets(source, name, mhc, swa, replace)]
+        """fusedlayer.Client.load_weights as a coroutine (every set packed before the first is sent; a
+        manifest's sets staged under one stage id and published by one CommitWeightSets, all or none)."""
+        packed = _packed_sets(source, name, mhc, swa, replace)
+        manifest = _manifest_path(source)
+        if manifest is None:
+            return [await self.upload(p, timeout) for p in packed]
+        stage = _stage_id()
+        try:
+            for p in packed:
+                try:
+                    await self.upload(p, timeout, stage=stage)
+                except errors.FusedLayerError as e:
+                    raise _upload_failed(e, p) from None
+            try:
+                committed = await self._call(self._stub.CommitWeightSets, pb.CommitWeightSetsRequest(stage=stage),
+                                             timeout)
+            except errors.FusedLayerError as e:
+                raise _commit_failed(e, len(packed), manifest) from None
+        except BaseException:
+            # Best effort, as in Client.load_weights (also after a cancelled task: the stage holds device
+            # memory on the server until it is committed, discarded or abandoned).
+            try:
+                await self.commit_weight_sets(stage, discard=True, timeout=timeout)
+            except errors.FusedLayerError:
+                pass
+            raise
+        return _in_manifest_order(packed, committed)
 
-    async def upload(self, packed: weights.PackedWeightSet, timeout: Optional[float] = None) -> WeightSetInfo:
-        return _weight_set_info(await self._call(self._stub.LoadWeights, _weight_chunks(packed), timeout))
+    async def upload(self, packed: weights.PackedWeightSet, timeout: Optional[float] = None,
+                     stage: str = "") -> WeightSetInfo:
+        return _weight_set_info(await self._call(self._stub.LoadWeights, _weight_chunks(packed, stage), timeout))
+
+    async def commit_weight_sets(self, stage: str, discard: bool = False,
+                                 timeout: Optional[float] = None) -> List[WeightSetInfo]:
+        r = await self._call(self._stub.CommitWeightSets, pb.CommitWeightSetsRequest(stage=stage, discard=discard),
+                             timeout)
+        return [_weight_set_info(w) for w in r.weight_sets]
 
     async def unload_weight_set(self, name: str, timeout: Optional[float] = None) -> int:
         r = await self._call(self._stub.UnloadWeightSet, pb.UnloadWeightSetRequest(name=name), timeout)

@@ -8,6 +8,7 @@ are the classes of fusedlayer.errors.
 import ipaddress
 import os
 import re
+import secrets
 import threading
 import time
 from multiprocessing import shared_memory
@@ -470,7 +471,10 @@ def _packed_sets(source: WeightSource, name: Optional[str], mhc: Optional[Mappin
         if name is not None or mhc is not None or swa is not None:
             raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
                                          "name/mhc/swa come from the manifest; pass them only with a dict of arrays")
-        return weights.pack_manifest(os.fspath(source), replace=replace)
+        packed = weights.pack_manifest(os.fspath(source), replace=replace)
+        if not packed:
+            raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"{os.fspath(source)} lists no weight sets")
+        return packed
     if isinstance(source, Mapping):
         if not name:
             raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "load_weights(dict of arrays) needs name=")
@@ -478,9 +482,61 @@ def _packed_sets(source: WeightSource, name: Optional[str], mhc: Optional[Mappin
     raise TypeError(f"load_weights takes a manifest path or a dict of arrays, got {type(source).__name__}")
 
 
-def _weight_chunks(packed: weights.PackedWeightSet) -> Iterator["pb.WeightChunk"]:
+def _manifest_path(source: WeightSource) -> Optional[str]:
+    """The manifest's path when load_weights was given one (its sets load all or none), else None."""
+    return os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
+
+
+def _stage_id() -> str:
+    """A fresh stage id (WeightSetHeader.stage) for the sets of one manifest load, random like fusedctl
+    load's (the set-name rules: [A-Za-z0-9._/-]{1,128})."""
+    return f"py-load-{secrets.token_hex(16)}"
+
+
+_ALL_OR_NONE = "nothing was loaded: the manifest loads all its sets or none"
+# Codes of a call whose answer may have been lost after the server acted on it.
+_OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.UNKNOWN)
+
+
+def _in_load(err: errors.FusedLayerError, message: str) -> errors.FusedLayerError:
+    """err (its class and .code kept) with .message rewritten to say where the staged load stopped."""
+    err.message = message
+    err.args = (f"{err.code.name}: {message}",)
+    return err
+
+
+def _upload_failed(err: errors.FusedLayerError, packed: weights.PackedWeightSet) -> errors.FusedLayerError:
+    return _in_load(err, f'loading "{packed.header.name}": {err.message} ({_ALL_OR_NONE})')
+
+
+def _commit_failed(err: errors.FusedLayerError, count: int, manifest: str) -> errors.FusedLayerError:
+    if err.code == grpc.StatusCode.UNIMPLEMENTED:
+        # A server older than staged loads ignores WeightSetHeader.stage: it published each set as it came.
+        return _in_load(err, f"publishing the {count} set(s) of {manifest}: the server has no CommitWeightSets "
+                        f"(older than staged loads: it loaded each set as it was uploaded) {err.message}".rstrip())
+    if err.code in _OUTCOME_UNKNOWN:
+        # The server may have published the sets before the answer was lost.
+        return _in_load(err, f"publishing the {count} set(s) of {manifest}: {err.message} (the commit's outcome is "
+                        "unknown: all of the sets or none of them were loaded; list_weight_sets() tells)")
+    return _in_load(err, f"publishing the {count} set(s) of {manifest}: {err.message} (nothing was loaded)")
+
+
+def _in_manifest_order(packed: Sequence[weights.PackedWeightSet],
+                       r: "pb.CommitWeightSetsResponse") -> List[WeightSetInfo]:
+    """CommitWeightSets' infos (by name) in the manifest's order, as load_weights returns them."""
+    by_name = {w.name: _weight_set_info(w) for w in r.weight_sets}
+    names = [p.header.name for p in packed]
+    if set(names) != set(by_name):
+        return list(by_name.values())
+    return [by_name[n] for n in names]
+
+
+def _weight_chunks(packed: weights.PackedWeightSet, stage: str = "") -> Iterator["pb.WeightChunk"]:
     first = pb.WeightChunk()
     first.header.CopyFrom(packed.header)
+    if stage:
+        first.header.stage = stage
     first.data = packed.payload[:_CHUNK_BYTES]
     yield first
     for off in range(_CHUNK_BYTES, len(packed.payload), _CHUNK_BYTES):
@@ -752,19 +808,59 @@ class Client:
                      timeout: Optional[float] = None) -> List[WeightSetInfo]:
         """Uploads weight sets over LoadWeights (SHA-256 checked by the server); returns their infos.
 
-        source: a manifest path (docs/weights.md: every set in it is loaded, in order), or a dict of
-        numpy arrays named as in docs/weights.md ("mhc.fn", ...) with name= and mhc= and/or swa=
-        config dicts. replace=True swaps an existing set of the same name atomically.
+        source: a manifest path (docs/weights.md: every set in it is loaded, all or none; the infos
+        come in the manifest's order), or a dict of numpy arrays named as in docs/weights.md
+        ("mhc.fn", ...) with name= and mhc= and/or swa= config dicts. replace=True swaps an existing
+        set of the same name atomically.
+
+        A manifest loads like ``fusedctl load``: every set is uploaded under one random stage id
+        (WeightSetHeader.stage; the server builds it without publishing it), then CommitWeightSets
+        publishes them all in one step. A set the server refuses, or a refused commit, discards the
+        stage (best effort; the server also drops abandoned stages) and raises; the loaded sets are
+        then those before the call. A dict of arrays is one set, sent by one LoadWeights.
 
         Errors carry the gRPC code the server's loader would answer with, whether found here or by
         the server: NotFound (a missing manifest, file or tensor), InvalidArgument (anything
-        malformed), AlreadyExists, ... Every set is packed and checked before the first is sent.
+        malformed, a manifest without sets), AlreadyExists, ... Every set is packed and checked
+        before the first is sent.
         """
-        return [self.upload(p, timeout) for p in _packed_sets(source, name, mhc, swa, replace)]
+        packed = _packed_sets(source, name, mhc, swa, replace)
+        manifest = _manifest_path(source)
+        if manifest is None:
+            return [self.upload(p, timeout) for p in packed]
+        stage = _stage_id()
+        try:
+            for p in packed:
+                try:
+                    self.upload(p, timeout, stage=stage)
+                except errors.FusedLayerError as e:
+                    raise _upload_failed(e, p) from None
+            try:
+                committed = self._call(self._stub.CommitWeightSets, pb.CommitWeightSetsRequest(stage=stage), timeout)
+            except errors.FusedLayerError as e:
+                raise _commit_failed(e, len(packed), manifest) from None
+        except BaseException:
+            # Best effort: NOT_FOUND once the stage is consumed (a refused commit), and the server drops
+            # a stage nobody commits.
+            try:
+                self.commit_weight_sets(stage, discard=True, timeout=timeout)
+            except errors.FusedLayerError:
+                pass
+            raise
+        return _in_manifest_order(packed, committed)
 
-    def upload(self, packed: weights.PackedWeightSet, timeout: Optional[float] = None) -> WeightSetInfo:
-        """Streams one PackedWeightSet (fusedlayer.pack_arrays / pack_manifest) over LoadWeights."""
-        return _weight_set_info(self._call(self._stub.LoadWeights, _weight_chunks(packed), timeout))
+    def upload(self, packed: weights.PackedWeightSet, timeout: Optional[float] = None,
+               stage: str = "") -> WeightSetInfo:
+        """Streams one PackedWeightSet (fusedlayer.pack_arrays / pack_manifest) over LoadWeights; with
+        stage, under that stage id (published by commit_weight_sets(stage))."""
+        return _weight_set_info(self._call(self._stub.LoadWeights, _weight_chunks(packed, stage), timeout))
+
+    def commit_weight_sets(self, stage: str, discard: bool = False,
+                           timeout: Optional[float] = None) -> List[WeightSetInfo]:
+        """CommitWeightSets: publishes every set uploaded under stage, in one step (discard: drops them);
+        returns the published sets' infos, by name (none when discarding)."""
+        r = self._call(self._stub.CommitWeightSets, pb.CommitWeightSetsRequest(stage=stage, discard=discard), timeout)
+        return [_weight_set_info(w) for w in r.weight_sets]
 
     def unload_weight_set(self, name: str, timeout: Optional[float] = None) -> int:
         """Unloads a set (freed when the last request using it ends); returns the bytes freed."""

@@ -1,5 +1,8 @@
 """Random weight sets and inputs for the client tests (fresh each run, with outliers)."""
 
+import json
+import os
+
 import numpy as np
 
 import fusedlayer
@@ -39,3 +42,28 @@ def load_mhc_set(client, rng, name, n=4, C=256, replace=True, **hyper):
     w = mhc_weights(rng, n, C)
     [info] = client.load_weights(w, name=name, mhc=dict(hc_mult=n, hidden=C, **hyper), replace=replace)
     return w, info
+
+
+def mhc_manifest(folder, rng, tag, names, n=2, C=64, refused=None):
+    """A manifest of mHC sets with fresh random tensors, one safetensors file per set, in folder; the set
+    named refused gets an mhc.fn the server refuses (INVALID_ARGUMENT: [M, K/2], not the [M, K] its
+    hc_mult and hidden need), which the client packs and sends like any other."""
+    entries = []
+    for i, name in enumerate(names):
+        w = mhc_weights(rng, n, C)
+        if name == refused:
+            w["mhc.fn"] = np.ascontiguousarray(w["mhc.fn"][:, :n * C // 2])
+        file = f"{tag}-{i}.safetensors"
+        fusedlayer.write_safetensors(os.path.join(folder, file), {
+            t: ("BF16" if a.dtype == np.uint16 else "F32", a) for t, a in w.items()})
+        entries.append({"name": name, "mhc": {"hc_mult": n, "hidden": C},
+                        "tensors": {t: {"file": file, "tensor": t} for t in w}})
+    path = os.path.join(folder, f"{tag}.json")
+    with open(path, "w") as f:
+        json.dump({"weight_sets": entries}, f)
+    return path
+
+
+def loaded_sets(client):
+    """name -> (sha256, source, resident_bytes) of every set the server lists."""
+    return {s.name: (s.sha256, s.source, s.resident_bytes) for s in client.list_weight_sets()}

@@ -14,7 +14,7 @@ import pytest
 import fusedlayer
 import fusedlayer.aio
 from conftest import SERVER_MAX_MESSAGE_BYTES, ServerProcess
-from helpers import bf16_random, mhc_weights, seam_inputs
+from helpers import bf16_random, loaded_sets, mhc_manifest, mhc_weights, seam_inputs
 
 
 def run(coro):
@@ -70,6 +70,43 @@ def test_weights_sessions_and_regions(server, rng):
             with pytest.raises(fusedlayer.FailedPrecondition, match="allow_shared_memory"):
                 await c.system_shared_memory_status()  # the session server has no --allow_shared_memory
             assert await c.unload_weight_set("py-aio/set") > 0
+
+    run(main())
+
+
+
+def test_manifest_loads_all_sets_or_none(server, client, rng, tmp_path, monkeypatch):
+    """AsyncClient.load_weights of a manifest stages every set and publishes them in one step, as the
+    synchronous client does: set 2 of 3 refused by the server leaves every set as it was."""
+    names = ["py-aio-all/a", "py-aio-all/b", "py-aio-all/c"]
+    v1 = mhc_manifest(tmp_path, rng, "v1", names)
+    refused = mhc_manifest(tmp_path, rng, "refused", names, refused="py-aio-all/b")
+    v2 = mhc_manifest(tmp_path, rng, "v2", names)
+    stages = []
+
+    async def main():
+        async with fusedlayer.aio.AsyncClient(server.target) as c:
+            assert [i.name for i in await c.load_weights(v1, replace=True)] == names
+            before = loaded_sets(client)
+            # A known stage id, to check that the failed load discarded its stage.
+            monkeypatch.setattr(fusedlayer.aio, "_stage_id", lambda: stages.append("py-aio-test-stage") or stages[-1],
+                                raising=False)
+            with pytest.raises(fusedlayer.FusedLayerError) as e:
+                await c.load_weights(refused, replace=True)
+            assert type(e.value) is fusedlayer.InvalidArgument and e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert loaded_sets(client) == before
+            assert 'loading "py-aio-all/b"' in e.value.message, e.value.message
+            assert stages == ["py-aio-test-stage"]
+            with pytest.raises(fusedlayer.NotFound):  # the stage was discarded
+                await c.commit_weight_sets("py-aio-test-stage")
+            monkeypatch.undo()
+            infos = await c.load_weights(v2, replace=True)
+            want = {p.header.name: p.header.sha256 for p in fusedlayer.pack_manifest(v2)}
+            assert [(i.name, i.sha256) for i in infos] == [(n, want[n]) for n in names]
+            after = loaded_sets(client)
+            for n in names:
+                assert after[n][0] == want[n] != before[n][0], n
+                await c.unload_weight_set(n)
 
     run(main())
 

@@ -9,7 +9,7 @@ import pytest
 import fusedlayer
 from fusedlayer import reference
 from conftest import ServerProcess
-from helpers import bf16_random, mhc_weights, seam_inputs
+from helpers import bf16_random, loaded_sets, mhc_manifest, mhc_weights, seam_inputs
 
 
 def _wq_b(rng, N, Q):
@@ -175,3 +175,70 @@ def test_load_weights_errors_carry_the_grpc_code_and_load_nothing(client, tmp_pa
     with pytest.raises(fusedlayer.InvalidArgument, match="needs name="):
         client.load_weights(w)
     assert not {"py-err/ok", "py-err/bad", "py-err/dtype"} & {s.name for s in client.list_weight_sets()}
+
+
+def test_manifest_loads_all_sets_or_none(client, rng, tmp_path, monkeypatch):
+    """A manifest loads like fusedctl load: every set staged under one stage id, then one CommitWeightSets.
+    A set the server refuses after others were staged, or a commit the server refuses, changes nothing;
+    the stage is discarded; a sound manifest then replaces every set."""
+    names = ["py-all/a", "py-all/b", "py-all/c"]
+    infos = client.load_weights(mhc_manifest(tmp_path, rng, "v1", names), replace=True)
+    assert [i.name for i in infos] == names and all(i.source == "rpc" for i in infos)
+    before = loaded_sets(client)
+    assert set(names) <= set(before)
+    # A known stage id, to check afterwards that the failed load discarded its stage.
+    stages = []
+
+    def stage_id(stage):
+        monkeypatch.setattr(fusedlayer.client, "_stage_id", lambda: stages.append(stage) or stage, raising=False)
+
+    # Set 2 of 3 is refused by the server (mhc.fn of the wrong shape) after set 1 was staged.
+    stage_id("py-test-stage-refused")
+    refused = mhc_manifest(tmp_path, rng, "refused", names, refused="py-all/b")
+    with pytest.raises(fusedlayer.FusedLayerError) as e:
+        client.load_weights(refused, replace=True)
+    assert type(e.value) is fusedlayer.InvalidArgument and e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert loaded_sets(client) == before
+    assert 'loading "py-all/b"' in e.value.message and "mhc.fn" in e.value.message, e.value.message
+    assert "nothing was loaded" in str(e.value)
+    # The stage was discarded: set 1, staged under it, can no longer be published.
+    assert stages == ["py-test-stage-refused"]
+    with pytest.raises(fusedlayer.FusedLayerError) as e:
+        client.commit_weight_sets("py-test-stage-refused")
+    assert type(e.value) is fusedlayer.NotFound and e.value.code == grpc.StatusCode.NOT_FOUND
+    assert loaded_sets(client) == before
+
+    # Refused at the commit: two new sets and a loaded name without replace. Neither new set appears.
+    stage_id("py-test-stage-exists")
+    mixed = mhc_manifest(tmp_path, rng, "mixed", ["py-all/x", "py-all/y", "py-all/c"])
+    with pytest.raises(fusedlayer.FusedLayerError) as e:
+        client.load_weights(mixed)
+    assert type(e.value) is fusedlayer.AlreadyExists and e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert loaded_sets(client) == before
+    assert "py-all/c" in e.value.message, e.value.message
+    assert stages[-1] == "py-test-stage-exists"
+    with pytest.raises(fusedlayer.NotFound):  # the stage was consumed by the refused commit
+        client.commit_weight_sets("py-test-stage-exists")
+    monkeypatch.undo()
+
+    # A sound manifest replaces all three; the infos come in the manifest's order.
+    v2 = mhc_manifest(tmp_path, rng, "v2", names)
+    want = {p.header.name: p.header.sha256 for p in fusedlayer.pack_manifest(v2)}
+    infos = client.load_weights(v2, replace=True)
+    assert [(i.name, i.sha256) for i in infos] == [(n, want[n]) for n in names]
+    after = loaded_sets(client)
+    for n in names:
+        assert after[n][0] == want[n] != before[n][0], n
+    assert {k: v for k, v in after.items() if k not in names} == {k: v for k, v in before.items() if k not in names}
+    for n in names:
+        client.unload_weight_set(n)
+
+
+def test_manifest_without_sets_is_refused(client, tmp_path):
+    p = tmp_path / "empty.json"
+    p.write_text('{"weight_sets": []}')
+    before = loaded_sets(client)
+    with pytest.raises(fusedlayer.InvalidArgument, match="lists no weight sets") as e:
+        client.load_weights(str(p))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert loaded_sets(client) == before
