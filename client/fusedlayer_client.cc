@@ -205,6 +205,11 @@ absl::StatusOr<uint64_t> FusedLayerClient::OpenResidualSession(const std::string
   return r->bytes();
 }
 
+absl::StatusOr<v1::OpenCallRingResponse> FusedLayerClient::OpenCallRing(const v1::OpenCallRingRequest& request,
+                                                                        const CallOptions& call) const {
+  return Unary(*stub_, &v1::FusedLayer::Stub::OpenCallRing, request, call);
+}
+
 absl::StatusOr<v1::ListResidualSessionsResponse> FusedLayerClient::ListResidualSessions(const CallOptions& call) const {
   return Unary(*stub_, &v1::FusedLayer::Stub::ListResidualSessions, v1::ListResidualSessionsRequest(), call);
 }

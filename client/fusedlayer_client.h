@@ -136,6 +136,10 @@ class FusedLayerClient {
   absl::StatusOr<v1::CloseResidualSessionResponse> CloseResidualSession(const std::string& name,
                                                                         const CallOptions& call = {}) const;
 
+  // A call ring (client/call_ring.h opens one with this and takes it over).
+  absl::StatusOr<v1::OpenCallRingResponse> OpenCallRing(const v1::OpenCallRingRequest& request,
+                                                        const CallOptions& call = {}) const;
+
   // Finds one weight set by name in ListWeightSets (NotFound if absent).
   absl::StatusOr<v1::WeightSetInfo> FindWeightSet(const std::string& name, const CallOptions& call = {}) const;
 

@@ -16,7 +16,8 @@
 #       from another thread), IdleWatch.* (the LoadWeights idle watch's thread), Pipeline.*
 #       (tests/server/pipeline_test.cc: device lanes, pinned staging and op calls on the asynchronous
 #       lane test backend). End to end, a real server and clients in one process or a server binary:
-#       batching (server_batching_tests), shared memory (server_shared_memory_tests), reliability:
+#       batching (server_batching_tests), shared memory (server_shared_memory_tests), call rings
+#       (server_call_ring_tests: the poller, handover and executor threads on one ring), reliability:
 #       drain, cancellation, LoadWeights limits and faults, admission by bytes
 #       (server_reliability_tests), authentication and TLS (server_security_tests), shadow
 #       verification's shared messages (server_shadow_e2e_tests), residual sessions (server_residual_session_tests:
@@ -65,8 +66,9 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tsan ]; then
   cmake -S "$ROOT" -B "$B" "${COMMON[@]}" -DFUSEDLAYER_TSAN=ON -DFUSEDLAYER_SANITIZE=OFF
   cmake --build "$B" -j"$JOBS" --target server_concurrency_tests server_unit_tests weights_tests server_pipeline_tests \
     server_batching_tests server_shared_memory_tests server_reliability_tests server_security_tests \
-    server_shadow_e2e_tests server_residual_session_tests server_cuda_shared_memory_tests server_unix_socket_tests
-  step "TSan: ctest (executor, thread pool, WeightStore, dispatcher, lanes and staging; e2e: batching, shm, reliability, security, shadow, residual sessions, CUDA shm, the server's own unix listener)"
+    server_shadow_e2e_tests server_residual_session_tests server_cuda_shared_memory_tests server_unix_socket_tests \
+    server_call_ring_tests
+  step "TSan: ctest (executor, thread pool, WeightStore, dispatcher, lanes and staging; e2e: batching, shm, reliability, security, shadow, residual sessions, CUDA shm, call rings, the server's own unix listener)"
   # halt_on_error + exitcode: the first report fails the test; the server binaries the e2e tests
   # start inherit the options. tests/fuzz/tsan.supp: only libc interceptors called from inside
   # Debian's gRPC, protobuf, Abseil and OpenSSL (policy in its header: races in fusedlayer code are
@@ -74,5 +76,5 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tsan ]; then
   # and OnCancel releases to OnDone (server/common/tsan_annotations.h, docs/operations.md).
   TSAN_OPTIONS="halt_on_error=1:exitcode=66:second_deadlock_stack=1:suppressions=$ROOT/tests/fuzz/tsan.supp" \
     ctest --test-dir "$B" --output-on-failure --no-tests=error -j"$JOBS" \
-      -R '^(Concurrency\.|Executor\.|Dispatcher\.|WeightStoreTest\.|WeightManager[./]|IdleWatch\.|Pipeline\.|ExecutorBatching\.|ServerBatching\.|SharedMemory\.|SharedMemoryTokens\.|Reliability\.|LoadWeightsFaults\.|LoadWeightsLimits\.|SecurityTest\.|TokenFile\.|ClientToken\.|IdentityFile\.|TokenAuth\.|TransportSecurity\.|ShadowE2E\.|ShadowFaults\.|ResidualSession(Tokens)?\.|CudaSharedMemory(Tokens)?\.|UnixSocketTest\.(ServesBoth|AbstractSocket|PeersAre|TokensAre|StaleSocket|BadUnix))'
+      -R '^(Concurrency\.|Executor\.|Dispatcher\.|WeightStoreTest\.|WeightManager[./]|IdleWatch\.|Pipeline\.|ExecutorBatching\.|ServerBatching\.|SharedMemory\.|SharedMemoryTokens\.|Reliability\.|LoadWeightsFaults\.|LoadWeightsLimits\.|SecurityTest\.|TokenFile\.|ClientToken\.|IdentityFile\.|TokenAuth\.|TransportSecurity\.|ShadowE2E\.|ShadowFaults\.|ResidualSession(Tokens)?\.|CudaSharedMemory(Tokens)?\.|CallRing(Identities)?\.|UnixSocketTest\.(ServesBoth|AbstractSocket|PeersAre|TokensAre|StaleSocket|BadUnix))'
 fi

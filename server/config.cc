@@ -1,5 +1,6 @@
 #include "config.h"
 
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -159,6 +160,15 @@ absl::Status ServerConfig::Validate() const {
                              {"--cuda_shared_memory_idle_seconds", cuda_shared_memory_idle_seconds}}) {
     if (!(value >= 0 && value <= 604800)) {  // NaN fails too
       return absl::InvalidArgumentError(absl::StrCat(flag, " must be in [0, 604800] (0 = never), got ", value));
+    }
+  }
+  for (const auto& [name, value, lo, hi] :
+       {std::tuple<const char*, int64_t, int64_t, int64_t>{"call_ring_max_rings", call_ring_max_rings, 1, 4096},
+        {"call_ring_max_per_identity", call_ring_max_per_identity, 1, 4096},
+        {"call_ring_max_slots", call_ring_max_slots, 1, 1024},
+        {"call_ring_spin_us", call_ring_spin_us, 0, 100000}}) {
+    if (value < lo || value > hi) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, " must be in [", lo, ", ", hi, "], got ", value));
     }
   }
   if (residual_session_max_sessions < 0 || residual_session_max_sessions > 65536) {

@@ -147,6 +147,15 @@ struct ServerConfig {
   double residual_session_idle_seconds = 600;
   // Bytes the sessions of all identities may hold together; 0: a quarter of memory.
   uint64_t residual_session_total_bytes = 0;
+  // Call rings (server/ring/, docs/operations.md "Call rings"): off unless set (clients on this host
+  // only); where they are handed over (empty: <unix socket path>.rings for a unix: address, else
+  // /tmp/fusedlayer-<pid>.rings), and their limits.
+  bool allow_call_rings = false;
+  std::string call_ring_socket;
+  int64_t call_ring_max_rings = 64;
+  int64_t call_ring_max_per_identity = 4;
+  int64_t call_ring_max_slots = 64;
+  int64_t call_ring_spin_us = 100;
   // Shadow verification (server/shadow/, docs/shadow.md): the fraction of fused requests re-run
   // unfused off the critical path and compared; its bounded queue; mismatch dumps.
   double shadow_sample_rate = 0;

@@ -149,6 +149,22 @@ ABSL_FLAG(uint64_t, residual_session_total_bytes, 0,
 ABSL_FLAG(double, residual_session_idle_seconds, 600,
           "a residual session without a call for this long is closed and its memory freed (1 to 86400)");
 
+// Call rings (server/ring/, docs/operations.md).
+ABSL_FLAG(bool, allow_call_rings, false,
+          "accept OpenCallRing: clients on this host call the ops through a ring of slots in shared memory instead "
+          "of one RPC each (their tensors in registered shared-memory regions); off: OpenCallRing is "
+          "FAILED_PRECONDITION");
+ABSL_FLAG(std::string, call_ring_socket, "",
+          "the unix socket where rings are handed over to their clients; empty: <socket path>.rings when --address "
+          "is unix:<socket path>, else /tmp/fusedlayer-<pid>.rings");
+ABSL_FLAG(int64_t, call_ring_max_rings, 64, "call rings open at once, all identities (1 to 4096)");
+ABSL_FLAG(int64_t, call_ring_max_per_identity, 4, "call rings one identity may hold open (1 to 4096)");
+ABSL_FLAG(int64_t, call_ring_max_slots, 64, "slots (calls in flight) per call ring at most (1 to 1024)");
+ABSL_FLAG(int64_t, call_ring_spin_us, 100,
+          "the call-ring poller spins this long after the last call before it sleeps until a doorbell (0 to "
+          "100000): a call that arrives while it spins is taken within a microsecond, one that arrives later costs "
+          "a wake-up (~5-50 us); the spin costs a CPU core while calls keep coming");
+
 // Shadow verification (server/shadow/, docs/shadow.md).
 ABSL_FLAG(double, shadow_sample_rate, 0,
           "fraction (0 to 1) of requests that ran fused to re-run unfused after the response and compare "
@@ -225,6 +241,12 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.residual_session_max_bytes = absl::GetFlag(FLAGS_residual_session_max_bytes);
   c.residual_session_idle_seconds = absl::GetFlag(FLAGS_residual_session_idle_seconds);
   c.residual_session_total_bytes = absl::GetFlag(FLAGS_residual_session_total_bytes);
+  c.allow_call_rings = absl::GetFlag(FLAGS_allow_call_rings);
+  c.call_ring_socket = absl::GetFlag(FLAGS_call_ring_socket);
+  c.call_ring_max_rings = absl::GetFlag(FLAGS_call_ring_max_rings);
+  c.call_ring_max_per_identity = absl::GetFlag(FLAGS_call_ring_max_per_identity);
+  c.call_ring_max_slots = absl::GetFlag(FLAGS_call_ring_max_slots);
+  c.call_ring_spin_us = absl::GetFlag(FLAGS_call_ring_spin_us);
   c.shadow_sample_rate = absl::GetFlag(FLAGS_shadow_sample_rate);
   c.shadow_queue_size = absl::GetFlag(FLAGS_shadow_queue_size);
   c.shadow_queue_max_bytes = absl::GetFlag(FLAGS_shadow_queue_max_bytes);
@@ -283,6 +305,9 @@ const std::vector<FlagGroup>& FlagGroups() {
       {"Residual sessions",
        {"residual_session_max_sessions", "residual_session_max_bytes", "residual_session_total_bytes",
         "residual_session_idle_seconds"}},
+      {"Call rings (same-host data plane)",
+       {"allow_call_rings", "call_ring_socket", "call_ring_max_rings", "call_ring_max_per_identity",
+        "call_ring_max_slots", "call_ring_spin_us"}},
       {"Shadow verification and verify = true (docs/shadow.md)",
        {"shadow_sample_rate", "shadow_queue_size", "shadow_queue_max_bytes", "shadow_dump_dir",
         "shadow_dump_max_files", "shadow_dump_max_bytes", "max_inflight_verify", "verify_dump_max_files",

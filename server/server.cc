@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -183,6 +184,23 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   srv->service_ = std::make_unique<FusedLayerService>(
       cfg, identity, be, *srv->executor_, *srv->weights_, *srv->metrics_, *srv->shadow_, *srv->lanes_,
       srv->unix_listener_ ? &srv->unix_listener_->peers() : nullptr);
+  if (cfg.allow_call_rings) {
+    ring::CallRingOptions rings;
+    rings.socket_path = cfg.call_ring_socket;
+    if (rings.socket_path.empty()) {
+      rings.socket_path = listen_kind == ListenKind::kUnix ? UnixSocketPath(cfg.address) + ".rings"
+                                                           : absl::StrCat("/tmp/fusedlayer-", ::getpid(), ".rings");
+    }
+    rings.max_rings = static_cast<int>(cfg.call_ring_max_rings);
+    rings.max_per_identity = static_cast<int>(cfg.call_ring_max_per_identity);
+    rings.max_slots = static_cast<uint32_t>(cfg.call_ring_max_slots);
+    rings.spin_us = cfg.call_ring_spin_us;
+    absl::StatusOr<std::unique_ptr<ring::CallRingService>> started =
+        ring::CallRingService::Start(std::move(rings), srv->service_->engine(), *srv->metrics_);
+    if (!started.ok()) return started.status();
+    srv->call_rings_ = std::move(*started);
+    srv->service_->AttachCallRings(srv->call_rings_.get());
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -258,6 +276,13 @@ void FusedLayerServer::Shutdown(std::chrono::system_clock::time_point deadline) 
   // what is left; queued tasks of cancelled calls are dropped at their launch check.
   if (unix_listener_) unix_listener_->Stop();  // no new connections, as gRPC's own listener at Shutdown
   if (server_) server_->Shutdown(deadline);
+  // Rings: no more calls taken; the ones queued finish (or are dropped: their ring is closed) by
+  // the deadline, before the executor stops.
+  if (call_rings_) {
+    call_rings_->Stop(std::chrono::steady_clock::now() +
+                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                          std::max(deadline - std::chrono::system_clock::now(), std::chrono::system_clock::duration{0})));
+  }
   if (executor_) executor_->Stop();
   if (server_) server_->Wait();
   // Every call's OnDone has returned (UnaryCall::OnDone releases this key; tsan_annotations.h).

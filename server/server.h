@@ -16,6 +16,7 @@
 #include "common/metrics.h"
 #include "rpc/service.h"
 #include "rpc/unix_listener.h"
+#include "ring/call_rings.h"
 #include "shadow/shadow_verifier.h"
 #include "exec/weight_manager.h"
 #include "weights/weight_set.h"
@@ -42,6 +43,8 @@ class FusedLayerServer {
   // The TCP port gRPC listens on; 0 for unix: and unix-abstract: addresses (no port).
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
+  // Where call rings are handed over (empty when --allow_call_rings is off).
+  std::string call_ring_socket() const { return call_rings_ ? call_rings_->socket_path() : std::string(); }
   Metrics& metrics() { return *metrics_; }
   Backend& backend() { return *backend_; }
   const ServerConfig& config() const { return config_; }
@@ -73,6 +76,8 @@ class FusedLayerServer {
   // service, which reads its table of peers.
   std::unique_ptr<UnixPeerListener> unix_listener_;
   std::unique_ptr<FusedLayerService> service_;
+  // Call rings (--allow_call_rings): after the service, whose engine they submit to.
+  std::unique_ptr<ring::CallRingService> call_rings_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;

@@ -26,13 +26,13 @@ bool RightForMethod(absl::string_view path, uint8_t* right) {
   }
   if (!absl::StartsWith(path, kFusedLayerPrefix)) return false;
   const absl::string_view method = path.substr(kFusedLayerPrefix.size());
-  // The shared-memory and residual-session RPCs act only on the caller's own regions and sessions
-  // (auth/caller_identity.h).
+  // The shared-memory, residual-session and call-ring RPCs act only on the caller's own regions,
+  // sessions and rings (auth/caller_identity.h).
   if (method == "MhcSeam" || method == "SwaNormQuant" || method == "GetServerInfo" || method == "ListWeightSets" ||
       method == "RegisterSystemSharedMemory" || method == "SystemSharedMemoryStatus" ||
       method == "UnregisterSystemSharedMemory" || method == "RegisterCudaSharedMemory" ||
       method == "CudaSharedMemoryStatus" || method == "UnregisterCudaSharedMemory" || method == "OpenResidualSession" ||
-      method == "ListResidualSessions" || method == "CloseResidualSession") {
+      method == "ListResidualSessions" || method == "CloseResidualSession" || method == "OpenCallRing") {
     *right = kRightCompute;
     return true;
   }

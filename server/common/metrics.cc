@@ -47,6 +47,7 @@ const char* MethodName(Method m) {
     case Method::kListResidualSessions: return "ListResidualSessions";
     case Method::kCloseResidualSession: return "CloseResidualSession";
     case Method::kCommitWeightSets: return "CommitWeightSets";
+    case Method::kOpenCallRing: return "OpenCallRing";
   }
   return "unknown";
 }

@@ -40,8 +40,9 @@ enum class Method : uint8_t {
   kListResidualSessions,
   kCloseResidualSession,
   kCommitWeightSets,
+  kOpenCallRing,
 };
-inline constexpr int kNumMethods = 16;
+inline constexpr int kNumMethods = 17;
 const char* MethodName(Method m);
 // gRPC code name as the "code" label: "OK", "INVALID_ARGUMENT", ...
 const char* StatusCodeName(grpc::StatusCode code);

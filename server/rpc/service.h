@@ -28,6 +28,10 @@
 #include "rpc/proto_convert.h"
 #include "rpc/wire_messages.h"
 
+namespace fusedlayer::server::ring {
+class CallRingService;  // ring/call_rings.h
+}
+
 namespace fusedlayer::server {
 
 class ComputeCall;  // rpc/unary_call.h
@@ -99,6 +103,12 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   grpc::ServerUnaryReactor* CloseResidualSession(grpc::CallbackServerContext* ctx,
                                                  const v1::CloseResidualSessionRequest* request,
                                                  v1::CloseResidualSessionResponse* response) override;
+  // Call rings (rpc/call_ring_rpcs.cc, server/ring/call_rings.h).
+  grpc::ServerUnaryReactor* OpenCallRing(grpc::CallbackServerContext* ctx, const v1::OpenCallRingRequest* request,
+                                         v1::OpenCallRingResponse* response) override;
+  // The call rings' service, when --allow_call_rings (made after the service: it submits to the
+  // engine); null: OpenCallRing is FAILED_PRECONDITION.
+  void AttachCallRings(ring::CallRingService* rings) { call_rings_ = rings; }
 
   // Graceful drain (FusedLayerServer::Shutdown): from now on compute and UnloadWeightSet calls that
   // reach the service are refused with UNAVAILABLE instead of being queued. gRPC's own Shutdown
@@ -116,6 +126,8 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   // UNAVAILABLE while draining, OK otherwise.
   absl::Status AdmitDuringDrain() const { return engine_.AdmitDuringDrain(); }
   class LoadWeightsReactor;
+  // OpenCallRing's bindings, for `identity`: each weight set loaded, each region registered.
+  absl::Status CheckCallRingBindings(const std::string& identity, const v1::OpenCallRingRequest& request);
   // A compute call from the wire: its messages (reference counted: shadow capture without
   // copies), the read (ReadWireRequest: tensor data into pinned memory where it can), then the
   // engine's Submit. `Op` is the op's traits (exec/op_traits.h).
@@ -146,7 +158,8 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   // Admission, batching, path choice, the run and the report of every compute call (after the
   // registries and sessions it uses).
   ComputeEngine engine_;
-  IdleWatch upload_idle_;             // ends LoadWeights streams idle for --upload_idle_timeout_seconds
+  IdleWatch upload_idle_;
+  ring::CallRingService* call_rings_ = nullptr;             // ends LoadWeights streams idle for --upload_idle_timeout_seconds
 };
 
 }  // namespace fusedlayer::server

@@ -1,0 +1,399 @@
+#include "ring/call_rings.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "exec/op_traits.h"
+#include "fusedlayer/wire/call_ring.h"
+#include "ring/ring.h"
+#include "ring/ring_call.h"
+
+namespace fusedlayer::server::ring {
+
+using wire::RingCallDescriptor;
+using wire::RingSlot;
+
+CallRingMetrics::CallRingMetrics(prometheus::Registry& registry) {
+  open = &prometheus::BuildGauge()
+              .Name("fusedlayer_call_rings_open")
+              .Help("Call rings open (handed over to their client and not yet closed)")
+              .Register(registry)
+              .Add({});
+  auto& calls_family = prometheus::BuildCounter()
+                           .Name("fusedlayer_call_ring_calls_total")
+                           .Help("Compute calls that arrived by call ring (they are also counted in "
+                                 "fusedlayer_requests_total under their method)")
+                           .Register(registry);
+  calls[0] = &calls_family.Add({{"method", MethodName(Method::kMhcSeam)}});
+  calls[1] = &calls_family.Add({{"method", MethodName(Method::kSwaNormQuant)}});
+  poller_busy_seconds = &prometheus::BuildCounter()
+                             .Name("fusedlayer_call_ring_poller_busy_seconds_total")
+                             .Help("Time the call-ring poller spent awake (scanning slots and submitting calls), "
+                                   "seconds")
+                             .Register(registry)
+                             .Add({});
+}
+
+namespace {
+
+// The one-time token a client presents on the ring socket.
+constexpr size_t kTokenBytes = 32;
+// What the server answers on the ring socket: "OK" + ring id, or an error text.
+constexpr size_t kMaxHandoverReply = 256;
+
+std::string RandomToken() {
+  std::string token(kTokenBytes, '\0');
+  std::ifstream urandom("/dev/urandom", std::ios::binary);
+  urandom.read(token.data(), static_cast<std::streamsize>(token.size()));
+  return token;
+}
+
+absl::Status BindSocket(const std::string& path, int* out) {
+  sockaddr_un sa{};
+  if (path.empty() || path.size() >= sizeof(sa.sun_path)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--call_ring_socket: '", path, "' is empty or longer than ", sizeof(sa.sun_path) - 1, " bytes"));
+  }
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path, path.data(), path.size());
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--call_ring_socket: ", path, " exists and is not a socket (not removing it)"));
+    }
+    const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const bool live = probe >= 0 && ::connect(probe, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 0;
+    if (probe >= 0) ::close(probe);
+    if (live) {
+      return absl::UnavailableError(
+          absl::StrCat("--call_ring_socket: another process is accepting connections on ", path));
+    }
+    ::unlink(path.c_str());
+  }
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket(AF_UNIX): ", std::strerror(errno)));
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) != 0 || ::listen(fd, 64) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return absl::UnavailableError(absl::StrCat("--call_ring_socket: cannot listen on ", path, ": ", std::strerror(e)));
+  }
+  // Anyone on the host may connect: a ring is handed over only for its one-time token, which only
+  // the identity that opened the ring (over gRPC, authenticated) has seen.
+  ::chmod(path.c_str(), 0666);
+  *out = fd;
+  return absl::OkStatus();
+}
+
+void Signal(int eventfd) {
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(eventfd, &one, sizeof(one));
+}
+
+void Drain(int eventfd) {
+  uint64_t value;
+  while (::read(eventfd, &value, sizeof(value)) > 0) {
+  }
+}
+
+// epoll user data: the ring's id with the kind of descriptor in the top bit.
+constexpr uint64_t kConnectionBit = uint64_t{1} << 63;
+constexpr uint64_t kWakeTag = ~uint64_t{0};
+
+}  // namespace
+
+CallRingService::CallRingService(CallRingOptions options, ComputeEngine& engine, Metrics& metrics)
+    : options_(std::move(options)),
+      engine_(engine),
+      metrics_(metrics),
+      ring_metrics_(*metrics.registry()),
+      in_flight_(std::make_shared<std::atomic<int64_t>>(0)) {}
+
+absl::StatusOr<std::unique_ptr<CallRingService>> CallRingService::Start(CallRingOptions options,
+                                                                        ComputeEngine& engine, Metrics& metrics) {
+  std::unique_ptr<CallRingService> s(new CallRingService(std::move(options), engine, metrics));
+  if (absl::Status st = BindSocket(s->options_.socket_path, &s->listen_fd_); !st.ok()) return st;
+  s->stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  s->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  s->epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (s->stop_fd_ < 0 || s->wake_fd_ < 0 || s->epoll_fd_ < 0) {
+    return absl::UnavailableError(absl::StrCat("call rings: eventfd/epoll: ", std::strerror(errno)));
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kWakeTag;
+  ::epoll_ctl(s->epoll_fd_, EPOLL_CTL_ADD, s->wake_fd_, &ev);
+  s->handover_thread_ = std::thread([p = s.get()] { p->HandoverLoop(); });
+  s->poll_thread_ = std::thread([p = s.get()] { p->PollLoop(); });
+  LogInfo("call rings: handed over on ", s->options_.socket_path, " (at most ", s->options_.max_rings, " rings, ",
+          s->options_.max_per_identity, " per identity, ", s->options_.max_slots, " slots each; poller spins ",
+          s->options_.spin_us, " us)");
+  return s;
+}
+
+CallRingService::~CallRingService() {
+  Stop(std::chrono::steady_clock::now());
+  for (int fd : {listen_fd_, stop_fd_, wake_fd_, epoll_fd_}) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+int CallRingService::open_rings() const {
+  MutexLock lock(&mu_);
+  return rings_;
+}
+
+absl::StatusOr<v1::OpenCallRingResponse> CallRingService::Open(const std::string& identity,
+                                                               const v1::OpenCallRingRequest& request) {
+  const uint32_t slots = request.slots() == 0 ? 8 : request.slots();
+  if (slots > options_.max_slots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slots = ", request.slots(), " is outside 1..", options_.max_slots, " (--call_ring_max_slots)"));
+  }
+  if (request.weight_sets_size() > 64 || request.regions_size() > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("a ring binds at most 64 weight sets and 256 regions (got ",
+                                                   request.weight_sets_size(), " and ", request.regions_size(), ")"));
+  }
+  if (stopping_.load(std::memory_order_acquire)) return absl::UnavailableError("the server is draining");
+  {
+    MutexLock lock(&mu_);
+    if (per_identity_[identity] >= options_.max_per_identity) {
+      return absl::ResourceExhaustedError(absl::StrCat("this identity has ", per_identity_[identity],
+                                                       " call rings open, the most allowed (--call_ring_max_per_identity)"));
+    }
+    if (rings_ >= options_.max_rings) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the server has ", rings_, " call rings open, the most allowed (--call_ring_max_rings)"));
+    }
+    ++per_identity_[identity];
+    ++rings_;
+  }
+  auto ring = std::make_shared<Ring>(next_ring_id_.fetch_add(1), identity,
+                                     std::vector<std::string>(request.weight_sets().begin(), request.weight_sets().end()),
+                                     std::vector<v1::CallRingRegion>(request.regions().begin(), request.regions().end()),
+                                     slots);
+  absl::Status created = ring->Create();
+  const std::string token = RandomToken();
+  MutexLock lock(&mu_);
+  if (!created.ok() || token.size() != kTokenBytes) {
+    --per_identity_[identity];
+    --rings_;
+    return created.ok() ? absl::InternalError("cannot read /dev/urandom for the ring's token") : created;
+  }
+  pending_[token] = ring;
+  v1::OpenCallRingResponse response;
+  response.set_socket_path(options_.socket_path);
+  response.set_token(token);
+  response.set_ring_id(ring->id());
+  response.set_slots(slots);
+  response.set_layout_version(wire::kCallRingLayoutVersion);
+  response.set_ring_bytes(ring->bytes());
+  return response;
+}
+
+void CallRingService::HandoverLoop() {
+  while (!stopping_.load(std::memory_order_acquire)) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    const int n = ::poll(fds, 2, 1000);
+    // Tokens not presented in time: the ring is dropped (its count given back).
+    {
+      MutexLock lock(&mu_);
+      const auto now = std::chrono::steady_clock::now();
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        if (now - it->second->opened() > std::chrono::seconds(options_.handover_seconds)) {
+          --per_identity_[it->second->identity()];
+          --rings_;
+          it = pending_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    if (n <= 0 || !(fds[0].revents & POLLIN)) continue;
+    const int connection = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (connection < 0) continue;  // EMFILE and friends: the client sees its connection refused or reset
+    Handover(connection);
+  }
+}
+
+void CallRingService::Handover(int connection) {
+  // The client sends its token at once; one that does not within a second loses its turn.
+  timeval timeout{1, 0};
+  ::setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  std::string token(kTokenBytes, '\0');
+  size_t got = 0;
+  while (got < kTokenBytes) {
+    const ssize_t n = ::recv(connection, token.data() + got, kTokenBytes - got, 0);
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  std::shared_ptr<Ring> ring;
+  if (got == kTokenBytes) {
+    MutexLock lock(&mu_);
+    auto it = pending_.find(token);
+    if (it != pending_.end()) {
+      ring = std::move(it->second);
+      pending_.erase(it);
+    }
+  }
+  if (ring == nullptr) {
+    const std::string reply = "ERR unknown or expired call-ring token (OpenCallRing gives one, valid once, for 10 s)";
+    wire::SendWithDescriptors(connection, reply, nullptr, 0);
+    ::close(connection);
+    return;
+  }
+  const int fds[2] = {ring->memfd(), ring->doorbell()};
+  const std::string reply = absl::StrCat("OK ", ring->id());
+  if (!wire::SendWithDescriptors(connection, reply, fds, 2)) {
+    ::close(connection);
+    MutexLock lock(&mu_);
+    --per_identity_[ring->identity()];
+    --rings_;
+    return;
+  }
+  timeval none{0, 0};
+  ::setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
+  ring->set_connection(connection);
+  {
+    MutexLock lock(&mu_);
+    incoming_.push_back(std::move(ring));
+  }
+  WakePoller();
+}
+
+void CallRingService::WakePoller() { Signal(wake_fd_); }
+
+void CallRingService::CloseRing(const std::shared_ptr<Ring>& ring) {
+  ring->Close();
+  ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, ring->doorbell(), nullptr);
+  ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, ring->connection(), nullptr);
+  ring_metrics_.open->Decrement();
+  MutexLock lock(&mu_);
+  --per_identity_[ring->identity()];
+  if (per_identity_[ring->identity()] <= 0) per_identity_.erase(ring->identity());
+  --rings_;
+}
+
+bool CallRingService::Scan(const std::shared_ptr<Ring>& ring) {
+  bool found = false;
+  for (uint32_t i = 0; i < ring->slots(); ++i) {
+    if (ring->busy(i).load(std::memory_order_acquire)) continue;  // its call is in flight
+    RingSlot* slot = ring->slot(i);
+    const uint32_t seq = slot->control.submit_seq.load(std::memory_order_acquire);
+    if (seq == ring->taken(i)) continue;
+    ring->taken(i) = seq;
+    // Copied once, before any field is looked at: what the client writes from now on is not read.
+    RingCallDescriptor call;
+    std::memcpy(&call, &slot->call, sizeof(call));
+    ring->busy(i).store(true, std::memory_order_relaxed);
+    found = true;
+    const RingCallTarget target{ring, i, seq, in_flight_, &metrics_, &ring_metrics_};
+    SubmitRingCall(engine_, target, call);
+  }
+  return found;
+}
+
+void CallRingService::PollLoop() {
+  using Clock = std::chrono::steady_clock;
+  const auto spin = std::chrono::microseconds(options_.spin_us);
+  auto last_call = Clock::now();
+  auto awake_since = Clock::now();
+  epoll_event events[64];
+  while (!stopping_.load(std::memory_order_acquire)) {
+    bool found = false;
+    for (const auto& ring : active_) found |= Scan(ring);
+    const auto now = Clock::now();
+    if (found) last_call = now;
+    if (found || now - last_call < spin) continue;
+    // Going to sleep: say so in every ring, then look once more (a call submitted before the flag
+    // was visible would otherwise wait for the next doorbell), then wait for a doorbell, a
+    // connection's end, a new ring or Stop.
+    for (const auto& ring : active_) ring->header()->poller_sleeping.store(1, std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    for (const auto& ring : active_) found |= Scan(ring);
+    int n = 0;
+    if (!found) {
+      ring_metrics_.poller_busy_seconds->Increment(std::chrono::duration<double>(Clock::now() - awake_since).count());
+      n = ::epoll_wait(epoll_fd_, events, 64, -1);
+      awake_since = Clock::now();
+    }
+    for (const auto& ring : active_) ring->header()->poller_sleeping.store(0, std::memory_order_relaxed);
+    last_call = Clock::now();
+    for (int e = 0; e < n; ++e) {
+      const uint64_t tag = events[e].data.u64;
+      if (tag == kWakeTag) {
+        Drain(wake_fd_);
+        continue;
+      }
+      const uint64_t id = tag & ~kConnectionBit;
+      for (auto it = active_.begin(); it != active_.end(); ++it) {
+        if ((*it)->id() != id) continue;
+        if (tag & kConnectionBit) {
+          // The client closed its connection (or died): the ring closes. It sends nothing on it, so
+          // anything readable is treated the same way.
+          CloseRing(*it);
+          active_.erase(it);
+        } else {
+          Drain((*it)->doorbell());
+        }
+        break;
+      }
+    }
+    std::vector<std::shared_ptr<Ring>> incoming;
+    {
+      MutexLock lock(&mu_);
+      incoming.swap(incoming_);
+    }
+    for (auto& ring : incoming) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.u64 = ring->id();
+      ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, ring->doorbell(), &ev);
+      ev.events = EPOLLIN | EPOLLRDHUP | EPOLLHUP;
+      ev.data.u64 = ring->id() | kConnectionBit;
+      ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, ring->connection(), &ev);
+      ring_metrics_.open->Increment();
+      active_.push_back(std::move(ring));
+    }
+  }
+}
+
+void CallRingService::Stop(std::chrono::steady_clock::time_point deadline) {
+  if (stopping_.exchange(true, std::memory_order_acq_rel)) return;
+  Signal(stop_fd_);
+  WakePoller();
+  if (handover_thread_.joinable()) handover_thread_.join();
+  if (poll_thread_.joinable()) poll_thread_.join();
+  for (const auto& ring : active_) CloseRing(ring);
+  active_.clear();
+  {
+    MutexLock lock(&mu_);
+    for (auto& ring : incoming_) ring->Close();
+    incoming_.clear();
+    pending_.clear();
+  }
+  // Calls already queued finish (or are dropped at their launch check: their ring is closed) on the
+  // executor; their completions go to memory they hold.
+  while (in_flight_->load(std::memory_order_acquire) > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (listen_fd_ >= 0) ::unlink(options_.socket_path.c_str());
+}
+
+}  // namespace fusedlayer::server::ring

@@ -1,0 +1,51 @@
+// OpenCallRing: the control step of the call-ring data plane (server/ring/call_rings.h). Inline on
+// the gRPC thread: the bindings are checked for the caller's identity (each weight set loaded, each
+// region registered by the caller), then the ring is made and its one-time token returned.
+#include "absl/strings/str_cat.h"
+#include "auth/caller_identity.h"
+#include "ring/call_rings.h"
+#include "rpc/service.h"
+#include "rpc/unary_call.h"
+
+namespace fusedlayer::server {
+
+absl::Status FusedLayerService::CheckCallRingBindings(const std::string& identity,
+                                                      const v1::OpenCallRingRequest& request) {
+  for (const std::string& name : request.weight_sets()) {
+    if (!weights_.Contains(name)) {
+      return absl::NotFoundError(absl::StrCat("weight set '", name, "' is not loaded"));
+    }
+  }
+  for (const v1::CallRingRegion& region : request.regions()) {
+    // The registries' own lookups: NOT_FOUND for a region the caller has not registered (another
+    // identity's included), FAILED_PRECONDITION when that kind of shared memory is off.
+    absl::Status s = region.cuda() ? cuda_shared_memory_.Status(identity, region.name()).status()
+                                   : shared_memory_.Status(identity, region.name()).status();
+    if (region.name().empty()) s = absl::InvalidArgumentError("a bound region needs a name");
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("region '", region.name(), "': ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* FusedLayerService::OpenCallRing(grpc::CallbackServerContext* ctx,
+                                                          const v1::OpenCallRingRequest* request,
+                                                          v1::OpenCallRingResponse* response) {
+  auto* call = new UnaryCall(metrics_, Method::kOpenCallRing, config_.max_message_bytes, ctx, request, response);
+  absl::Status s = AdmitDuringDrain();
+  if (s.ok() && call_rings_ == nullptr) {
+    s = absl::FailedPreconditionError("call rings are off on this server (--allow_call_rings)");
+  }
+  if (s.ok()) {
+    const std::string identity = CallerIdentity(*ctx);
+    s = CheckCallRingBindings(identity, *request);
+    if (s.ok()) {
+      absl::StatusOr<v1::OpenCallRingResponse> opened = call_rings_->Open(identity, *request);
+      if (opened.ok()) *response = std::move(*opened);
+      s = opened.status();
+    }
+  }
+  call->Complete(std::move(s));
+  return call;
+}
+
+}  // namespace fusedlayer::server
