@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/bench_stats.h"
+#include "client/call_ring.h"
 #include "client/cli_options.h"
 #include "client/echo_floor.h"
 #include "client/wire_request.h"
@@ -166,6 +167,66 @@ absl::StatusOr<std::vector<CallerSlot<Request>>> MakeSlots(const RegionMaker& ma
   return slots;
 }
 
+// --transport=ring|ring_cuda_ipc: the shm (cuda_ipc) callers' slots, each thread's call going
+// through its own slot of one call ring that binds every slot's region; no RPC per call.
+template <typename Request>
+class RingCaller : public Caller {
+ public:
+  static absl::StatusOr<std::unique_ptr<RingCaller>> Make(const FusedLayerClient& client,
+                                                          const std::vector<CallerSlot<Request>>& slots, bool cuda) {
+    CallRing::Options o;
+    o.weight_sets = {slots.front().request.weight_set()};
+    for (const CallerSlot<Request>& slot : slots) {
+      v1::CallRingRegion r;
+      r.set_name(static_cast<const ClientRegion*>(slot.held.get())->region_name());
+      r.set_cuda(cuda);
+      o.regions.push_back(std::move(r));
+    }
+    o.slots = static_cast<uint32_t>(slots.size());
+    absl::StatusOr<std::unique_ptr<CallRing>> ring = CallRing::Open(client, o);
+    if (!ring.ok()) return ring.status();
+    std::unique_ptr<RingCaller> caller(new RingCaller());
+    caller->ring_ = std::move(*ring);
+    for (const CallerSlot<Request>& slot : slots) {
+      absl::StatusOr<wire::RingCallDescriptor> call = RingCallOf(slot.request, o.weight_sets, o.regions);
+      if (!call.ok()) return call.status();
+      caller->calls_.push_back(*call);
+    }
+    return caller;
+  }
+
+  CallOutcome Call() const override {
+    // One slot per thread for the caller's life (threads call back to back, never two at once).
+    thread_local uint32_t mine = 0;
+    thread_local const void* owner = nullptr;
+    if (owner != this) {
+      mine = static_cast<uint32_t>(next_.fetch_add(1, std::memory_order_relaxed) % calls_.size());
+      owner = this;
+    }
+    CallOutcome o;
+    const Clock::time_point t0 = Clock::now();
+    const RingCallResult r = ring_->Call(mine, calls_[mine]);
+    o.round_trip_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    o.status = r.status;
+    o.report.set_path(r.path);
+    o.report.set_fallback_reason(r.fallback_reason);
+    o.report.set_fallback_detail(r.fallback_detail);
+    o.report.set_server_seconds(r.server_seconds);
+    o.report.set_queue_seconds(r.queue_seconds);
+    o.report.set_kernel_seconds(r.kernel_seconds);
+    o.report.set_batch_requests(r.batch_requests);
+    return o;
+  }
+  // Nothing crosses a socket: the descriptor is written into shared memory.
+  uint64_t RequestBytes() const override { return sizeof(wire::RingCallDescriptor); }
+
+ private:
+  RingCaller() = default;
+  std::unique_ptr<CallRing> ring_;
+  std::vector<wire::RingCallDescriptor> calls_;
+  mutable std::atomic<size_t> next_{0};
+};
+
 // The session callers' slots: `count` residual sessions of `seam`'s shape, each started with a
 // FIRST-stage call, and `seam` turned into a call of each: x only, the state stays on the server.
 // A session is closed when its slot goes.
@@ -206,6 +267,10 @@ struct RowCallers {
   uint64_t inline_request_bytes = 0;  // shm, session: what the request weighs with its tensors inline
   std::unique_ptr<Caller> tcp_caller;
   std::function<uint64_t()> tcp_response_bytes;
+  // What tcp_caller's row is called: the same request inline over TCP, or (ring transports) the
+  // same request by RPC with its tensors in the same regions.
+  std::string compare_label = "tcp (the same request, tensors inline)";
+  std::string compare_short = "tcp";
 };
 
 // `request` over TCP without `slots`; else the slots' requests (one region or session per
@@ -229,6 +294,27 @@ RowCallers MakeRowCallers(const FusedLayerClient& client, Request request, bool 
   row.caller = std::move(per_thread);
   row.tcp_response_bytes = [tcp_raw] { return tcp_raw->ResponseBytes(); };
   row.tcp_caller = std::move(tcp);
+  return row;
+}
+
+// The ring transports: the ring caller over `slots`, and the RPC over the same slots beside it.
+template <typename Request, typename Response>
+absl::StatusOr<RowCallers> MakeRingRowCallers(const FusedLayerClient& client, std::vector<CallerSlot<Request>> slots,
+                                              bool cuda) {
+  RowCallers row;
+  absl::StatusOr<std::unique_ptr<RingCaller<Request>>> ring = RingCaller<Request>::Make(client, slots, cuda);
+  if (!ring.ok()) return ring.status();
+  row.caller = std::move(*ring);
+  row.response_bytes = [] { return uint64_t{0}; };
+  using PerThread = PerThreadCaller<Request, Response>;
+  auto rpc = std::make_unique<PerThread>(client, std::move(slots));
+  PerThread* const raw = rpc.get();
+  row.inline_request_bytes = rpc->RequestBytes();
+  row.tcp_response_bytes = [raw] { return raw->ResponseBytes(); };
+  row.tcp_caller = std::move(rpc);
+  row.compare_label = cuda ? "rpc over cuda_ipc (the same request and regions)"
+                           : "rpc over shm (the same request and regions)";
+  row.compare_short = cuda ? "rpc cuda_ipc" : "rpc shm";
   return row;
 }
 
@@ -368,17 +454,24 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
   std::mt19937_64 rng(seed);
 
   const bool session_transport = cl.transport == "session";
-  const bool cuda_transport = cl.transport == "cuda_ipc";
+  // ring, ring_cuda_ipc: the shm / cuda_ipc regions, each call through a call ring instead of an RPC.
+  const bool ring_transport = cl.transport == "ring" || cl.transport == "ring_cuda_ipc";
+  const bool cuda_transport = cl.transport == "cuda_ipc" || cl.transport == "ring_cuda_ipc";
   // shm and cuda_ipc: every tensor in a region of the caller's (the same code, another memory).
-  absl::StatusOr<bool> region_parsed = session_transport ? false : ParseRegionTransport(cl.transport);
+  absl::StatusOr<bool> region_parsed =
+      session_transport || ring_transport ? false : ParseRegionTransport(cl.transport);
   if (!region_parsed.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--transport=", cl.transport, ": want tcp, shm, cuda_ipc or session"));
+        absl::StrCat("--transport=", cl.transport, ": want tcp, shm, cuda_ipc, session, ring or ring_cuda_ipc"));
   }
   if (cuda_transport && !cl.cuda_regions) {
-    return absl::FailedPreconditionError("--transport=cuda_ipc needs a fusedctl built with a GPU backend");
+    return absl::FailedPreconditionError(
+        absl::StrCat("--transport=", cl.transport, " needs a fusedctl built with a GPU backend"));
   }
-  const bool region_transport = *region_parsed;
+  if (ring_transport && cl.concurrency + 1 > 256) {
+    return absl::InvalidArgumentError("--transport=ring binds one region per caller: --concurrency at most 255");
+  }
+  const bool region_transport = *region_parsed || ring_transport;
   const std::string transport_name = cl.transport.empty() ? "tcp" : cl.transport;
   const RegionMaker make_region = [&](uint64_t bytes) { return MakeRegion(client, cl, bytes); };
   if (session_transport && *op != BenchOp::kMhc) {
@@ -410,8 +503,15 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       if (!made.ok()) return made.status();
       slots = *std::move(made);
     }
-    row = MakeRowCallers<v1::MhcSeamRequest, v1::MhcSeamResponse>(client, *std::move(req), cl.copy_requests,
-                                                                   std::move(slots));
+    if (ring_transport) {
+      absl::StatusOr<RowCallers> ring_row =
+          MakeRingRowCallers<v1::MhcSeamRequest, v1::MhcSeamResponse>(client, *std::move(slots), cuda_transport);
+      if (!ring_row.ok()) return ring_row.status();
+      row = *std::move(ring_row);
+    } else {
+      row = MakeRowCallers<v1::MhcSeamRequest, v1::MhcSeamResponse>(client, *std::move(req), cl.copy_requests,
+                                                                     std::move(slots));
+    }
     what = absl::StrCat("stage=", MhcStageName(*stage), " mode=", MhcModeName(*mode));
   } else {
     if (!ws->has_swa()) return absl::InvalidArgumentError(absl::StrCat("weight set \"", cl.weight_set, "\" has no SWA part"));
@@ -431,8 +531,15 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       if (!made.ok()) return made.status();
       slots = *std::move(made);
     }
-    row = MakeRowCallers<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>(client, *std::move(req), cl.copy_requests,
-                                                                             std::move(slots));
+    if (ring_transport) {
+      absl::StatusOr<RowCallers> ring_row = MakeRingRowCallers<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>(
+          client, *std::move(slots), cuda_transport);
+      if (!ring_row.ok()) return ring_row.status();
+      row = *std::move(ring_row);
+    } else {
+      row = MakeRowCallers<v1::SwaNormQuantRequest, v1::SwaNormQuantResponse>(client, *std::move(req),
+                                                                               cl.copy_requests, std::move(slots));
+    }
     what = absl::StrCat("row_stride=", cl.row_stride ? cl.row_stride : ws->swa().q_rank() + ws->swa().head_dim());
   }
 
@@ -442,7 +549,11 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       << " transport=" << transport_name
       << " requests=" << (cl.copy_requests ? "serialized" : "shared") << "\n";
   out << "request " << FormatBytes(double(row.caller->RequestBytes()));
-  if (region_transport) {
+  if (ring_transport) {
+    out << " (a call descriptor in a slot of one call ring; tensors in " << cl.concurrency + 1
+        << (cuda_transport ? " CUDA shared-memory allocations; " : " shared-memory objects; ")
+        << FormatBytes(double(row.inline_request_bytes)) << " by RPC with references)";
+  } else if (region_transport) {
     out << " (tensors in " << cl.concurrency + 1 << (cuda_transport ? " CUDA shared-memory allocations; " : " shared-memory objects; ")
         << FormatBytes(double(row.inline_request_bytes)) << " inline)";
   }
@@ -483,7 +594,7 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
       if (probe.status.code() != absl::StatusCode::kResourceExhausted) {
         return absl::Status(probe.status.code(), absl::StrCat("tcp probe call failed: ", probe.status.message()));
       }
-      out << "tcp (the same request, tensors inline): refused, " << absl::StatusCodeToString(probe.status.code())
+      out << row.compare_label << ": refused, " << absl::StatusCodeToString(probe.status.code())
           << ": " << probe.status.message() << "\n";
       inline_refused = true;
     }
@@ -495,10 +606,10 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
                                  .request_bytes = row.tcp_caller->RequestBytes(),
                                  .response_bytes = row.tcp_response_bytes(),
                                  .elapsed_seconds = tcp.elapsed_seconds};
-    out << "tcp (the same request, tensors inline)\n" << tcp.stats.Format(tcp_info);
+    out << row.compare_label << "\n" << tcp.stats.Format(tcp_info);
     if (tcp.stats.ok() > 0 && total.ok() > 0) {
-      out << absl::StrFormat("%s vs tcp  p50 %.3fx, req/s %.2fx, bytes per call %.3fx\n",
-                             transport_name.c_str(),
+      out << absl::StrFormat("%s vs %s  p50 %.3fx, req/s %.2fx, bytes per call %.3fx\n",
+                             transport_name.c_str(), row.compare_short.c_str(),
                              SummarizeLatencies(total.latencies()).p50 / SummarizeLatencies(tcp.stats.latencies()).p50,
                              (double(total.ok()) / measured.elapsed_seconds) / (double(tcp.stats.ok()) / tcp.elapsed_seconds),
                              double(info.request_bytes + info.response_bytes) /
@@ -506,13 +617,22 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
     }
     out.flush();
     // shm, cuda_ipc: the floor is that of the bytes the tensors would have cost over the socket. A
-    // session call's bytes do cross the socket: its floor is its own.
-    if (region_transport) {
+    // session call's bytes do cross the socket: its floor is its own. A ring call's: the floor of
+    // the RPC it replaces (its own bytes, references only, over the socket), below which no RPC goes.
+    if (ring_transport) {
+      floor_request_bytes = tcp_info.request_bytes;
+      floor_response_bytes = tcp_info.response_bytes;
+    } else if (region_transport) {
       floor_request_bytes = tcp_info.request_bytes;
       floor_response_bytes = tcp_info.response_bytes;
     }
   }
-  if (cl.echo_floor) {
+  if (cl.echo_floor && ring_transport) {
+    out << "echo of the RPC's own bytes (the floor of any RPC of this call)\n";
+    if (absl::Status s = RunEchoFloor(client, cl, floor_request_bytes, floor_response_bytes, measured, out); !s.ok()) {
+      return s;
+    }
+  } else if (cl.echo_floor) {
     if (region_transport) {
       // First the floor of the bytes this call itself sends (names, shapes and the report: what no
       // way of moving the tensors goes below), then that of the bytes the tensors cost inline.

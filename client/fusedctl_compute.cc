@@ -86,9 +86,10 @@ absl::StatusOr<bool> ParseRegionTransport(const std::string& transport) {
 
 absl::StatusOr<std::unique_ptr<ClientRegion>> MakeRegion(const FusedLayerClient& client, const CommandLine& cl,
                                                          uint64_t bytes) {
-  if (cl.transport == "cuda_ipc") {
+  if (cl.transport == "cuda_ipc" || cl.transport == "ring_cuda_ipc") {
     if (!cl.cuda_regions) {
-      return absl::FailedPreconditionError("--transport=cuda_ipc needs a fusedctl built with a GPU backend");
+      return absl::FailedPreconditionError(
+          absl::StrCat("--transport=", cl.transport, " needs a fusedctl built with a GPU backend"));
     }
     return cl.cuda_regions(client, bytes);
   }

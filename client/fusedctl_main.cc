@@ -82,7 +82,9 @@ ABSL_FLAG(std::string, transport, "tcp",
           "process creates and registers; same host, server started with --allow_shared_memory); bench --op=mhc "
           "also: session (x only per call, the residual and mixes kept in a residual session on the server); bench "
           "also: cuda_ipc (tensors in device memory of this process on the server's GPU, used by the server's "
-          "kernels in place; server started with --allow_cuda_shared_memory)");
+          "kernels in place; server started with --allow_cuda_shared_memory); bench also: ring and ring_cuda_ipc "
+          "(the shm / cuda_ipc regions, each call through a call ring in shared memory instead of an RPC; server "
+          "started with --allow_call_rings; the RPC over the same regions is the comparison row)");
 ABSL_FLAG(std::string, session, "",
           "seam: run the call in this residual session of the caller's (x only; the residual and mixes stay on "
           "the server between calls). --stage=first opens it (T = --tokens) when it is not open and starts the "
