@@ -76,11 +76,26 @@ absl::StatusCode BenchStats::MostFrequentError() const {
 
 double BenchStats::FusedHitRate() const { return ok() == 0 ? 0.0 : double(fused_) / double(ok()); }
 
+namespace {
+
+// "123 B" when every call had the same size (the expected case), "120..123 B" otherwise.
+std::string ByteRange(uint64_t lo, uint64_t hi) {
+  return lo == hi ? absl::StrCat(lo, " B") : absl::StrCat(lo, "..", hi, " B");
+}
+
+std::string Ratio(double num, double den) { return den > 0 ? absl::StrFormat("%.2fx", num / den) : "n/a"; }
+
+// "1 connection", "4 connections"
+std::string Connections(int n) { return absl::StrCat(n, n == 1 ? " connection" : " connections"); }
+
+}  // namespace
+
 std::string BenchStats::Format(const RunInfo& info) const {
   const double t = info.elapsed_seconds > 0 ? info.elapsed_seconds : 1e-9;
   const double rps = double(ok()) / t;
   std::string s;
   absl::StrAppend(&s, absl::StrFormat("requests     %d ok, %d failed in %.3f s\n", ok(), failed(), info.elapsed_seconds));
+  if (info.connections > 0) absl::StrAppend(&s, "connections  ", info.connections, " (calls spread round robin)\n");
   absl::StrAppend(&s, absl::StrFormat("throughput   %.1f req/s, %.1f tokens/s, %s/s sent, %s/s received\n", rps,
                                       rps * double(info.tokens_per_request), FormatBytes(rps * double(info.request_bytes)),
                                       FormatBytes(rps * double(info.response_bytes))));
@@ -121,20 +136,11 @@ std::string BenchStats::Format(const RunInfo& info) const {
   return s;
 }
 
-namespace {
-
-// "123 B" when every call had the same size (the expected case), "120..123 B" otherwise.
-std::string ByteRange(uint64_t lo, uint64_t hi) {
-  return lo == hi ? absl::StrCat(lo, " B") : absl::StrCat(lo, "..", hi, " B");
-}
-
-std::string Ratio(double num, double den) { return den > 0 ? absl::StrFormat("%.2fx", num / den) : "n/a"; }
-
-}  // namespace
 
 std::string BenchStats::FormatEchoFloor(const BenchStats& call, const BenchStats& echo, const EchoFloorInfo& info) {
   std::string s;
   absl::StrAppend(&s, "echo floor   bare gRPC echo over ", info.transport,
+                  info.connections > 0 ? absl::StrCat(", ", Connections(info.connections)) : "",
                   ", same channel options, same concurrency and duration\n");
   absl::StrAppend(&s, "echo bytes   request ", ByteRange(info.echo_request_bytes_min, info.echo_request_bytes_max),
                   " (server received), response ",

@@ -43,6 +43,7 @@ class BenchStats {
     uint64_t request_bytes = 0;        // serialized size of one request
     uint64_t response_bytes = 0;       // serialized size of one (probe) response
     double elapsed_seconds = 0;        // wall time of the measured window
+    int connections = 0;               // connections the calls were spread over (0: not shown)
   };
   std::string Format(const RunInfo& info) const;
 
@@ -56,6 +57,7 @@ class BenchStats {
     uint64_t echo_response_bytes_min = 0, echo_response_bytes_max = 0;  // as the bench received them
     double call_elapsed_seconds = 0;
     double echo_elapsed_seconds = 0;
+    int connections = 0;                 // connections the echo calls were spread over (0: not shown)
   };
   static std::string FormatEchoFloor(const BenchStats& call, const BenchStats& echo, const EchoFloorInfo& info);
 

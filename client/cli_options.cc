@@ -106,13 +106,13 @@ const std::vector<CommandInfo>& Commands() {
        0,
        {"weight_set", "tokens", "row_stride", "path", "input", "output", "seed", "verify", "transport"}},
       {"bench",
-       "bench --op=mhc|swa --weight_set=NAME --tokens=T --concurrency=N --duration=SECONDS [--path=...] "
-       "[--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S] [--echo_floor] "
-       "[--copy_requests] "
+       "bench --op=mhc|swa --weight_set=NAME --tokens=T --concurrency=N --duration=SECONDS [--connections=K] "
+       "[--path=...] [--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S] "
+       "[--echo_floor] [--copy_requests] "
        "[--transport=tcp|shm|session]",
        0,
-       {"op", "weight_set", "tokens", "concurrency", "duration", "path", "mode", "stage", "no_pre_mix", "capture_aux",
-        "row_stride", "seed", "echo_floor", "copy_requests", "transport"}},
+       {"op", "weight_set", "tokens", "concurrency", "connections", "duration", "path", "mode", "stage", "no_pre_mix",
+        "capture_aux", "row_stride", "seed", "echo_floor", "copy_requests", "transport"}},
       {"soak",
        "soak --concurrency=N --duration=SECONDS [--warmup=SECONDS] [--server_pid=PID] [--max_rss_growth_mb=MB] "
        "[--seed=S] [--churn] [--compute_token_file=FILE]",

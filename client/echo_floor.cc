@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <random>
 
 #include "absl/strings/match.h"
@@ -108,12 +109,19 @@ void EchoFloorServer::Record(uint64_t request_bytes) {
 
 EchoFloorClient::EchoFloorClient(std::shared_ptr<grpc::Channel> channel, uint64_t request_bytes,
                                  const ClientOptions& options)
-    : channel_(std::move(channel)),
-      // Registered on the channel like a generated stub's method.
-      method_(kEchoFloorMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel_),
-      request_(EchoFloorServer::Service::MakeBuffer(request_bytes)),
-      request_bytes_(request_bytes),
-      options_(options) {}
+    : EchoFloorClient(std::vector<std::shared_ptr<grpc::Channel>>{std::move(channel)}, request_bytes, options) {}
+
+EchoFloorClient::EchoFloorClient(const std::vector<std::shared_ptr<grpc::Channel>>& channels, uint64_t request_bytes,
+                                 const ClientOptions& options)
+    : request_(EchoFloorServer::Service::MakeBuffer(request_bytes)), request_bytes_(request_bytes), options_(options) {
+  if (channels.empty()) std::abort();  // a programming error: FusedLayerClient always has a channel
+  members_.reserve(channels.size());
+  for (const std::shared_ptr<grpc::Channel>& channel : channels) {
+    // Registered on each channel like a generated stub's method.
+    members_.push_back({channel, grpc::internal::RpcMethod(kEchoFloorMethod, grpc::internal::RpcMethod::NORMAL_RPC,
+                                                           channel)});
+  }
+}
 
 absl::StatusOr<uint64_t> EchoFloorClient::Call() const {
   // The same per-call set-up as FusedLayerClient::Prepare: deadline, wait-for-ready, token header.
@@ -121,9 +129,13 @@ absl::StatusOr<uint64_t> EchoFloorClient::Call() const {
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
   ctx.set_wait_for_ready(options_.wait_for_ready);
   if (!options_.bearer_token.empty()) ctx.AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  // The member choice as in FusedLayerClient::Next.
+  const Member& m = members_.size() == 1
+                        ? members_.front()
+                        : members_[next_member_.fetch_add(1, std::memory_order_relaxed) % members_.size()];
   grpc::ByteBuffer response;
   const grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
-      channel_.get(), method_, &ctx, request_, &response);
+      m.channel.get(), m.method, &ctx, request_, &response);
   if (!status.ok()) return ToAbslStatus(status);
   return uint64_t(response.Length());
 }

@@ -2,9 +2,9 @@
 //
 // The benchmark starts an EchoFloorServer in its own process, on loopback (or on a unix socket when
 // the benchmarked target is one), answering every call with a fixed-size response after reading the
-// whole request, and drives it through an EchoFloorClient whose channel is built exactly like the
-// real one (FusedLayerClient::Connect with the same ClientOptions: message size limits, deadline,
-// bearer-token header). What the echo costs is what gRPC and the socket cost for those byte counts
+// whole request, and drives it through an EchoFloorClient whose channels are built exactly like the
+// real ones (FusedLayerClient::Connect with the same ClientOptions: message size limits, deadline,
+// bearer-token header, and as many connections). What the echo costs is what gRPC and the socket cost for those byte counts
 // with no protobuf parsing, no validation and no compute: the floor under the real round trip.
 //
 // Not part of the product API: the method name is fusedctl's own and no server answers it.
@@ -15,6 +15,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "client/fusedlayer_client.h"
@@ -63,15 +64,25 @@ class EchoFloorClient {
   // Calls kEchoFloorMethod on `channel` with a request of `request_bytes` bytes, the deadline and
   // the bearer-token header of `options` (as FusedLayerClient does for its calls).
   EchoFloorClient(std::shared_ptr<grpc::Channel> channel, uint64_t request_bytes, const ClientOptions& options);
+  // The same over a pool (FusedLayerClient::channels(): at least one): each call takes the next
+  // channel, round robin, as FusedLayerClient's calls do, so the floor has the real call's connections.
+  EchoFloorClient(const std::vector<std::shared_ptr<grpc::Channel>>& channels, uint64_t request_bytes,
+                  const ClientOptions& options);
 
   // One blocking unary call, through the same code path as a generated stub's (BlockingUnaryCall).
   // The response size in bytes, or the call's error.
   absl::StatusOr<uint64_t> Call() const;
   uint64_t request_bytes() const { return request_bytes_; }
+  int connections() const { return static_cast<int>(members_.size()); }
 
  private:
-  std::shared_ptr<grpc::Channel> channel_;
-  grpc::internal::RpcMethod method_;
+  // A channel and the echo method registered with it.
+  struct Member {
+    std::shared_ptr<grpc::Channel> channel;
+    grpc::internal::RpcMethod method;
+  };
+  std::vector<Member> members_;
+  mutable std::atomic<uint64_t> next_member_{0};
   grpc::ByteBuffer request_;
   uint64_t request_bytes_;
   ClientOptions options_;

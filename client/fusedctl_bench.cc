@@ -8,6 +8,9 @@
 //
 // --echo_floor then runs the same closed loop against a bare gRPC echo of the same byte counts
 // (client/echo_floor.h) and prints it next to the real call: the transport floor of that row.
+//
+// The calls are spread over the client's connections (--connections, ClientOptions::connections;
+// by default chosen from --concurrency), and the echo over as many: each row says how many.
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -371,14 +374,17 @@ absl::Status RunEchoFloor(const FusedLayerClient& client, const CommandLine& cl,
   if (absl::StartsWith(listen, "unix:") && scratch.path().empty()) {
     return absl::InternalError("echo floor: cannot create a scratch directory under /tmp for its socket");
   }
-  const ClientOptions& options = client.options();
+  ClientOptions options = client.options();
+  // As many connections as the real call had, whatever the echo's address would default to.
+  options.connections = client.connections();
   absl::StatusOr<std::unique_ptr<EchoFloorServer>> echo =
       EchoFloorServer::Start(listen, response_bytes, options.max_message_bytes);
   if (!echo.ok()) return echo.status();
-  // The same channel construction as the real one: same message limits, deadline and token header.
+  // The same channel construction as the real one: same message limits, deadline, token header and
+  // number of connections.
   absl::StatusOr<std::unique_ptr<FusedLayerClient>> echo_channel = FusedLayerClient::Connect((*echo)->target(), options);
   if (!echo_channel.ok()) return echo_channel.status();
-  const EchoFloorClient echo_client((*echo_channel)->channel(), request_bytes, options);
+  const EchoFloorClient echo_client((*echo_channel)->channels(), request_bytes, options);
 
   std::atomic<uint64_t> response_min{UINT64_MAX}, response_max{0};
   auto echo_call = [&]() {
@@ -414,6 +420,7 @@ absl::Status RunEchoFloor(const FusedLayerClient& client, const CommandLine& cl,
   info.echo_response_bytes_max = response_max.load();
   info.call_elapsed_seconds = call.elapsed_seconds;
   info.echo_elapsed_seconds = floor.elapsed_seconds;
+  info.connections = echo_client.connections();
   out << BenchStats::FormatEchoFloor(call.stats, floor.stats, info);
   if (floor.stats.failed() > 0) {
     return absl::Status(floor.stats.MostFrequentError(),
@@ -545,7 +552,7 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
 
   out << "bench op=" << cl.op << " weight_set=" << cl.weight_set << " tokens=" << cl.tokens << " " << what
       << " path=" << PathPreferenceName(*path) << " concurrency=" << cl.concurrency
-      << " duration=" << absl::FormatDuration(cl.duration) << " seed=" << seed
+      << " connections=" << client.connections() << " duration=" << absl::FormatDuration(cl.duration) << " seed=" << seed
       << " transport=" << transport_name
       << " requests=" << (cl.copy_requests ? "serialized" : "shared") << "\n";
   out << "request " << FormatBytes(double(row.caller->RequestBytes()));
@@ -581,7 +588,8 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
                            .tokens_per_request = cl.tokens,
                            .request_bytes = row.caller->RequestBytes(),
                            .response_bytes = row.response_bytes(),
-                           .elapsed_seconds = measured.elapsed_seconds};
+                           .elapsed_seconds = measured.elapsed_seconds,
+                           .connections = client.connections()};
   out << total.Format(info);
   out.flush();
   uint64_t floor_request_bytes = info.request_bytes, floor_response_bytes = info.response_bytes;
@@ -605,7 +613,8 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
                                  .tokens_per_request = cl.tokens,
                                  .request_bytes = row.tcp_caller->RequestBytes(),
                                  .response_bytes = row.tcp_response_bytes(),
-                                 .elapsed_seconds = tcp.elapsed_seconds};
+                                 .elapsed_seconds = tcp.elapsed_seconds,
+                                 .connections = client.connections()};
     out << row.compare_label << "\n" << tcp.stats.Format(tcp_info);
     if (tcp.stats.ok() > 0 && total.ok() > 0) {
       out << absl::StrFormat("%s vs %s  p50 %.3fx, req/s %.2fx, bytes per call %.3fx\n",

@@ -62,6 +62,9 @@ ABSL_FLAG(std::string, prefix, "",
 ABSL_FLAG(int64_t, row_stride, 0, "swa/bench: qr_kv row stride in elements (0 = Q + D)");
 ABSL_FLAG(std::string, op, "", "bench: mhc | swa");
 ABSL_FLAG(int32_t, concurrency, 1, "bench: concurrent callers");
+ABSL_FLAG(int32_t, connections, 0,
+          "bench: connections the calls are spread over, round robin, 1..64 (0 = chosen from --concurrency: one per "
+          "4 callers, at most 8; 1 for a unix: target); the echo floor uses as many");
 ABSL_FLAG(std::string, duration, "10", "bench: measured duration, seconds (or e.g. 10s, 1m)");
 ABSL_FLAG(uint64_t, seed, 0, "seam/swa/bench/soak: random input seed (0 = fresh, printed)");
 ABSL_FLAG(std::string, warmup, "5", "soak: warm-up at full concurrency before the RSS baseline, seconds (0 = none)");
@@ -255,7 +258,19 @@ int main(int argc, char** argv) {
   if (cl.tokens < 0) return UsageError("--tokens must be >= 0");
   if (cl.row_stride < 0) return UsageError("--row_stride must be >= 0");
 
+  const std::string& n = command->name;
   ClientOptions options;
+  if (n == "bench") {
+    // Only bench sizes the pool from its callers: the other commands make one call at a time (soak
+    // measures the server's memory and keeps the connection count it always had).
+    const int connections = absl::GetFlag(FLAGS_connections);
+    if (connections < 0 || connections > kMaxConnections) {
+      return UsageError(absl::StrCat("--connections=", connections, " is outside 0..", kMaxConnections,
+                                     " (0: chosen from --concurrency)"));
+    }
+    options.connections = connections;
+    options.expected_concurrency = std::max(1, cl.concurrency);  // bench itself rejects --concurrency < 1
+  }
   options.deadline = absl::GetFlag(FLAGS_deadline);
   options.load_deadline = std::max(options.deadline, options.load_deadline);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
@@ -279,7 +294,6 @@ int main(int argc, char** argv) {
 
   absl::Status status;
   bool serving = false;
-  const std::string& n = command->name;
   if (n == "info") status = RunInfo(**client, cl, std::cout);
   else if (n == "health") status = RunHealth(**client, cl, std::cout, &serving);
   else if (n == "load") status = RunLoad(**client, cl, std::cout);

@@ -4,15 +4,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <limits>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/transport_credentials.h"
 #include "client/wire_request.h"
 #include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
+#include "grpc/grpc.h"
 #include "grpcpp/support/channel_arguments.h"
 
 namespace fusedlayer::client {
@@ -38,7 +41,31 @@ absl::Status ValidateClientOptions(const ClientOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat(
         "load_deadline = ", absl::FormatDuration(options.load_deadline), " must be positive"));
   }
+  if (options.connections < 0 || options.connections > kMaxConnections) {
+    return absl::InvalidArgumentError(absl::StrCat("connections = ", options.connections, " is outside 0..",
+                                                   kMaxConnections, " (0: chosen from expected_concurrency)"));
+  }
+  if (options.expected_concurrency < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected_concurrency = ", options.expected_concurrency, " must be at least 1"));
+  }
   return absl::OkStatus();
+}
+
+bool IsUnixSocketTarget(absl::string_view target) {
+  return absl::StartsWith(target, "unix:") || absl::StartsWith(target, "unix-abstract:");
+}
+
+int DefaultConnections(absl::string_view target, int expected_concurrency) {
+  if (IsUnixSocketTarget(target)) return 1;
+  constexpr int kCallsPerConnection = 4;
+  constexpr int kMaxDefaultConnections = 8;
+  const int concurrency = std::max(expected_concurrency, 1);
+  return std::min(kMaxDefaultConnections, (concurrency + kCallsPerConnection - 1) / kCallsPerConnection);
+}
+
+int ConnectionsFor(absl::string_view target, const ClientOptions& options) {
+  return options.connections > 0 ? options.connections : DefaultConnections(target, options.expected_concurrency);
 }
 
 absl::Status ToAbslStatus(const grpc::Status& status) {
@@ -64,18 +91,48 @@ absl::StatusOr<std::unique_ptr<FusedLayerClient>> FusedLayerClient::Connect(cons
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
   auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
-  auto channel = grpc::CreateCustomChannel(target, credentials, args);
-  if (!channel) return absl::InternalError(absl::StrCat("cannot create a channel to ", target));
-  return std::make_unique<FusedLayerClient>(std::move(channel), std::move(options));
+  const int connections = ConnectionsFor(target, options);
+  if (connections > 1) {
+    // Channels with equal arguments share one connection through gRPC's global subchannel pool; a
+    // pool of its own per channel gives each channel, and so each member, its own connection.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  }
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  channels.reserve(static_cast<size_t>(connections));
+  for (int i = 0; i < connections; ++i) {
+    std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(target, credentials, args);
+    if (!channel) return absl::InternalError(absl::StrCat("cannot create a channel to ", target));
+    channels.push_back(std::move(channel));
+  }
+  return std::make_unique<FusedLayerClient>(std::move(channels), std::move(options));
 }
 
+FusedLayerClient::Connection::Connection(const std::shared_ptr<grpc::Channel>& channel)
+    : channel(channel),
+      stub(v1::FusedLayer::NewStub(channel)),
+      health_stub(grpc::health::v1::Health::NewStub(channel)),
+      mhc_method("/fusedlayer.v1.FusedLayer/MhcSeam", grpc::internal::RpcMethod::NORMAL_RPC, channel),
+      swa_method("/fusedlayer.v1.FusedLayer/SwaNormQuant", grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
+
 FusedLayerClient::FusedLayerClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
-    : channel_(std::move(channel)),
-      options_(std::move(options)),
-      stub_(v1::FusedLayer::NewStub(channel_)),
-      health_stub_(grpc::health::v1::Health::NewStub(channel_)),
-      mhc_method_("/fusedlayer.v1.FusedLayer/MhcSeam", grpc::internal::RpcMethod::NORMAL_RPC, channel_),
-      swa_method_("/fusedlayer.v1.FusedLayer/SwaNormQuant", grpc::internal::RpcMethod::NORMAL_RPC, channel_) {}
+    : FusedLayerClient(std::vector<std::shared_ptr<grpc::Channel>>{std::move(channel)}, std::move(options)) {}
+
+FusedLayerClient::FusedLayerClient(std::vector<std::shared_ptr<grpc::Channel>> channels, ClientOptions options)
+    : channels_(std::move(channels)), options_(std::move(options)) {
+  // An empty pool or a null channel is a programming error of the embedder, not a runtime condition.
+  if (channels_.empty()) std::abort();
+  connections_.reserve(channels_.size());
+  for (const std::shared_ptr<grpc::Channel>& channel : channels_) {
+    if (channel == nullptr) std::abort();
+    connections_.emplace_back(channel);
+  }
+}
+
+const FusedLayerClient::Connection& FusedLayerClient::Next() const {
+  // One connection: no shared counter for every call of every thread to bounce between cores.
+  if (connections_.size() == 1) return connections_.front();
+  return connections_[next_connection_.fetch_add(1, std::memory_order_relaxed) % connections_.size()];
+}
 
 void FusedLayerClient::Prepare(grpc::ClientContext& ctx, const CallOptions& call,
                                absl::Duration fallback) const {
@@ -89,16 +146,17 @@ void FusedLayerClient::Prepare(grpc::ClientContext& ctx, const CallOptions& call
 
 absl::StatusOr<v1::MhcSeamResponse> FusedLayerClient::MhcSeam(const v1::MhcSeamRequest& request,
                                                               const CallOptions& call) const {
-  return Unary(*stub_, &v1::FusedLayer::Stub::MhcSeam, request, call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::MhcSeam, request, call);
 }
 
 absl::StatusOr<v1::SwaNormQuantResponse> FusedLayerClient::SwaNormQuant(const v1::SwaNormQuantRequest& request,
                                                                         const CallOptions& call) const {
-  return Unary(*stub_, &v1::FusedLayer::Stub::SwaNormQuant, request, call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::SwaNormQuant, request, call);
 }
 
 template <typename Response>
-absl::StatusOr<Response> FusedLayerClient::SharedRequestCall(const grpc::internal::RpcMethod& method,
+absl::StatusOr<Response> FusedLayerClient::SharedRequestCall(grpc::Channel& channel,
+                                                             const grpc::internal::RpcMethod& method,
                                                              std::shared_ptr<const google::protobuf::Message> request,
                                                              const CallOptions& call) const {
   grpc::ClientContext ctx;
@@ -106,30 +164,32 @@ absl::StatusOr<Response> FusedLayerClient::SharedRequestCall(const grpc::interna
   const grpc::ByteBuffer wire = EncodeRequestByReference(std::move(request));
   Response response;
   const grpc::Status s =
-      grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, Response>(channel_.get(), method, &ctx, wire, &response);
+      grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, Response>(&channel, method, &ctx, wire, &response);
   if (!s.ok()) return ToAbslStatus(s);
   return response;
 }
 
 absl::StatusOr<v1::MhcSeamResponse> FusedLayerClient::MhcSeam(std::shared_ptr<const v1::MhcSeamRequest> request,
                                                               const CallOptions& call) const {
-  return SharedRequestCall<v1::MhcSeamResponse>(mhc_method_, std::move(request), call);
+  const Connection& c = Next();
+  return SharedRequestCall<v1::MhcSeamResponse>(*c.channel, c.mhc_method, std::move(request), call);
 }
 
 absl::StatusOr<v1::SwaNormQuantResponse> FusedLayerClient::SwaNormQuant(
     std::shared_ptr<const v1::SwaNormQuantRequest> request, const CallOptions& call) const {
-  return SharedRequestCall<v1::SwaNormQuantResponse>(swa_method_, std::move(request), call);
+  const Connection& c = Next();
+  return SharedRequestCall<v1::SwaNormQuantResponse>(*c.channel, c.swa_method, std::move(request), call);
 }
 
 absl::StatusOr<v1::ListWeightSetsResponse> FusedLayerClient::ListWeightSets(const CallOptions& call) const {
-  return Unary(*stub_, &v1::FusedLayer::Stub::ListWeightSets, v1::ListWeightSetsRequest(), call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::ListWeightSets, v1::ListWeightSetsRequest(), call);
 }
 
 absl::StatusOr<v1::UnloadWeightSetResponse> FusedLayerClient::UnloadWeightSet(const std::string& name,
                                                                               const CallOptions& call) const {
   v1::UnloadWeightSetRequest request;
   request.set_name(name);
-  return Unary(*stub_, &v1::FusedLayer::Stub::UnloadWeightSet, request, call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::UnloadWeightSet, request, call);
 }
 
 absl::StatusOr<v1::CommitWeightSetsResponse> FusedLayerClient::CommitWeightSets(const std::string& stage,
@@ -138,7 +198,7 @@ absl::StatusOr<v1::CommitWeightSetsResponse> FusedLayerClient::CommitWeightSets(
   v1::CommitWeightSetsRequest request;
   request.set_stage(stage);
   request.set_discard(discard);
-  return Unary(*stub_, &v1::FusedLayer::Stub::CommitWeightSets, request, call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::CommitWeightSets, request, call);
 }
 
 absl::Status FusedLayerClient::RegisterSystemSharedMemory(const std::string& name, const std::string& key,
@@ -149,21 +209,21 @@ absl::Status FusedLayerClient::RegisterSystemSharedMemory(const std::string& nam
   request.set_key(key);
   request.set_offset(offset);
   request.set_byte_size(byte_size);
-  return Unary(*stub_, &v1::FusedLayer::Stub::RegisterSystemSharedMemory, request, call).status();
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::RegisterSystemSharedMemory, request, call).status();
 }
 
 absl::StatusOr<v1::SystemSharedMemoryStatusResponse> FusedLayerClient::SystemSharedMemoryStatus(
     const std::string& name, const CallOptions& call) const {
   v1::SystemSharedMemoryStatusRequest request;
   request.set_name(name);
-  return Unary(*stub_, &v1::FusedLayer::Stub::SystemSharedMemoryStatus, request, call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::SystemSharedMemoryStatus, request, call);
 }
 
 absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> FusedLayerClient::UnregisterSystemSharedMemory(
     const std::string& name, const CallOptions& call) const {
   v1::UnregisterSystemSharedMemoryRequest request;
   request.set_name(name);
-  return Unary(*stub_, &v1::FusedLayer::Stub::UnregisterSystemSharedMemory, request, call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::UnregisterSystemSharedMemory, request, call);
 }
 
 absl::Status FusedLayerClient::RegisterCudaSharedMemory(const std::string& name, const std::string& raw_handle,
@@ -175,21 +235,21 @@ absl::Status FusedLayerClient::RegisterCudaSharedMemory(const std::string& name,
   request.set_device_id(device_id);
   request.set_offset(offset);
   request.set_byte_size(byte_size);
-  return Unary(*stub_, &v1::FusedLayer::Stub::RegisterCudaSharedMemory, request, call).status();
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::RegisterCudaSharedMemory, request, call).status();
 }
 
 absl::StatusOr<v1::CudaSharedMemoryStatusResponse> FusedLayerClient::CudaSharedMemoryStatus(
     const std::string& name, const CallOptions& call) const {
   v1::CudaSharedMemoryStatusRequest request;
   request.set_name(name);
-  return Unary(*stub_, &v1::FusedLayer::Stub::CudaSharedMemoryStatus, request, call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::CudaSharedMemoryStatus, request, call);
 }
 
 absl::StatusOr<v1::UnregisterCudaSharedMemoryResponse> FusedLayerClient::UnregisterCudaSharedMemory(
     const std::string& name, const CallOptions& call) const {
   v1::UnregisterCudaSharedMemoryRequest request;
   request.set_name(name);
-  return Unary(*stub_, &v1::FusedLayer::Stub::UnregisterCudaSharedMemory, request, call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::UnregisterCudaSharedMemory, request, call);
 }
 
 absl::StatusOr<uint64_t> FusedLayerClient::OpenResidualSession(const std::string& name, int64_t tokens, int hc_mult,
@@ -200,7 +260,7 @@ absl::StatusOr<uint64_t> FusedLayerClient::OpenResidualSession(const std::string
   request.set_hc_mult(hc_mult);
   request.set_hidden(hidden);
   absl::StatusOr<v1::OpenResidualSessionResponse> r =
-      Unary(*stub_, &v1::FusedLayer::Stub::OpenResidualSession, request, call);
+      Unary(*Next().stub, &v1::FusedLayer::Stub::OpenResidualSession, request, call);
   if (!r.ok()) return r.status();
   return r->bytes();
 }
@@ -211,18 +271,18 @@ absl::StatusOr<v1::OpenCallRingResponse> FusedLayerClient::OpenCallRing(const v1
 }
 
 absl::StatusOr<v1::ListResidualSessionsResponse> FusedLayerClient::ListResidualSessions(const CallOptions& call) const {
-  return Unary(*stub_, &v1::FusedLayer::Stub::ListResidualSessions, v1::ListResidualSessionsRequest(), call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::ListResidualSessions, v1::ListResidualSessionsRequest(), call);
 }
 
 absl::StatusOr<v1::CloseResidualSessionResponse> FusedLayerClient::CloseResidualSession(const std::string& name,
                                                                                         const CallOptions& call) const {
   v1::CloseResidualSessionRequest request;
   request.set_name(name);
-  return Unary(*stub_, &v1::FusedLayer::Stub::CloseResidualSession, request, call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::CloseResidualSession, request, call);
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> FusedLayerClient::GetServerInfo(const CallOptions& call) const {
-  return Unary(*stub_, &v1::FusedLayer::Stub::GetServerInfo, v1::GetServerInfoRequest(), call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::GetServerInfo, v1::GetServerInfoRequest(), call);
 }
 
 absl::StatusOr<v1::WeightSetInfo> FusedLayerClient::FindWeightSet(const std::string& name,
@@ -279,7 +339,7 @@ absl::StatusOr<v1::WeightSetInfo> FusedLayerClient::LoadWeights(v1::WeightSetHea
   grpc::ClientContext ctx;
   Prepare(ctx, call, options_.load_deadline);
   v1::WeightSetInfo info;
-  std::unique_ptr<grpc::ClientWriter<v1::WeightChunk>> writer = stub_->LoadWeights(&ctx, &info);
+  std::unique_ptr<grpc::ClientWriter<v1::WeightChunk>> writer = Next().stub->LoadWeights(&ctx, &info);
   size_t offset = 0;
   bool first = true;
   // A stream whose Write fails is broken (server error, deadline): stop writing and let Finish()
@@ -304,7 +364,7 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> FusedLayerC
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   absl::StatusOr<grpc::health::v1::HealthCheckResponse> response =
-      Unary(*health_stub_, &grpc::health::v1::Health::Stub::Check, request, call);
+      Unary(*Next().health_stub, &grpc::health::v1::Health::Stub::Check, request, call);
   if (!response.ok()) return response.status();
   return response->status();
 }

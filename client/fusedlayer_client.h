@@ -11,15 +11,20 @@
 //    (one message per chunk keeps each far below any message limit), with the payload length and
 //    SHA-256 filled in when the caller left them empty.
 //  - grpc.health.v1 Check, used by `fusedctl health` (Docker HEALTHCHECK, Kubernetes probes).
+//  - A pool of connections (ClientOptions::connections): calls spread round robin over several
+//    channels, each on a TCP connection of its own, so concurrent calls are not all framed through
+//    one HTTP/2 connection.
 //
-// Thread safety: a FusedLayerClient may be shared by any number of threads (the channel and the stubs
+// Thread safety: a FusedLayerClient may be shared by any number of threads (the channels and the stubs
 // are thread-safe; every call has its own ClientContext).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 #include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
@@ -39,6 +44,9 @@ namespace v1 = ::fusedlayer::v1;
 
 inline constexpr int64_t kDefaultMaxMessageBytes = int64_t{1} << 30;  // 1 GiB, as the server
 inline constexpr size_t kDefaultChunkBytes = size_t{4} << 20;        // 4 MiB per LoadWeights message
+// Upper bound of ClientOptions::connections: far more than one client process can keep busy, and a
+// typo such as 1000 would otherwise open a thousand sockets on the server.
+inline constexpr int kMaxConnections = 64;
 
 struct ClientOptions {
   // Largest message the client sends or receives. Must lie in [4 KiB, 2 GiB - 1]: protobuf cannot
@@ -64,10 +72,37 @@ struct ClientOptions {
   // once with UNAVAILABLE while the server is still starting. Off by default: a CLI should say
   // "connection refused" immediately.
   bool wait_for_ready = false;
+  // How many TCP connections the client spreads its calls over, in [0, kMaxConnections]. gRPC C++
+  // puts every channel to one target with equal arguments on a single shared connection (its global
+  // subchannel pool), and one HTTP/2 connection carries its messages one frame at a time through one
+  // socket (about 1 GiB/s), so concurrent calls with megabytes of tensors queue behind each other on
+  // it however many threads send them. With N > 1 the client makes N channels, each with its own
+  // subchannel pool and so its own connection, and every call takes the next one (round robin);
+  // the stubs, shared-request methods, credentials, limits, deadlines and token apply on each.
+  // 0: DefaultConnections(target, expected_concurrency). 1: one channel, created as before pools
+  // existed (it may share its connection with other clients of the same target and options).
+  int connections = 0;
+  // How many calls the caller expects to have in flight at once (>= 1): what connections = 0 sizes
+  // the pool from. The default, 1, keeps a single connection.
+  int expected_concurrency = 1;
 };
 
 // Checks ranges; InvalidArgument names the offending field.
 absl::Status ValidateClientOptions(const ClientOptions& options);
+
+// True for unix: and unix-abstract: targets (one local socket: no TCP connection to spread over).
+bool IsUnixSocketTarget(absl::string_view target);
+
+// The pool size that ClientOptions::connections = 0 picks: 1 for a unix-socket target; otherwise
+// one connection per 4 expected concurrent calls, rounded up, at most 8. Why 4: a caller spends
+// part of each call away from the socket (building its request, waiting for the server's compute,
+// reading the response), so a few callers per connection keep each one busy without a socket, an
+// HTTP/2 session and flow-control windows on the server per caller; why at most 8: a very
+// concurrent caller should not open dozens of sockets on a shared server by default. Both are
+// starting points: `fusedctl bench --connections=N` measures other sizes beside the echo floor.
+int DefaultConnections(absl::string_view target, int expected_concurrency);
+// The number of connections Connect(target, options) makes: options.connections, or the default.
+int ConnectionsFor(absl::string_view target, const ClientOptions& options);
 
 // grpc::Status -> absl::Status, same code and message (the two enums share their numbering).
 absl::Status ToAbslStatus(const grpc::Status& status);
@@ -79,13 +114,16 @@ struct CallOptions {
 
 class FusedLayerClient {
  public:
-  // Creates the channel (lazily connecting: no network traffic happens before the first call, so a
-  // wrong target surfaces as UNAVAILABLE on that call). InvalidArgument for an empty target or bad
-  // options.
+  // Creates the channels, ConnectionsFor(target, options) of them (lazily connecting: no network
+  // traffic happens before the first call, so a wrong target surfaces as UNAVAILABLE on that call).
+  // InvalidArgument for an empty target or bad options.
   static absl::StatusOr<std::unique_ptr<FusedLayerClient>> Connect(const std::string& target,
                                                                     ClientOptions options = {});
-  // For tests and embedders that already have a channel (e.g. an in-process one).
+  // For tests and embedders that already have a channel (e.g. an in-process one): every call on it.
+  // options.connections is not consulted.
   FusedLayerClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
+  // A pool of existing channels (at least one, none null): calls take them round robin.
+  FusedLayerClient(std::vector<std::shared_ptr<grpc::Channel>> channels, ClientOptions options);
 
   absl::StatusOr<v1::MhcSeamResponse> MhcSeam(const v1::MhcSeamRequest& request,
                                               const CallOptions& call = {}) const;
@@ -156,12 +194,30 @@ class FusedLayerClient {
       const std::string& service, const CallOptions& call = {}) const;
 
   const ClientOptions& options() const { return options_; }
-  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  // The first connection's channel: for calls this class does not make (reflection, a generic stub).
+  // With several connections the client's own calls use all of them; channels() lists them.
+  const std::shared_ptr<grpc::Channel>& channel() const { return channels_.front(); }
+  const std::vector<std::shared_ptr<grpc::Channel>>& channels() const { return channels_; }
+  // How many connections the calls are spread over (channels().size()).
+  int connections() const { return static_cast<int>(channels_.size()); }
 
  private:
+  // One member of the pool: its channel, the stubs on it and the shared-request methods registered
+  // with it (a registered method belongs to the channel it was registered with).
+  struct Connection {
+    explicit Connection(const std::shared_ptr<grpc::Channel>& channel);
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::FusedLayer::Stub> stub;
+    std::unique_ptr<grpc::health::v1::Health::Stub> health_stub;
+    grpc::internal::RpcMethod mhc_method;
+    grpc::internal::RpcMethod swa_method;
+  };
+  // The connection of the next call, round robin.
+  const Connection& Next() const;
+
   void Prepare(grpc::ClientContext& ctx, const CallOptions& call, absl::Duration fallback) const;
-  // One unary call of `stub` (stub_ or health_stub_) with the per-call options: every unary RPC
-  // goes through here, so deadlines, wait-for-ready and the token are set in one place.
+  // One unary call of `stub` (a connection's stub or health_stub) with the per-call options: every
+  // unary RPC goes through here, so deadlines, wait-for-ready and the token are set in one place.
   template <typename Stub, typename Request, typename Response>
   absl::StatusOr<Response> Unary(Stub& stub,
                                  grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
@@ -172,19 +228,17 @@ class FusedLayerClient {
     if (grpc::Status s = (stub.*method)(&ctx, request, &response); !s.ok()) return ToAbslStatus(s);
     return response;
   }
-  // One compute call of `method` with a shared request (the overloads above).
+  // One compute call of `method` (Connection::mhc_method or swa_method) with a shared request (the
+  // overloads above), on `channel`, the channel the method was registered with.
   template <typename Response>
-  absl::StatusOr<Response> SharedRequestCall(const grpc::internal::RpcMethod& method,
+  absl::StatusOr<Response> SharedRequestCall(grpc::Channel& channel, const grpc::internal::RpcMethod& method,
                                              std::shared_ptr<const google::protobuf::Message> request,
                                              const CallOptions& call) const;
 
-  std::shared_ptr<grpc::Channel> channel_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
   ClientOptions options_;
-  std::unique_ptr<v1::FusedLayer::Stub> stub_;
-  std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
-  // MhcSeam and SwaNormQuant registered with the channel, for the shared-request calls.
-  const grpc::internal::RpcMethod mhc_method_;
-  const grpc::internal::RpcMethod swa_method_;
+  std::vector<Connection> connections_;  // connections_[i] is on channels_[i]
+  mutable std::atomic<uint64_t> next_connection_{0};
 };
 
 // Lower-case hex SHA-256 of `data` (the digest LoadWeights sends in the header).

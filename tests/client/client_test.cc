@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "client/bench_stats.h"
 #include "client/cli_options.h"
 #include "client/echo_floor.h"
@@ -687,6 +688,9 @@ TEST(BenchStatsTest, HitRateFallbacksErrorsAndMerge) {
   EXPECT_TRUE(absl::StrContains(text, "too_many_tokens: 2")) << text;
   EXPECT_TRUE(absl::StrContains(text, "RESOURCE_EXHAUSTED: 2 (first: queue full)")) << text;
   EXPECT_TRUE(absl::StrContains(text, "p50 2.000 ms")) << text;  // nearest rank of {1,2,3,4} ms
+  EXPECT_FALSE(absl::StrContains(text, "connections")) << text;  // not given: not shown
+  const std::string pooled = a.Format({.op = "mhc", .elapsed_seconds = 2.0, .connections = 4});
+  EXPECT_TRUE(absl::StrContains(pooled, "\nconnections  4 (calls spread round robin)\n")) << pooled;
   EXPECT_EQ(BenchStats().FusedHitRate(), 0.0);
   EXPECT_EQ(BenchStats().MostFrequentError(), absl::StatusCode::kOk);
 }
@@ -769,7 +773,15 @@ TEST(BenchStatsTest, EchoFloorBlockHasTheFieldsAndRatios) {
                                  .call_elapsed_seconds = 2.0,
                                  .echo_elapsed_seconds = 1.0};
   const std::string text = BenchStats::FormatEchoFloor(call, echo, info);
-  EXPECT_TRUE(absl::StrContains(text, "echo floor   bare gRPC echo over 127.0.0.1 (plaintext)")) << text;
+  EXPECT_TRUE(absl::StrContains(text, "echo floor   bare gRPC echo over 127.0.0.1 (plaintext), same channel")) << text;
+  // With the connection count, the title names it.
+  for (const auto& [n, words] : {std::pair{1, "1 connection,"}, std::pair{4, "4 connections,"}}) {
+    BenchStats::EchoFloorInfo pooled = info;
+    pooled.connections = n;
+    const std::string title = BenchStats::FormatEchoFloor(call, echo, pooled);
+    EXPECT_TRUE(absl::StrContains(title, absl::StrCat("over 127.0.0.1 (plaintext), ", words, " same channel options")))
+        << title;
+  }
   EXPECT_TRUE(absl::StrContains(text, "echo bytes   request 1234 B (server received), response 5678..5679 B "
                                       "(client received); call request 1234 B, response 5678 B")) << text;
   EXPECT_TRUE(absl::StrContains(text, "echo         4 ok, 1 failed in 1.000 s, 4.0 req/s")) << text;

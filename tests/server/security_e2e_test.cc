@@ -169,9 +169,10 @@ class SecurityTest : public ::testing::Test {
   // IP:127.0.0.1 unless `server_name` overrides it.
   static std::unique_ptr<FusedLayerClient> Client(int port, const std::string& token, const std::string& ca,
                                                   const std::string& cert = "", const std::string& key = "",
-                                                  const std::string& server_name = "") {
+                                                  const std::string& server_name = "", int connections = 1) {
     ClientOptions o;
     o.deadline = absl::Seconds(30);
+    o.connections = connections;
     o.bearer_token = token;
     o.tls_server_name = server_name;
     if (!ca.empty()) {
@@ -329,6 +330,41 @@ TEST_F(SecurityTest, BearerTokensOverTlsEnforceRightsPerMethod) {
   // A wrong token on an open service is ignored rather than refused (the probe path stays simple).
   EXPECT_TRUE(wrong->CheckHealth("").ok());
   still_serving();
+}
+
+// A client with a pool of connections (ClientOptions::connections) sets up each member as it did its
+// one channel: the TLS credentials with a client certificate, the server-name override and the
+// token reach the server on every connection, and a member without the token is refused alike.
+TEST_F(SecurityTest, EveryConnectionOfAPoolCarriesTlsTheServerNameAndTheToken) {
+  std::mt19937_64 rng = MakeRng(73);
+  std::vector<server::PackedWeightSet> initial;
+  initial.push_back(MakeWeightSet(rng, "sec/pool", MhcSetSpec{}, std::nullopt));
+  auto ts = TestServer::Start(TlsConfig(/*mutual=*/true, /*tokens=*/true), nullptr, std::move(initial));
+  ASSERT_NE(ts, nullptr);
+  const int port = ts->server().port();
+  constexpr int kConnections = 3;
+  auto both = Client(port, both_token_, pki_->ca, pki_->client_cert, pki_->client_key, "localhost", kConnections);
+  auto anonymous = Client(port, "", pki_->ca, pki_->client_cert, pki_->client_key, "localhost", kConnections);
+  ASSERT_TRUE(both && anonymous);
+  ASSERT_EQ(both->connections(), kConnections);
+  const auto seam = std::make_shared<const v1::MhcSeamRequest>(MakeMhcRequest(rng, "sec/pool", MhcRequestSpec{}));
+  // Runs of kConnections calls of one kind: each member serves each kind once.
+  for (int i = 0; i < kConnections; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_TRUE(both->MhcSeam(*seam).ok());
+  }
+  for (int i = 0; i < kConnections; ++i) EXPECT_TRUE(both->MhcSeam(seam).ok());
+  for (int i = 0; i < kConnections; ++i) EXPECT_TRUE(both->GetServerInfo().ok());
+  for (int i = 0; i < kConnections; ++i) {
+    server::PackedWeightSet extra = MakeWeightSet(rng, "sec/pool-load", MhcSetSpec{}, std::nullopt);
+    extra.first.set_replace(true);
+    absl::StatusOr<v1::WeightSetInfo> loaded = both->LoadWeights(extra.first, extra.second);
+    EXPECT_TRUE(loaded.ok()) << loaded.status();
+  }
+  for (int i = 0; i < kConnections; ++i) {
+    EXPECT_EQ(anonymous->MhcSeam(seam).status().code(), StatusCode::kUnauthenticated);
+    EXPECT_TRUE(anonymous->CheckHealth("").ok());  // health needs no token, on any member
+  }
 }
 
 TEST_F(SecurityTest, TokensWithoutTlsServeLoopbackThroughLocalCredentials) {

@@ -19,6 +19,7 @@ synchronous client); CUDA torch tensors go by CUDA shared memory as with the syn
 """
 
 import asyncio
+import itertools
 import os
 import time
 from types import TracebackType
@@ -32,7 +33,7 @@ from ._health.v1 import health_pb2
 from .client import (_MHC_INPUT_TYPES, Array, ConfigEntry, MhcSeamResult, ServerInfo, SwaNormQuantResult,
                      TlsArg, WeightSetInfo, WeightSource, _channel_args, _commit_failed, _cuda_inputs, _cuda_prepare,
                      _health_status, _in_manifest_order, _manifest_path, _metadata, _mhc_cuda_shapes, _mhc_request,
-                     _mhc_result, _packed_sets, _plain_dict, _remember_configs, _server_info, _stage_id,
+                     _mhc_result, _packed_sets, _plain_dict, _pool_size, _remember_configs, _server_info, _stage_id,
                      _swa_cuda_shapes, _swa_request, _swa_result, _upload_failed, _weight_chunks, _weight_set_info)
 from .v1 import fusedlayer_pb2 as pb
 from .v1 import fusedlayer_pb2_grpc as pb_grpc
@@ -41,11 +42,16 @@ __all__ = ["AsyncClient"]
 
 
 class AsyncClient:
-    """An asyncio connection to one fusedlayer server; arguments as fusedlayer.Client (transport "tcp")."""
+    """An asyncio connection to one fusedlayer server; arguments as fusedlayer.Client (transport "tcp").
+
+    connections / expected_concurrency: as for fusedlayer.Client, the calls spread round robin over
+    that many channels, each with a connection of its own (for asyncio.gather of many large calls).
+    """
 
     def __init__(self, target: str, tls: TlsArg = None, token_file: Optional[str] = None, transport: str = "tcp",
                  timeout: Optional[float] = 60.0, max_message_bytes: int = 1 << 30,
-                 options: Sequence[Tuple[str, Any]] = ()) -> None:
+                 options: Sequence[Tuple[str, Any]] = (), connections: int = 0,
+                 expected_concurrency: int = 1) -> None:
         if transport != "tcp":
             raise ValueError(f"transport = {transport!r} is not available in fusedlayer.aio (only \"tcp\"; the "
                              "synchronous fusedlayer.Client has \"shm\")")
@@ -59,15 +65,35 @@ class AsyncClient:
         self._cuda_regions = _torch.CudaRegions(f"py-aio-cuda-{os.getpid()}-{id(self):x}")
         self._cuda_enabled: Optional[bool] = None
         self._cuda_lock = asyncio.Lock()
-        credentials, channel_options = _channel_args(tls, max_message_bytes, options)
+        pool = _pool_size(target, connections, expected_concurrency)
+        credentials, channel_options = _channel_args(tls, max_message_bytes, options, pool)
         if credentials is not None:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
+            self._channels = [grpc.aio.secure_channel(target, credentials, options=channel_options)
+                              for _ in range(pool)]
         else:
-            self._channel = grpc.aio.insecure_channel(target, options=channel_options)
-        self._stub = pb_grpc.FusedLayerStub(self._channel)
-        self._health_check = self._channel.unary_unary(
+            self._channels = [grpc.aio.insecure_channel(target, options=channel_options) for _ in range(pool)]
+        self._stubs = [pb_grpc.FusedLayerStub(channel) for channel in self._channels]
+        self._health_checks = [channel.unary_unary(
             "/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            response_deserializer=health_pb2.HealthCheckResponse.FromString) for channel in self._channels]
+        self._turns = itertools.count()
+
+    @property
+    def connections(self) -> int:
+        """How many connections (channels) the calls are spread over."""
+        return len(self._channels)
+
+    def _member(self) -> int:
+        """The index of the channel the next call uses, round robin."""
+        return 0 if len(self._channels) == 1 else next(self._turns) % len(self._channels)
+
+    @property
+    def _stub(self) -> pb_grpc.FusedLayerStub:
+        return self._stubs[self._member()]
+
+    @property
+    def _health_check(self) -> Callable[..., Any]:
+        return self._health_checks[self._member()]
 
     async def close(self) -> None:
         for name in self._cuda_regions.names():
@@ -76,7 +102,8 @@ class AsyncClient:
             except errors.FusedLayerError:
                 pass  # the server is gone or forgot it
         self._cuda_regions.clear()
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self

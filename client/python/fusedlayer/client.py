@@ -6,6 +6,7 @@ are the classes of fusedlayer.errors.
 """
 
 import ipaddress
+import itertools
 import os
 import re
 import secrets
@@ -24,6 +25,7 @@ from .v1 import fusedlayer_pb2 as pb
 from .v1 import fusedlayer_pb2_grpc as pb_grpc
 
 TRANSPORTS = ("tcp", "shm")
+MAX_CONNECTIONS = 64  # as the C++ client's kMaxConnections: a typo must not open hundreds of sockets
 _SHM_ALIGNMENT = 64  # the server's rule for tensor offsets in a shared-memory object
 _CHUNK_BYTES = 4 << 20  # LoadWeights data chunk: well under any message limit
 
@@ -620,12 +622,39 @@ def _metadata(target: str, tls: TlsArg,
     return (("authorization", "Bearer " + read_token_file(token_file)),)
 
 
-def _channel_args(tls: TlsArg, max_message_bytes: int,
-                  options: Sequence[Tuple[str, Any]]) -> Tuple[Optional[grpc.ChannelCredentials], List[Tuple[str, Any]]]:
-    """(credentials or None for plaintext, channel options) of a Client or AsyncClient."""
+def default_connections(target: str, expected_concurrency: int) -> int:
+    """The pool size ``connections=0`` picks, as the C++ client's DefaultConnections.
+
+    1 for a unix: / unix-abstract: target (one local socket, no TCP to spread over); otherwise one
+    connection per 4 expected concurrent calls, rounded up, at most 8: a caller spends part of each
+    call away from the socket, so a few callers keep one connection busy, and a very concurrent
+    caller should not open dozens of sockets on a shared server by default.
+    """
+    if target.startswith(("unix:", "unix-abstract:")):
+        return 1
+    return min(8, (max(expected_concurrency, 1) + 3) // 4)
+
+
+def _pool_size(target: str, connections: int, expected_concurrency: int) -> int:
+    """The number of channels a Client or AsyncClient makes (ValueError for a count out of range)."""
+    if isinstance(connections, bool) or not isinstance(connections, int) or not 0 <= connections <= MAX_CONNECTIONS:
+        raise ValueError(f"connections = {connections!r} is outside 0..{MAX_CONNECTIONS} "
+                         "(0: chosen from expected_concurrency)")
+    if isinstance(expected_concurrency, bool) or not isinstance(expected_concurrency, int) or expected_concurrency < 1:
+        raise ValueError(f"expected_concurrency = {expected_concurrency!r} must be an integer of at least 1")
+    return connections or default_connections(target, expected_concurrency)
+
+
+def _channel_args(tls: TlsArg, max_message_bytes: int, options: Sequence[Tuple[str, Any]],
+                  connections: int = 1) -> Tuple[Optional[grpc.ChannelCredentials], List[Tuple[str, Any]]]:
+    """(credentials or None for plaintext, channel options) of a Client or AsyncClient's channels."""
     # Both limits explicit (gRPC's receive default is 4 MiB), matching the server's flag.
     channel_options: List[Tuple[str, Any]] = [("grpc.max_receive_message_length", max_message_bytes),
                                               ("grpc.max_send_message_length", max_message_bytes)] + list(options)
+    if connections > 1:
+        # gRPC puts channels with equal options on one shared connection (its global subchannel
+        # pool); a pool of its own per channel gives each channel its own connection.
+        channel_options.append(("grpc.use_local_subchannel_pool", 1))
     if not tls:
         return None, channel_options
     t = tls if isinstance(tls, Tls) else Tls(**tls) if isinstance(tls, Mapping) else Tls()
@@ -654,11 +683,19 @@ class Client:
         and registers on first use; calls of one client then run one at a time; see
         docs/operations.md "Shared-memory transport").
     timeout: default per-call deadline in seconds (None: no deadline); each method also takes one.
+    connections: how many TCP connections the calls are spread over, round robin, 0..64. gRPC puts
+        every channel with equal options on one shared connection, which carries one frame at a time,
+        so calls from many threads with megabytes of tensors queue behind each other on it; with N > 1
+        the client opens N channels that each have a connection of their own. 0 (default):
+        ``default_connections(target, expected_concurrency)``; 1: one channel, as before.
+    expected_concurrency: how many calls the caller expects to have in flight at once (>= 1), what
+        connections=0 sizes the pool from; the default 1 keeps one connection.
     """
 
     def __init__(self, target: str, tls: TlsArg = None, token_file: Optional[str] = None, transport: str = "tcp",
                  timeout: Optional[float] = 60.0, max_message_bytes: int = 1 << 30,
-                 options: Sequence[Tuple[str, Any]] = ()) -> None:
+                 options: Sequence[Tuple[str, Any]] = (), connections: int = 0,
+                 expected_concurrency: int = 1) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport = {transport!r} is not implemented yet (available: {', '.join(TRANSPORTS)})")
         if not target:
@@ -673,15 +710,36 @@ class Client:
         self._cuda_regions = _torch.CudaRegions(f"py-cuda-{os.getpid()}-{id(self):x}")
         self._cuda_enabled: Optional[bool] = None  # the server's cuda_shared_memory_enabled, asked once
         self._cuda_lock = threading.Lock()
-        credentials, channel_options = _channel_args(tls, max_message_bytes, options)
+        pool = _pool_size(target, connections, expected_concurrency)
+        credentials, channel_options = _channel_args(tls, max_message_bytes, options, pool)
         if credentials is not None:
-            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
+            self._channels = [grpc.secure_channel(target, credentials, options=channel_options) for _ in range(pool)]
         else:
-            self._channel = grpc.insecure_channel(target, options=channel_options)
-        self._stub = pb_grpc.FusedLayerStub(self._channel)
-        self._health_check = self._channel.unary_unary(
+            self._channels = [grpc.insecure_channel(target, options=channel_options) for _ in range(pool)]
+        self._stubs = [pb_grpc.FusedLayerStub(channel) for channel in self._channels]
+        self._health_checks = [channel.unary_unary(
             "/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            response_deserializer=health_pb2.HealthCheckResponse.FromString) for channel in self._channels]
+        # next() of an itertools.count is atomic under the GIL: threads sharing the client each get
+        # their own turn.
+        self._turns = itertools.count()
+
+    @property
+    def connections(self) -> int:
+        """How many connections (channels) the calls are spread over."""
+        return len(self._channels)
+
+    def _member(self) -> int:
+        """The index of the channel the next call uses, round robin."""
+        return 0 if len(self._channels) == 1 else next(self._turns) % len(self._channels)
+
+    @property
+    def _stub(self) -> pb_grpc.FusedLayerStub:
+        return self._stubs[self._member()]
+
+    @property
+    def _health_check(self) -> Callable[..., Any]:
+        return self._health_checks[self._member()]
 
     def close(self) -> None:
         if self._arena is not None:
@@ -692,7 +750,8 @@ class Client:
             except errors.FusedLayerError:
                 pass  # the server is gone or forgot it
         self._cuda_regions.clear()
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> "Client":
         return self
