@@ -267,7 +267,7 @@ absl::StatusOr<uint64_t> FusedLayerClient::OpenResidualSession(const std::string
 
 absl::StatusOr<v1::OpenCallRingResponse> FusedLayerClient::OpenCallRing(const v1::OpenCallRingRequest& request,
                                                                         const CallOptions& call) const {
-  return Unary(*stub_, &v1::FusedLayer::Stub::OpenCallRing, request, call);
+  return Unary(*Next().stub, &v1::FusedLayer::Stub::OpenCallRing, request, call);
 }
 
 absl::StatusOr<v1::ListResidualSessionsResponse> FusedLayerClient::ListResidualSessions(const CallOptions& call) const {
