@@ -161,17 +161,19 @@ class RingCall final : public TransportCall {
     return status.ok();
   }
 
-  // Writes `c` into the slot and makes it the answer to the call's seq: the record first, then the
-  // seq (release: a client that sees the seq sees the record), then the wake if the client sleeps;
-  // then the slot is free for the poller to take the client's next call.
+  // Writes `c` into the slot and makes it the answer to the call's seq: the slot is free for the
+  // poller again first (a client that sees its completion may submit its next call at once, and the
+  // poller, if it looked while the slot was still busy, sleeps without a doorbell: the slot must not
+  // be busy any more when the client can see the seq), then the record, then the seq (release: a
+  // client that sees the seq sees the record), then the wake if the client sleeps.
   static void Publish(const RingCallTarget& target, const wire::RingCompletion& c) {
     RingSlot* slot = target.ring->slot(target.slot);
+    target.ring->busy(target.slot).store(false, std::memory_order_seq_cst);
     std::memcpy(&slot->completion, &c, sizeof(c));
     slot->control.complete_seq.store(target.seq, std::memory_order_seq_cst);
     if (slot->control.client_waiting.load(std::memory_order_seq_cst) != 0) {
       wire::FutexWakeAll(&slot->control.complete_seq);
     }
-    target.ring->busy(target.slot).store(false, std::memory_order_release);
   }
 
  private:
