@@ -10,7 +10,10 @@
 //  - a client process that registers a region and exits without unregistering (its allocation
 //    freed by the driver): the server keeps serving, bitwise, and the region can be unregistered;
 //  - with --cuda_shared_memory_idle_seconds, such a region expires and the dead client's GPU
-//    memory, held until then by the server's opening, comes back (the device's free memory).
+//    memory, held until then by the server's opening, comes back (the device's free memory);
+//  - call rings (server/ring/, client/call_ring.h) with the tensors in CUDA shared memory: mHC
+//    (T = 1 and 64, both paths) and SWA (M = 64) ring calls bitwise the same request over TCP, the
+//    outputs poisoned before every call and read right after its completion.
 //
 // The server binary: $FUSEDLAYER_SERVER, else fusedlayer_server next to this executable (the device
 // bundle), else the build tree's.
@@ -28,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/call_ring.h"
 #include "client/cuda_shared_memory.h"
 #include "client/fusedlayer_client.h"
 #include "client/random_inputs.h"
@@ -57,7 +61,9 @@ int PortOf(const std::string& line) {
 
 std::vector<std::string> ServerFlags(std::vector<std::string> extra) {
   std::vector<std::string> flags = {"--backend=cuda", "--demo_weights", "--allow_cuda_shared_memory",
-                                    "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0"};
+                                    "--address=127.0.0.1:0", "--metrics_address=127.0.0.1:0", "--allow_call_rings",
+                                    absl::StrCat("--call_ring_socket=/tmp/fl-gpu-ring-", ::getpid(), "-",
+                                                 std::random_device{}())};
   flags.insert(flags.end(), extra.begin(), extra.end());
   return flags;
 }
@@ -168,6 +174,76 @@ TEST(CudaIpc, MhcAndSwaThroughCudaSharedMemoryAreBitwiseTcp) {
             absl::StatusCode::kInvalidArgument);
   got = s.client->SwaNormQuant(by_ref);
   ASSERT_TRUE(got.ok()) << got.status();
+}
+
+// Ring calls with CUDA IPC tensors: the completion comes after the kernels that wrote the outputs
+// completed (as an RPC's response does), so the outputs read right after it are the call's.
+TEST(CudaIpc, RingCallsThroughCudaSharedMemoryAreBitwiseTcp) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
+  GpuServer s;
+  ASSERT_NE(s.client, nullptr) << s.process.ReadAll();
+  absl::StatusOr<v1::WeightSetInfo> ws = s.client->FindWeightSet("v4-pro/demo");
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  std::mt19937_64 rng(std::random_device{}());
+  const std::vector<std::string> sets = {"v4-pro/demo"};
+  for (int64_t T : {int64_t{1}, int64_t{64}}) {
+    for (auto path : {v1::PATH_PREFERENCE_REQUIRE_FUSED, v1::PATH_PREFERENCE_FORCE_UNFUSED}) {
+      SCOPED_TRACE(::testing::Message() << "ring mHC T " << T << " path " << path);
+      absl::StatusOr<v1::MhcSeamRequest> req =
+          client::RandomMhcRequest(ws->mhc(), {.weight_set = "v4-pro/demo", .tokens = T, .path = path}, rng);
+      ASSERT_TRUE(req.ok());
+      absl::StatusOr<v1::MhcSeamResponse> tcp = s.client->MhcSeam(*req);
+      ASSERT_TRUE(tcp.ok()) << tcp.status();
+      absl::StatusOr<std::unique_ptr<ClientCudaSharedMemory>> region = ClientCudaSharedMemory::Create(
+          *s.client, ClientGpu(), client::MhcRequestSharedBytes(*req, ws->mhc()));
+      ASSERT_TRUE(region.ok()) << region.status();
+      v1::MhcSeamRequest by_ref = *req;
+      ASSERT_TRUE((*region)->Prepare(by_ref, ws->mhc()).ok());
+      absl::StatusOr<v1::MhcSeamResponse> shaped = s.client->MhcSeam(by_ref);  // the outputs' shapes
+      ASSERT_TRUE(shaped.ok()) << shaped.status();
+      v1::CallRingRegion bound;
+      bound.set_name((*region)->region_name());
+      bound.set_cuda(true);
+      absl::StatusOr<std::unique_ptr<client::CallRing>> ring = client::CallRing::Open(*s.client, {sets, {bound}, 1});
+      ASSERT_TRUE(ring.ok()) << ring.status();
+      absl::StatusOr<wire::RingCallDescriptor> call = client::RingCallOf(by_ref, sets, {bound});
+      ASSERT_TRUE(call.ok()) << call.status();
+      for (int n = 0; n < 3; ++n) {
+        Poison(**region, by_ref.output_placements());
+        client::RingCallResult r = (*ring)->Call(0, *call);
+        ASSERT_TRUE(r.status.ok()) << r.status;
+        EXPECT_EQ(r.path, tcp->report().path());
+        v1::MhcSeamResponse got = *shaped;
+        ASSERT_TRUE((*region)->Fetch(got).ok());
+        ExpectSameOutputs(got, *tcp);
+      }
+    }
+  }
+  absl::StatusOr<v1::SwaNormQuantRequest> swa =
+      client::RandomSwaRequest(ws->swa(), {.weight_set = "v4-pro/demo", .tokens = 64}, rng);
+  ASSERT_TRUE(swa.ok());
+  absl::StatusOr<v1::SwaNormQuantResponse> tcp = s.client->SwaNormQuant(*swa);
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  absl::StatusOr<std::unique_ptr<ClientCudaSharedMemory>> region = ClientCudaSharedMemory::Create(
+      *s.client, ClientGpu(), client::SwaRequestSharedBytes(*swa, ws->swa(), ws->wq_b_rows()));
+  ASSERT_TRUE(region.ok()) << region.status();
+  v1::SwaNormQuantRequest by_ref = *swa;
+  ASSERT_TRUE((*region)->Prepare(by_ref, ws->swa(), ws->wq_b_rows()).ok());
+  absl::StatusOr<v1::SwaNormQuantResponse> shaped = s.client->SwaNormQuant(by_ref);
+  ASSERT_TRUE(shaped.ok()) << shaped.status();
+  v1::CallRingRegion bound;
+  bound.set_name((*region)->region_name());
+  bound.set_cuda(true);
+  absl::StatusOr<std::unique_ptr<client::CallRing>> ring = client::CallRing::Open(*s.client, {sets, {bound}, 1});
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  absl::StatusOr<wire::RingCallDescriptor> call = client::RingCallOf(by_ref, sets, {bound});
+  ASSERT_TRUE(call.ok()) << call.status();
+  Poison(**region, by_ref.output_placements());
+  client::RingCallResult r = (*ring)->Call(0, *call);
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  v1::SwaNormQuantResponse got = *shaped;
+  ASSERT_TRUE((*region)->Fetch(got).ok());
+  ExpectSameOutputs(got, *tcp);
 }
 
 // The child process of the tests below (this executable with --ipc_child=PORT[,MiB]): registers a
