@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include "auth/unix_peers.h"
 #include "common/byte_budget.h"
@@ -792,6 +793,24 @@ TEST(Config, DisableFusedAndLimits) {
   }
   c.residual_session_idle_seconds = 1;
   EXPECT_TRUE(c.Validate().ok());
+  // Call rings: rings [1, 4096] in all and per identity, slots [1, 1024], spin [0, 100000] us.
+  for (auto [field, lo, hi] : {std::tuple{&server::ServerConfig::call_ring_max_rings, int64_t{1}, int64_t{4096}},
+                               {&server::ServerConfig::call_ring_max_per_identity, int64_t{1}, int64_t{4096}},
+                               {&server::ServerConfig::call_ring_max_slots, int64_t{1}, int64_t{1024}},
+                               {&server::ServerConfig::call_ring_spin_us, int64_t{0}, int64_t{100000}}}) {
+    const int64_t kept = c.*field;
+    for (const int64_t bad : {lo - 1, hi + 1}) {
+      c.*field = bad;
+      const absl::Status s = c.Validate();
+      EXPECT_TRUE(absl::IsInvalidArgument(s)) << bad;
+      EXPECT_NE(s.message().find("--call_ring_"), std::string::npos) << s;
+    }
+    for (const int64_t good : {lo, hi}) {
+      c.*field = good;
+      EXPECT_TRUE(c.Validate().ok()) << good;
+    }
+    c.*field = kept;
+  }
   // Shared-memory regions: idle [0 (never), 604800] s, each kind.
   for (double* idle : {&c.shared_memory_idle_seconds, &c.cuda_shared_memory_idle_seconds}) {
     for (const double bad : {-1.0, 604'801.0, std::nan("")}) {
