@@ -11,9 +11,11 @@ import re
 import secrets
 import threading
 import time
+import weakref
 from multiprocessing import shared_memory
 from dataclasses import dataclass, field
-from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 import grpc
 import numpy as np
@@ -22,6 +24,9 @@ from . import _torch, dtypes, errors, weights
 from ._health.v1 import health_pb2
 from .v1 import fusedlayer_pb2 as pb
 from .v1 import fusedlayer_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from . import ring  # imports this module: the ring is imported when one is opened
 
 TRANSPORTS = ("tcp", "shm")
 _SHM_ALIGNMENT = 64  # the server's rule for tensor offsets in a shared-memory object
@@ -242,17 +247,29 @@ class _SharedMemoryArena:
     mode 0600) registered as one region and reused by every call of the client, one call at a time
     (the lock); grown (re-created) when a call needs more. Inputs are copied in and referenced,
     outputs placed there and read back, so no tensor travels in the messages. close() unregisters
-    and removes it (and Python's resource tracker removes the object of a process that dies)."""
+    and removes it (and Python's resource tracker removes the object of a process that dies).
 
-    def __init__(self, client: "Client") -> None:
+    name: the region's name, kept when it grows (a call ring binds its region by name); by default
+    each object is registered under a name of its own."""
+
+    def __init__(self, client: "Client", name: Optional[str] = None) -> None:
         self._client = client
+        self._name = name
         self._shm: Optional[shared_memory.SharedMemory] = None
         self.lock = threading.Lock()
 
     @property
     def region(self) -> str:
+        if self._name is not None:
+            return self._name
         assert self._shm is not None
         return "py-" + self._shm.name.lstrip("/")
+
+    @property
+    def buffer(self) -> memoryview:
+        """The object's bytes (valid until it grows or is released)."""
+        assert self._shm is not None
+        return self._shm.buf
 
     def ensure(self, size: int) -> None:
         if self._shm is not None and self._shm.size >= size:
@@ -673,6 +690,7 @@ class Client:
         self._cuda_regions = _torch.CudaRegions(f"py-cuda-{os.getpid()}-{id(self):x}")
         self._cuda_enabled: Optional[bool] = None  # the server's cuda_shared_memory_enabled, asked once
         self._cuda_lock = threading.Lock()
+        self._rings: "weakref.WeakSet[ring.CallRing]" = weakref.WeakSet()  # closed with the client
         credentials, channel_options = _channel_args(tls, max_message_bytes, options)
         if credentials is not None:
             self._channel = grpc.secure_channel(target, credentials, options=channel_options)
@@ -684,6 +702,8 @@ class Client:
             response_deserializer=health_pb2.HealthCheckResponse.FromString)
 
     def close(self) -> None:
+        for r in list(self._rings):
+            r.close()
         if self._arena is not None:
             self._arena.release()
         for name in self._cuda_regions.names():
@@ -915,6 +935,21 @@ class Client:
         r = self._call(self._stub.UnregisterCudaSharedMemory, pb.UnregisterCudaSharedMemoryRequest(name=name),
                        timeout)
         return int(r.unregistered)
+
+    # ---- call rings (same host; docs/python-client.md "Call rings") ------------------------------
+
+    def open_call_ring(self, weight_sets: Sequence[str] = (), regions: Sequence["ring.RegionBinding"] = (),
+                       slots: int = 8, region_bytes: int = 16 << 20, spin_seconds: float = 50e-6,
+                       timeout: Optional[float] = None) -> "ring.CallRing":
+        """OpenCallRing, and the ring taken over (fusedlayer.ring.CallRing, a context manager): its calls
+        then go through shared memory instead of one RPC each. weight_sets, regions: what its calls may
+        name (regions: system shared-memory region names, or (name, cuda) pairs; the ring's own region
+        of region_bytes, registered here, comes first). Needs this host and x86-64, and a server with
+        --allow_call_rings (and --allow_shared_memory for the ring's own region)."""
+        from . import ring as ring_module
+        opened = ring_module.CallRing(self, weight_sets, regions, slots, region_bytes, spin_seconds, timeout)
+        self._rings.add(opened)
+        return opened
 
     # ---- residual sessions (docs/operations.md "Residual sessions") ----------------------------
 
