@@ -806,6 +806,15 @@ class Client:
                    timeout: Optional[float]) -> Tuple[Any, float, Dict[str, Any]]:
         """A call whose inputs are CUDA tensors: they and the outputs (fresh device tensors) go by CUDA
         shared memory, each allocation registered once (cached until close)."""
+        placed = self._cuda_place(req, cuda, shapes, timeout)
+        start = time.perf_counter()
+        r = self._call(method, req, timeout)
+        return r, time.perf_counter() - start, placed
+
+    def _cuda_place(self, req: Any, cuda: Dict[str, Tuple[Any, Any]], shapes: Dict[str, Tuple[int, ...]],
+                    timeout: Optional[float]) -> Dict[str, Any]:
+        """req's CUDA inputs referenced and its outputs placed in CUDA shared memory (the allocations
+        registered first); returns the output tensors."""
         with self._cuda_lock:
             if self._cuda_enabled is None:
                 self._cuda_enabled = self.server_info(timeout).cuda_shared_memory_enabled
@@ -817,9 +826,7 @@ class Client:
                 except errors.FusedLayerError:
                     self._cuda_regions.forget(reg[0])
                     raise
-        start = time.perf_counter()
-        r = self._call(method, req, timeout)
-        return r, time.perf_counter() - start, placed
+        return placed
 
     # ---- weights -----------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import platform
 import secrets
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -302,7 +303,10 @@ class CallRing:
     system shared-memory region (the high-level calls' tensors; absent with region_bytes=0), the
     regions given to open follow. One slot holds one call at a time; distinct threads may use
     distinct slots at once. The high-level calls run one at a time (the own region holds one
-    call's tensors), in the slot they are given (0 by default).
+    call's tensors), in the slot they are given (0 by default). Their CUDA tensors go by CUDA shared
+    memory as the client's RPCs send them (no copy); a device allocation the ring does not bind yet
+    is bound by reopening the ring (regions appended: the indices bound before stay), which needs
+    every slot idle.
     """
 
     def __init__(self, client: cl.Client, weight_sets: Sequence[str] = (), regions: Sequence[RegionBinding] = (),
@@ -310,9 +314,9 @@ class CallRing:
                  timeout: Optional[float] = None) -> None:
         if not sys.platform.startswith("linux") or platform.machine() not in _X86_64 or _spin_trylock is None:
             raise RuntimeError(f"call rings need Linux on x86-64 (this is {sys.platform} on {platform.machine()!r}): "
-                               "the Python client "
-                               "reads and writes the ring's words as plain loads and stores, which are atomic and "
-                               "ordered enough only there; use the client's RPCs (transport=\"shm\") instead")
+                               "the Python client reads and writes the ring's words as plain loads and stores, which "
+                               "are atomic and ordered enough only there; use the client's RPCs (transport=\"shm\") "
+                               "instead")
         mismatches = layout_mismatches()
         if mismatches:
             raise RuntimeError("fusedlayer.ring's structures do not match call_ring.h: " + "; ".join(mismatches))
@@ -324,6 +328,7 @@ class CallRing:
         self.regions: List[Tuple[str, bool]] = ([(self._arena.region, False)] if self._arena else []) + \
             [_binding(r) for r in regions]
         self._spin_ns = int(spin_seconds * 1e9)
+        self._lock = threading.Lock()  # the high-level calls, one at a time (they share the own region)
         self._mm: Optional[mmap.mmap] = None
         self._base: Optional[ctypes.c_char] = None  # holds the mapping exported while the ring is open
         self._address = 0
@@ -356,7 +361,9 @@ class CallRing:
             sock.settimeout(30.0)  # the handover only; calls never touch the socket
             sock.connect(opened.socket_path)
             sock.sendall(opened.token)
-            reply, fds, flags, _ = socket.recv_fds(sock, 256, 2)
+            # Close-on-exec, as the ring is this process's alone (a child keeping the connection
+            # would keep the ring open).
+            reply, fds, flags, _ = socket.recv_fds(sock, 256, 2, socket.MSG_CMSG_CLOEXEC)
         except OSError as e:
             raise errors.Unavailable(unavailable, f"handing the ring over on {opened.socket_path}: {e} (call rings "
                                      "work only on the server's host)") from None
@@ -386,6 +393,15 @@ class CallRing:
     def close(self) -> None:
         """Closes the connection (the server closes the ring: calls not yet launched are dropped) and
         unregisters and removes the ring's own region. Idempotent."""
+        self._disconnect()
+        if self._arena is not None:
+            try:
+                self._arena.release()
+            except ValueError:
+                pass  # the client's channel is closed already: the server drops the region with it
+            self._arena = None
+
+    def _disconnect(self) -> None:
         self._base = None  # releases the mapping's export, so that it can be closed
         self._address = 0
         if self._mm is not None:
@@ -397,12 +413,32 @@ class CallRing:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
-        if self._arena is not None:
+
+    def _busy_slots(self) -> List[int]:
+        return [i for i in range(self.slots) if self._address and ctypes.c_uint32.from_address(
+            self._slot_address(i) + RingSlotControl.complete_seq.offset).value != self._seq[i]]
+
+    def _rebind(self, regions: List[Tuple[str, bool]], timeout: Optional[float]) -> None:
+        """Reopens the ring with more regions bound (the indices of those bound before stay)."""
+        busy = self._busy_slots()
+        if busy:
+            raise errors.FailedPrecondition(
+                grpc.StatusCode.FAILED_PRECONDITION, f"binding new CUDA shared-memory regions reopens the ring, and "
+                f"slots {busy} hold calls: wait for them first")
+        slots = self.slots
+        self._disconnect()
+        self.regions = regions
+        give_up = time.monotonic() + 5.0
+        while True:
             try:
-                self._arena.release()
-            except ValueError:
-                pass  # the client's channel is closed already: the server drops the region with it
-            self._arena = None
+                self._open(slots, timeout)
+                return
+            except errors.ResourceExhausted:
+                # The server closes the previous ring when its poller sees the connection end, a
+                # moment after it did: until then it counts against the identity's rings.
+                if time.monotonic() > give_up:
+                    raise
+                time.sleep(0.01)
 
     def __enter__(self) -> "CallRing":
         return self
@@ -499,9 +535,15 @@ class CallRing:
         result (report.backend and .device are empty: a completion record does not carry them)."""
         inputs = dict(x=x, residual=residual, post_mix=post_mix, comb_mix=comb_mix, pre_mix=pre_mix)
         kind = _torch.output_kind(output, inputs.values())
-        _refuse_cuda(inputs)
         req = cl._mhc_request(weight_set, inputs, mode, stage, path, capture_aux, False, "", "", False)
-        mhc = self._client._config(weight_set)[0]
+        config = self._client._config(weight_set)
+        cuda = cl._cuda_inputs(inputs, dict(cl._MHC_INPUT_TYPES))
+        if cuda:
+            placed, report = self._run_cuda(req, cuda, cl._mhc_cuda_shapes(req, cuda, config, capture_aux),
+                                            weight_set, timeout, slot)
+            return cl.MhcSeamResult(**{n: _placed_as_kind(n, placed.get(n), kind) for n in _MHC_OUTPUTS},
+                                    report=report, request_id="", verification=None)
+        mhc = config[0]
         outputs = cl._mhc_placed_outputs(req, mhc, capture_aux)
         assert mhc is not None
         shapes = cl._mhc_output_shapes(req, mhc, capture_aux)
@@ -514,15 +556,21 @@ class CallRing:
                        output: Optional[str] = None, slot: int = 0) -> cl.SwaNormQuantResult:
         """Client.swa_norm_quant through the ring (no verify or request_id); results as mhc_seam's."""
         kind = _torch.output_kind(output, [qr_kv])
-        _refuse_cuda({"qr_kv": qr_kv})
         req = cl._swa_request(weight_set, qr_kv, path, False, "")
-        _, swa, wq_b_rows = self._client._config(weight_set)
+        config = self._client._config(weight_set)
+        _, swa, wq_b_rows = config
+        fmt = dtypes.E4M3FNUZ if swa is not None and swa.get("fp8_format") == dtypes.E4M3FNUZ else dtypes.E4M3FN
+        cuda = cl._cuda_inputs({"qr_kv": qr_kv}, {"qr_kv": pb.DATA_TYPE_BF16})
+        if cuda:
+            placed, report = self._run_cuda(req, cuda, cl._swa_cuda_shapes(req, cuda, config), weight_set, timeout,
+                                            slot)
+            return cl.SwaNormQuantResult(**{n: _placed_as_kind(n, placed.get(n), kind) for n in _SWA_OUTPUTS},
+                                         fp8_format=fmt, report=report, request_id="", verification=None)
         outputs = cl._swa_placed_outputs(req, swa, wq_b_rows)
         assert swa is not None
         shapes = cl._swa_output_shapes(req, swa, wq_b_rows)
         arrays, report = self._run(req, [req.qr_kv], outputs, shapes, weight_set, timeout, slot)
         out = {name: _as_kind(arrays.get(name), kind) for name in _SWA_OUTPUTS}
-        fmt = dtypes.E4M3FNUZ if swa.get("fp8_format") == dtypes.E4M3FNUZ else dtypes.E4M3FN
         return cl.SwaNormQuantResult(**out, fp8_format=fmt, report=report, request_id="", verification=None)
 
     def _run(self, req: Any, inline: Sequence[Any], outputs: Sequence[Tuple[str, int]],
@@ -533,7 +581,7 @@ class CallRing:
         the descriptor made from the request, the outputs copied out."""
         if self._arena is None:
             raise ValueError("this ring has no region of its own (region_bytes=0): use submit/wait")
-        with self._arena.lock:
+        with self._lock:
             self._arena.place(req, inline, outputs)
             descriptor = ring_call_of(req, self.weight_sets, self.regions, deadline=timeout)
             start = time.perf_counter()
@@ -546,19 +594,42 @@ class CallRing:
                 wire = cl._OUTPUT_WIRE[p.output]
                 arrays[p.output] = np.frombuffer(buf[ref.offset:ref.offset + ref.byte_size],
                                                  dtype=wire).reshape(shapes[p.output]).astype(wire.newbyteorder("="))
-        report = cl.ExecutionReport(path=r.path, fallback_reason=r.fallback_reason, fallback_detail=r.fallback_detail,
-                                    backend="", device="", weight_set=weight_set, kernel_seconds=r.kernel_seconds,
-                                    queue_seconds=r.queue_seconds, server_seconds=r.server_seconds,
-                                    round_trip_seconds=elapsed)
-        return arrays, report
+        return arrays, _report(r, weight_set, elapsed)
+
+    def _run_cuda(self, req: Any, cuda: Dict[str, Tuple[Any, Any]], shapes: Dict[str, Tuple[int, ...]],
+                  weight_set: str, timeout: Optional[float], slot: int) -> Tuple[Dict[str, Any], cl.ExecutionReport]:
+        """One call whose inputs are CUDA tensors: referenced in place and the outputs placed in fresh
+        device tensors by CUDA shared memory, as the client's RPCs do (its regions, registered once per
+        allocation); a region the ring does not bind yet is bound by reopening it."""
+        with self._lock:
+            placed = self._client._cuda_place(req, cuda, shapes, timeout)
+            fields = [f for f in (*_MHC_INPUTS, "qr_kv") if f in req.DESCRIPTOR.fields_by_name and req.HasField(f)]
+            names = {getattr(req, f).cuda_shared_memory.region for f in fields
+                     if getattr(req, f).WhichOneof("storage") == "cuda_shared_memory"}
+            names |= {p.cuda_shared_memory.region for p in req.output_placements
+                      if p.WhichOneof("target") == "cuda_shared_memory"}
+            missing = sorted(n for n in names if (n, True) not in self.regions)
+            if missing:
+                self._rebind(self.regions + [(n, True) for n in missing], timeout)
+            descriptor = ring_call_of(req, self.weight_sets, self.regions, deadline=timeout)
+            start = time.perf_counter()
+            r = self.call(slot, descriptor, timeout)
+            elapsed = time.perf_counter() - start
+        return placed, _report(r, weight_set, elapsed)
 
 
-def _refuse_cuda(inputs: Mapping[str, Any]) -> None:
-    cuda = [name for name, v in inputs.items() if _torch.is_cuda(v)]
-    if cuda:
-        raise TypeError(f"{', '.join(cuda)}: CUDA tensors go through a ring by descriptors naming CUDA shared-memory "
-                        "regions bound at open (submit/wait); the ring's high-level calls take numpy arrays and CPU "
-                        "tensors")
+def _report(r: RingCallResult, weight_set: str, elapsed: float) -> cl.ExecutionReport:
+    return cl.ExecutionReport(path=r.path, fallback_reason=r.fallback_reason, fallback_detail=r.fallback_detail,
+                              backend="", device="", weight_set=weight_set, kernel_seconds=r.kernel_seconds,
+                              queue_seconds=r.queue_seconds, server_seconds=r.server_seconds,
+                              round_trip_seconds=elapsed)
+
+
+def _placed_as_kind(name: str, tensor: Any, kind: str) -> Any:
+    """An output the server wrote into a device tensor: as it is, or as numpy."""
+    if tensor is None or kind == "torch":
+        return tensor
+    return _torch.host_array(name, tensor.cpu(), cl._OUTPUT_WIRE[name])
 
 
 def _as_kind(array: Optional[np.ndarray], kind: str) -> Any:
