@@ -164,6 +164,12 @@ class RingCall final : public TransportCall {
   // Writes `c` into the slot and makes it the answer to the call's seq: the record first, then the
   // seq (release: a client that sees the seq sees the record), then the wake if the client sleeps;
   // then the slot is free for the poller to take the client's next call.
+  //
+  // A client that sees the seq may submit its next call before the slot is free: the poller skips
+  // the busy slot and may go to sleep, and the client's doorbell (rung, or not because the poller
+  // was still awake) does not bring it back to a free slot. So once the slot is free, a call
+  // already waiting in it while the poller sleeps rings the doorbell here (seq_cst on both sides:
+  // either the poller's last scan sees the slot free, or this load sees its flag).
   static void Publish(const RingCallTarget& target, const wire::RingCompletion& c) {
     RingSlot* slot = target.ring->slot(target.slot);
     std::memcpy(&slot->completion, &c, sizeof(c));
@@ -171,7 +177,12 @@ class RingCall final : public TransportCall {
     if (slot->control.client_waiting.load(std::memory_order_seq_cst) != 0) {
       wire::FutexWakeAll(&slot->control.complete_seq);
     }
-    target.ring->busy(target.slot).store(false, std::memory_order_release);
+    target.ring->busy(target.slot).store(false, std::memory_order_seq_cst);
+    if (target.ring->header()->poller_sleeping.load(std::memory_order_seq_cst) != 0 &&
+        slot->control.submit_seq.load(std::memory_order_seq_cst) != target.seq) {
+      const uint64_t one = 1;
+      [[maybe_unused]] ssize_t n = ::write(target.ring->doorbell(), &one, sizeof(one));
+    }
   }
 
  private:
