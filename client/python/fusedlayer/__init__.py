@@ -23,11 +23,13 @@ from .errors import (AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Faile
                      Unauthenticated, Unavailable)
 from .weights import PackedWeightSet, pack_arrays, pack_manifest, write_safetensors
 from .checkpoint import CheckpointImport, import_checkpoint
+from .ring import CallRing, RingCallDescriptor, RingCallResult, RingTensorRef, ring_call_of
 
 __version__ = "0.1.0"
 
 # The public names (explicit, so type checkers in strict mode see them as exported); fusedlayer.aio
-# (AsyncClient) and fusedlayer.reference are imported as submodules.
+# (AsyncClient) and fusedlayer.reference are imported as submodules; fusedlayer.ring holds the call
+# ring's layout (constants, structures) besides the names exported here.
 __all__ = [
     "Client", "ExecutionReport", "MhcSeamResult", "OpCapability", "ServerInfo", "SwaNormQuantResult", "Tls",
     "TRANSPORTS", "Verification", "WeightSetInfo", "read_token_file", "target_is_local", "MAX_CONNECTIONS",
@@ -38,4 +40,5 @@ __all__ = [
     "Unauthenticated", "Unavailable",
     "PackedWeightSet", "pack_arrays", "pack_manifest", "write_safetensors",
     "CheckpointImport", "import_checkpoint",
+    "CallRing", "RingCallDescriptor", "RingCallResult", "RingTensorRef", "ring_call_of",
 ]

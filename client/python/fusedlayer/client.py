@@ -12,9 +12,11 @@ import re
 import secrets
 import threading
 import time
+import weakref
 from multiprocessing import shared_memory
 from dataclasses import dataclass, field
-from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 import grpc
 import numpy as np
@@ -23,6 +25,9 @@ from . import _torch, dtypes, errors, weights
 from ._health.v1 import health_pb2
 from .v1 import fusedlayer_pb2 as pb
 from .v1 import fusedlayer_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from . import ring  # imports this module: the ring is imported when one is opened
 
 TRANSPORTS = ("tcp", "shm")
 MAX_CONNECTIONS = 64  # as the C++ client's kMaxConnections: a typo must not open hundreds of sockets
@@ -244,17 +249,29 @@ class _SharedMemoryArena:
     mode 0600) registered as one region and reused by every call of the client, one call at a time
     (the lock); grown (re-created) when a call needs more. Inputs are copied in and referenced,
     outputs placed there and read back, so no tensor travels in the messages. close() unregisters
-    and removes it (and Python's resource tracker removes the object of a process that dies)."""
+    and removes it (and Python's resource tracker removes the object of a process that dies).
 
-    def __init__(self, client: "Client") -> None:
+    name: the region's name, kept when it grows (a call ring binds its region by name); by default
+    each object is registered under a name of its own."""
+
+    def __init__(self, client: "Client", name: Optional[str] = None) -> None:
         self._client = client
+        self._name = name
         self._shm: Optional[shared_memory.SharedMemory] = None
         self.lock = threading.Lock()
 
     @property
     def region(self) -> str:
+        if self._name is not None:
+            return self._name
         assert self._shm is not None
         return "py-" + self._shm.name.lstrip("/")
+
+    @property
+    def buffer(self) -> memoryview:
+        """The object's bytes (valid until it grows or is released)."""
+        assert self._shm is not None
+        return self._shm.buf
 
     def ensure(self, size: int) -> None:
         if self._shm is not None and self._shm.size >= size:
@@ -710,6 +727,7 @@ class Client:
         self._cuda_regions = _torch.CudaRegions(f"py-cuda-{os.getpid()}-{id(self):x}")
         self._cuda_enabled: Optional[bool] = None  # the server's cuda_shared_memory_enabled, asked once
         self._cuda_lock = threading.Lock()
+        self._rings: "weakref.WeakSet[ring.CallRing]" = weakref.WeakSet()  # closed with the client
         pool = _pool_size(target, connections, expected_concurrency)
         credentials, channel_options = _channel_args(tls, max_message_bytes, options, pool)
         if credentials is not None:
@@ -742,6 +760,8 @@ class Client:
         return self._health_checks[self._member()]
 
     def close(self) -> None:
+        for r in list(self._rings):
+            r.close()
         if self._arena is not None:
             self._arena.release()
         for name in self._cuda_regions.names():
@@ -845,6 +865,15 @@ class Client:
                    timeout: Optional[float]) -> Tuple[Any, float, Dict[str, Any]]:
         """A call whose inputs are CUDA tensors: they and the outputs (fresh device tensors) go by CUDA
         shared memory, each allocation registered once (cached until close)."""
+        placed = self._cuda_place(req, cuda, shapes, timeout)
+        start = time.perf_counter()
+        r = self._call(method, req, timeout)
+        return r, time.perf_counter() - start, placed
+
+    def _cuda_place(self, req: Any, cuda: Dict[str, Tuple[Any, Any]], shapes: Dict[str, Tuple[int, ...]],
+                    timeout: Optional[float]) -> Dict[str, Any]:
+        """req's CUDA inputs referenced and its outputs placed in CUDA shared memory (the allocations
+        registered first); returns the output tensors."""
         with self._cuda_lock:
             if self._cuda_enabled is None:
                 self._cuda_enabled = self.server_info(timeout).cuda_shared_memory_enabled
@@ -856,9 +885,7 @@ class Client:
                 except errors.FusedLayerError:
                     self._cuda_regions.forget(reg[0])
                     raise
-        start = time.perf_counter()
-        r = self._call(method, req, timeout)
-        return r, time.perf_counter() - start, placed
+        return placed
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -974,6 +1001,21 @@ class Client:
         r = self._call(self._stub.UnregisterCudaSharedMemory, pb.UnregisterCudaSharedMemoryRequest(name=name),
                        timeout)
         return int(r.unregistered)
+
+    # ---- call rings (same host; docs/python-client.md "Call rings") ------------------------------
+
+    def open_call_ring(self, weight_sets: Sequence[str] = (), regions: Sequence["ring.RegionBinding"] = (),
+                       slots: int = 8, region_bytes: int = 16 << 20, spin_seconds: float = 50e-6,
+                       timeout: Optional[float] = None) -> "ring.CallRing":
+        """OpenCallRing, and the ring taken over (fusedlayer.ring.CallRing, a context manager): its calls
+        then go through shared memory instead of one RPC each. weight_sets, regions: what its calls may
+        name (regions: system shared-memory region names, or (name, cuda) pairs; the ring's own region
+        of region_bytes, registered here, comes first). Needs this host and x86-64, and a server with
+        --allow_call_rings (and --allow_shared_memory for the ring's own region)."""
+        from . import ring as ring_module
+        opened = ring_module.CallRing(self, weight_sets, regions, slots, region_bytes, spin_seconds, timeout)
+        self._rings.add(opened)
+        return opened
 
     # ---- residual sessions (docs/operations.md "Residual sessions") ----------------------------
 

@@ -105,10 +105,24 @@ _REQUIRE_FUSED = re.compile(r"^REQUIRE_FUSED: the fused \w+ path (?:cannot run|f
 
 def from_rpc_error(err: grpc.RpcError) -> FusedLayerError:
     """grpc.RpcError -> the matching FusedLayerError subclass."""
-    code = err.code()  # the RpcErrors gRPC raises are also grpc.Call objects
-    message = err.details() or ""
+    # The RpcErrors gRPC raises are also grpc.Call objects.
+    return from_status(err.code(), err.details() or "")
+
+
+# A status code's number (absl and gRPC share them) -> grpc.StatusCode.
+_BY_NUMBER: Dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def from_status(code: grpc.StatusCode, message: str) -> FusedLayerError:
+    """A status code and message -> the FusedLayerError subclass for them: an RPC's status, or one a
+    call ring's completion record carries (the same class as the RPC of that call would raise)."""
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         m = _REQUIRE_FUSED.match(message)
         if m:
             return FusedUnavailable(code, message, reason=m.group(1), detail=m.group(2))
     return _BY_CODE.get(code, FusedLayerError)(code, message)
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The grpc.StatusCode of a status number (UNKNOWN for a number gRPC does not define)."""
+    return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)

@@ -170,6 +170,18 @@ inline RingSlot* RingSlotAt(void* base, uint32_t i) {
 inline constexpr size_t kRingSlotBytes = sizeof(RingSlot);
 inline constexpr size_t kRingCallOffsetInSlot = offsetof(RingSlot, call);
 inline constexpr size_t kRingCompletionOffsetInSlot = offsetof(RingSlot, completion);
+// ring.py hard-codes these same numbers (RING_SLOT_BYTES, ..., and layout_mismatches(), which its
+// tests check): a layout change here must change them there too, or this fails to compile.
+static_assert(kRingSlotBytes == 1536 && kRingCallOffsetInSlot == 128 && kRingCompletionOffsetInSlot == 896,
+              "client/python/fusedlayer/ring.py mirrors the slot layout");
+static_assert(sizeof(RingCallDescriptor) == 712 && offsetof(RingCallDescriptor, tensors) == 40 &&
+                  sizeof(RingCompletion) == 616 && offsetof(RingCompletion, message) == 40,
+              "client/python/fusedlayer/ring.py mirrors the descriptor and the completion");
+static_assert(sizeof(RingSlotControl) == 128 && offsetof(RingSlotControl, complete_seq) == 64 &&
+                  offsetof(RingSlotControl, client_waiting) == 68,
+              "client/python/fusedlayer/ring.py mirrors the control words");
+static_assert(sizeof(RingHeader) == 128 && offsetof(RingHeader, poller_sleeping) == 64 && kRingSlotOffset == 4096,
+              "client/python/fusedlayer/ring.py mirrors the header");
 
 // Futex on a word of shared memory (not FUTEX_PRIVATE: the two processes map the page apart).
 // Wait returns when *word != expected, on a wake, or after timeout_ns (< 0: no timeout).
