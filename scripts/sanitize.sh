@@ -36,6 +36,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 JOBS="${JOBS:-$(nproc)}"
+# Twice the cores: most tests wait on servers and sockets (scripts/test.sh says more).
+CTEST_JOBS="${CTEST_JOBS:-$((JOBS * 2))}"
 WHAT="${1:-all}"
 step() { printf '\n==== %s\n' "$*"; }
 
@@ -57,7 +59,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = asan ]; then
   # option; the same binary passes without it and the clang fuzz build runs the kernel with it).
   ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1:check_initialization_order=1:strict_init_order=1" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
-    ctest --test-dir "$B" --output-on-failure --no-tests=error -j"$JOBS"
+    ctest --test-dir "$B" --output-on-failure --no-tests=error -j"$CTEST_JOBS"
 fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = tsan ]; then
@@ -75,6 +77,6 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tsan ]; then
   # fixed, never suppressed). Cancelled calls included: OnDone acquires the call's reference count
   # and OnCancel releases to OnDone (server/common/tsan_annotations.h, docs/operations.md).
   TSAN_OPTIONS="halt_on_error=1:exitcode=66:second_deadlock_stack=1:suppressions=$ROOT/tests/fuzz/tsan.supp" \
-    ctest --test-dir "$B" --output-on-failure --no-tests=error -j"$JOBS" \
+    ctest --test-dir "$B" --output-on-failure --no-tests=error -j"$CTEST_JOBS" \
       -R '^(Concurrency\.|Executor\.|Dispatcher\.|WeightStoreTest\.|WeightManager[./]|IdleWatch\.|Pipeline\.|ExecutorBatching\.|ServerBatching\.|SharedMemory\.|SharedMemoryTokens\.|Reliability\.|LoadWeightsFaults\.|LoadWeightsLimits\.|SecurityTest\.|TokenFile\.|ClientToken\.|IdentityFile\.|TokenAuth\.|TransportSecurity\.|ShadowE2E\.|ShadowFaults\.|ResidualSession(Tokens)?\.|CudaSharedMemory(Tokens)?\.|CallRing(Identities)?\.|UnixSocketTest\.(ServesBoth|AbstractSocket|PeersAre|TokensAre|StaleSocket|BadUnix))'
 fi

@@ -4,6 +4,10 @@
 #   scripts/test-image.sh                 build the image, test it, remove it
 #   scripts/test-image.sh --image=NAME    test an image built before (kept afterwards)
 #   scripts/test-image.sh --file=PATH     build from another Dockerfile (a variant; same context)
+#   scripts/test-image.sh --build-only=DIR    build the image only, keep it, note it in DIR (empty
+#                                             or new); a later --check-built=DIR tests it and removes
+#                                             it with its layers. scripts/test.sh builds the image in
+#                                             the background this way while its other stages run.
 #
 # Engine: Docker when a Docker engine answers (`docker info`), else podman. No registry is needed:
 # when the base image debian:12 is not present, it is made locally with mmdebstrap (Debian 12
@@ -47,13 +51,20 @@ PYTHON=/usr/bin/python3
 
 IMAGE=""
 DOCKERFILE="$ROOT/Dockerfile"
+BUILD_ONLY=""        # --build-only=DIR: where the image's name and the layers before it are noted
+CHECK_BUILT=""       # --check-built=DIR: test (and then remove) the image a --build-only run noted
 for arg in "$@"; do
   case "$arg" in
     --image=*) IMAGE="${arg#--image=}" ;;
     --file=*) DOCKERFILE="$(realpath "${arg#--file=}")" ;;
-    *) echo "usage: $0 [--image=NAME | --file=DOCKERFILE]" >&2; exit 2 ;;
+    --build-only=*) BUILD_ONLY="${arg#--build-only=}" ;;
+    --check-built=*) CHECK_BUILT="${arg#--check-built=}" ;;
+    *) echo "usage: $0 [--image=NAME | --file=DOCKERFILE] [--build-only=DIR | --check-built=DIR]" >&2; exit 2 ;;
   esac
 done
+if [ -n "$CHECK_BUILT" ]; then
+  IMAGE="$(cat "$CHECK_BUILT/image")" || { echo "FAIL: no image noted in $CHECK_BUILT" >&2; exit 1; }
+fi
 
 step() { printf '\n== %s\n' "$*"; }
 fail() { echo "FAIL: $*" >&2; exit 1; }
@@ -74,7 +85,8 @@ cleanup() {
   if [ -n "$REF_PID" ]; then kill -KILL "$REF_PID" 2>/dev/null; wait "$REF_PID" 2>/dev/null; fi
   if [ -n "$ENGINE" ]; then
     for c in "${CONTAINERS[@]}"; do "${E[@]}" rm -f "$c" > /dev/null 2>&1; done
-    if [ -n "$BUILT_IMAGE" ]; then
+    # A --build-only run that succeeded leaves its image (and layers) to the --check-built run.
+    if [ -n "$BUILT_IMAGE" ] && { [ -z "$BUILD_ONLY" ] || [ $rc -ne 0 ]; }; then
       "${E[@]}" rmi -f "$BUILT_IMAGE" > /dev/null 2>&1
       if [ "${IMAGE_TEST_KEEP_CACHE:-0}" != 1 ] && [ -n "$LAYERS_BEFORE" ]; then
         # Intermediate layers of this build (also of a failed one): every image id that is new.
@@ -178,7 +190,11 @@ else
 fi
 
 # ------------------------------------------------------------------------------------------------
-if [ -z "$IMAGE" ]; then
+if [ -n "$CHECK_BUILT" ]; then
+  # Removed on exit with the layers its build made, as if this run had built it.
+  BUILT_IMAGE="$IMAGE"
+  LAYERS_BEFORE="$CHECK_BUILT/layers-before"
+elif [ -z "$IMAGE" ]; then
   IMAGE="localhost/$RUN_ID:cpu"
   step "build the CPU image ($ENGINE, $DOCKERFILE --target cpu) as $IMAGE"
   "${E[@]}" images -a -q --no-trunc | sort -u > "$TMP/layers-before"
@@ -194,6 +210,13 @@ if [ -z "$IMAGE" ]; then
       || { tail -n 60 "$TMP/build.log" >&2; fail "image build failed"; }
   fi
   ok "built in $((SECONDS - t)) s"
+  if [ -n "$BUILD_ONLY" ]; then
+    mkdir -p "$BUILD_ONLY"
+    cp "$LAYERS_BEFORE" "$BUILD_ONLY/layers-before"
+    echo "$IMAGE" > "$BUILD_ONLY/image"
+    ok "kept as $IMAGE for --check-built=$BUILD_ONLY"
+    exit 0
+  fi
 fi
 "${E[@]}" image inspect "$IMAGE" > /dev/null || fail "no image $IMAGE"
 

@@ -1,13 +1,17 @@
 #include "server.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "auth/transport_security.h"
@@ -291,6 +295,48 @@ void FusedLayerServer::Shutdown(std::chrono::system_clock::time_point deadline) 
 
 FusedLayerServer::FusedLayerServer(ServerConfig config) : config_(std::move(config)) {}
 
-FusedLayerServer::~FusedLayerServer() { Shutdown(std::chrono::system_clock::now()); }
+namespace {
+
+// Destroys the Exposer without civetweb's poll round. civetweb (prometheus-cpp's HTTP server) polls
+// its listening sockets in 2 s rounds and sees that it is being stopped only when a round ends, so
+// destroying the Exposer took up to 2 s: every server stop after SIGTERM's drain, and every test
+// that starts a server. A connection to the metrics port ends the round at once; one that arrives
+// before the stop is an empty request civetweb closes. Where the metrics address is not reachable
+// on loopback (a specific interface's address) the stop takes its round as before.
+void StopExposer(std::unique_ptr<prometheus::Exposer>& exposer, int port) {
+  if (!exposer) return;
+  std::atomic<bool> stopped{false};
+  std::thread waker([&stopped, port] {
+    while (port > 0 && !stopped.load(std::memory_order_acquire)) {
+      sockaddr_in v4{};
+      v4.sin_family = AF_INET;
+      v4.sin_port = htons(static_cast<uint16_t>(port));
+      v4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      sockaddr_in6 v6{};
+      v6.sin6_family = AF_INET6;
+      v6.sin6_port = htons(static_cast<uint16_t>(port));
+      v6.sin6_addr = in6addr_loopback;
+      const std::pair<const sockaddr*, socklen_t> targets[] = {
+          {reinterpret_cast<const sockaddr*>(&v4), sizeof(v4)}, {reinterpret_cast<const sockaddr*>(&v6), sizeof(v6)}};
+      for (const auto& [addr, len] : targets) {
+        const int fd = ::socket(addr->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) continue;
+        (void)::connect(fd, addr, len);
+        ::close(fd);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  exposer.reset();
+  stopped.store(true, std::memory_order_release);
+  waker.join();
+}
+
+}  // namespace
+
+FusedLayerServer::~FusedLayerServer() {
+  Shutdown(std::chrono::system_clock::now());
+  StopExposer(exposer_, metrics_port_);
+}
 
 }  // namespace fusedlayer::server
