@@ -1,5 +1,6 @@
 // LoadWeights (client streaming): the header first, then the payload in chunks, accumulated in the
-// reactor; only an exactly complete stream reaches the executor, where the weight manager builds,
+// reactor; each chunk parsed here (a raw method), so a chunk that is not a valid WeightChunk is
+// INVALID_ARGUMENT naming its place in the stream, never taken for the stream's end; only an exactly complete stream reaches the executor, where the weight manager builds,
 // warms up and publishes the set (all or nothing). Bounded (docs/operations.md): streams open at
 // once (--max_concurrent_uploads), the payload announced (--max_weight_payload_bytes) and the bytes
 // all uploads buffer together (--max_upload_buffer_bytes, counted as chunks arrive). Refused while
@@ -16,15 +17,16 @@
 #include "rpc/proto_convert.h"
 #include "rpc/service.h"
 #include "rpc/unary_call.h"
+#include "rpc/wire_messages.h"
 #include "weights/sha256.h"
 
 namespace fusedlayer::server {
 
 // Client-streaming LoadWeights: header first, then data; the payload is accumulated here and only
 // an exactly complete stream reaches the executor (build + warm-up + publish, all or nothing).
-class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReactor<v1::WeightChunk> {
+class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  LoadWeightsReactor(FusedLayerService& service, grpc::CallbackServerContext* ctx, v1::WeightSetInfo* response)
+  LoadWeightsReactor(FusedLayerService& service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response)
       : service_(service),
         ctx_(ctx),
         response_(response),
@@ -61,7 +63,14 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
     // Finished by the idle watch while this read was pending: nothing more to do with the stream.
     if (Finished()) return;
     if (!ok) return EndOfStream();
-    request_bytes_.fetch_add(chunk_.ByteSizeLong(), std::memory_order_relaxed);
+    ++chunks_;
+    request_bytes_.fetch_add(wire_chunk_.Length(), std::memory_order_relaxed);
+    if (absl::Status parsed = ParseWireRequest(&wire_chunk_, &chunk_); !parsed.ok()) {
+      return Complete(absl::InvalidArgumentError(absl::StrCat(
+          have_header_ ? absl::StrCat("weight set '", ClientString(header_.name()), "': ") : std::string(),
+          "chunk ", chunks_, " of the stream is not a valid ", v1::WeightChunk::descriptor()->full_name(),
+          " message; nothing is loaded")));
+    }
     if (!have_header_) {
       if (!chunk_.has_header()) {
         return Complete(absl::InvalidArgumentError("the first WeightChunk must carry the header"));
@@ -129,7 +138,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
     std::lock_guard<std::mutex> lock(finish_mu_);
     if (finished_) return;
     TsanReleaseTo(this);  // OnReadDone acquires it
-    StartRead(&chunk_);
+    StartRead(&wire_chunk_);
   }
 
   // On the idle watch's thread: reads only atomics (the reactor's thread may be in OnReadDone).
@@ -179,7 +188,9 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
       std::string().swap(payload_);  // release the staging copy before the response goes out
       buffered_.Release();
       if (!info.ok()) return Complete(info.status());
-      *response_ = std::move(*info);
+      const std::string serialized = info->SerializeAsString();
+      grpc::Slice slice(serialized);
+      *response_ = grpc::ByteBuffer(&slice, 1);
       Complete(absl::OkStatus());
     });
     if (!submitted.ok()) Complete(std::move(submitted));
@@ -194,7 +205,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
       finished_ = true;
     }
     idle_.Disarm();
-    const uint64_t response_bytes = status.ok() ? response_->ByteSizeLong() : 0;
+    const uint64_t response_bytes = status.ok() ? response_->Length() : 0;
     service_.metrics_.RecordRequest(Method::kLoadWeights, static_cast<grpc::StatusCode>(status.code()),
                                     SecondsSince(start_), request_bytes_.load(std::memory_order_relaxed),
                                     response_bytes);
@@ -230,9 +241,11 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
 
   FusedLayerService& service_;
   grpc::CallbackServerContext* const ctx_;
-  v1::WeightSetInfo* const response_;
+  grpc::ByteBuffer* const response_;  // a serialized WeightSetInfo
   const Clock::time_point start_;
+  grpc::ByteBuffer wire_chunk_;  // the chunk as it arrived, parsed into chunk_
   v1::WeightChunk chunk_;
+  uint64_t chunks_ = 0;  // chunks read so far (for the messages)
   v1::WeightSetHeader header_;
   bool have_header_ = false;
   std::string payload_;
@@ -251,8 +264,8 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   bool watched_ = false;  // added to the service's IdleWatch (the early refusals are not)
 };
 
-grpc::ServerReadReactor<v1::WeightChunk>* FusedLayerService::LoadWeights(grpc::CallbackServerContext* ctx,
-                                                                        v1::WeightSetInfo* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* FusedLayerService::LoadWeights(grpc::CallbackServerContext* ctx,
+                                                                          grpc::ByteBuffer* response) {
   return new LoadWeightsReactor(*this, ctx, response);
 }
 

@@ -46,9 +46,11 @@ struct ServerIdentity {
 
 // The compute methods are raw (ByteBuffer in and out, rpc/wire_messages.h): the service parses
 // their requests itself and sends their output tensors from its own memory, without copies.
+// LoadWeights is raw too: gRPC reports a chunk it cannot parse as the end of the stream, which
+// would read a garbage chunk after the last payload byte as a complete upload.
 using FusedLayerCallbackBase =
     v1::FusedLayer::WithRawCallbackMethod_MhcSeam<v1::FusedLayer::WithRawCallbackMethod_SwaNormQuant<
-        v1::FusedLayer::CallbackService>>;
+        v1::FusedLayer::WithRawCallbackMethod_LoadWeights<v1::FusedLayer::CallbackService>>>;
 
 class FusedLayerService final : public FusedLayerCallbackBase {
  public:
@@ -60,8 +62,8 @@ class FusedLayerService final : public FusedLayerCallbackBase {
                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* SwaNormQuant(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
                                          grpc::ByteBuffer* response) override;
-  grpc::ServerReadReactor<v1::WeightChunk>* LoadWeights(grpc::CallbackServerContext* ctx,
-                                                       v1::WeightSetInfo* response) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* LoadWeights(grpc::CallbackServerContext* ctx,
+                                                         grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListWeightSets(grpc::CallbackServerContext* ctx, const v1::ListWeightSetsRequest* request,
                                            v1::ListWeightSetsResponse* response) override;
   // Publishes (or discards) the sets staged under a stage id, all in one step, on the executor.
@@ -140,7 +142,7 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   Backend& backend_;
   Executor& executor_;
   const DeviceLanes& lanes_;  // where each executor worker runs compute
-  // The connections of a plaintext unix socket the server accepts itself (rpc/unix_listener.h),
+  // The connections of a plaintext unix socket the server accepts itself (rpc/plaintext_listener.h),
   // with their peers' credentials; null otherwise.
   const auth::UnixPeerTable* const unix_peers_;
   WeightManager& weights_;

@@ -1,5 +1,6 @@
-// Hardening of the server's edges: its --help, requests whose bytes do not parse, the memory limit
-// its defaults are derived from, and the descriptors that shared-memory regions hold open.
+// Hardening of the server's edges: its --help, requests (and LoadWeights chunks) whose bytes do not
+// parse, the memory limit its defaults are derived from and the descriptors that shared-memory
+// regions hold open.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -10,8 +11,11 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
+#include <random>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -55,10 +59,10 @@ TEST(ServerHelp, ListsTheServersFlagsByPurposeAndExitsZero) {
 
 // ---- requests whose bytes are not a valid message ------------------------------------------------
 
-// Sends `bytes` as the one request message of `method` (any kind: unary or client streaming) and
-// returns the call's status.
-grpc::Status CallWithRawBytes(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
-                              const std::string& bytes) {
+// Sends `messages` as the request messages of `method` (any kind: unary takes one, client
+// streaming any number) and returns the call's status and, when it succeeded, its response bytes.
+grpc::Status CallWithRawMessages(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                                 const std::vector<std::string>& messages, std::string* response_bytes = nullptr) {
   grpc::GenericStub stub(channel);
   grpc::CompletionQueue cq;
   grpc::ClientContext ctx;
@@ -74,15 +78,17 @@ grpc::Status CallWithRawBytes(const std::shared_ptr<grpc::Channel>& channel, con
   int tags[5];
   call->StartCall(&tags[0]);
   next(&tags[0]);
-  grpc::Slice slice(bytes);
-  grpc::ByteBuffer request(&slice, 1);
-  call->Write(request, &tags[1]);
-  next(&tags[1]);
+  for (const std::string& bytes : messages) {
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1);
+    call->Write(request, &tags[1]);
+    if (!next(&tags[1])) break;  // the server finished the call early
+  }
   call->WritesDone(&tags[2]);
   next(&tags[2]);
   grpc::ByteBuffer response;
   call->Read(&response, &tags[3]);
-  next(&tags[3]);
+  const bool got_response = next(&tags[3]);
   grpc::Status status;
   call->Finish(&status, &tags[4]);
   next(&tags[4]);
@@ -91,7 +97,18 @@ grpc::Status CallWithRawBytes(const std::shared_ptr<grpc::Channel>& channel, con
   bool ok = false;
   while (cq.Next(&tag, &ok)) {
   }
+  if (response_bytes != nullptr && got_response) {
+    std::vector<grpc::Slice> slices;
+    EXPECT_TRUE(response.Dump(&slices).ok());
+    response_bytes->clear();
+    for (const grpc::Slice& sl : slices) response_bytes->append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
   return status;
+}
+
+grpc::Status CallWithRawBytes(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                              const std::string& bytes) {
+  return CallWithRawMessages(channel, method, {bytes});
 }
 
 std::string Varint(uint64_t v) {
@@ -149,6 +166,49 @@ TEST(UndecodableRequests, EveryRpcAnswersInvalidArgumentWithAMessageAndTheServer
   int serving = 0;
   EXPECT_TRUE(HealthCheck(MakeChannel(ts->server().port()), "", &serving).ok());
   EXPECT_EQ(serving, 1);
+}
+
+// gRPC reports a streamed message it cannot parse as the end of the stream: LoadWeights (a raw
+// method) parses each chunk itself, so a garbage chunk is never read as a complete upload.
+TEST(UndecodableRequests, AGarbageLoadWeightsChunkIsInvalidArgumentNamingItAndLoadsNothing) {
+  auto ts = TestServer::Start(TestConfig());
+  ASSERT_NE(ts, nullptr);
+  std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed());
+  const server::PackedWeightSet set = MakeWeightSet(rng, "garbage/chunk", MhcSetSpec{}, std::nullopt);
+  const std::string method = "/fusedlayer.v1.FusedLayer/LoadWeights";
+  auto chunk = [&](bool header, size_t from, size_t bytes) {
+    v1::WeightChunk c;
+    if (header) *c.mutable_header() = set.first;
+    c.set_data(set.second.substr(from, bytes));
+    return c.SerializeAsString();
+  };
+  const size_t half = set.second.size() / 2;
+  const std::string garbage("\x0a\xff\x01", 3);  // field 1 announces 255 bytes, none follow
+  const std::vector<std::pair<std::string, std::vector<std::string>>> streams = {
+      // After the header, before the payload is complete.
+      {"after the header", {chunk(true, 0, half), garbage, chunk(false, half, set.second.size() - half)}},
+      // After the last payload byte: before, the upload was taken as complete and the set published.
+      {"after the payload", {chunk(true, 0, half), chunk(false, half, set.second.size() - half), garbage}},
+  };
+  for (const auto& [what, messages] : streams) {
+    const grpc::Status s = CallWithRawMessages(ts->channel(), method, messages);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << what << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("weight set 'garbage/chunk': chunk ")) << what;
+    EXPECT_THAT(s.error_message(), HasSubstr("is not a valid fusedlayer.v1.WeightChunk message")) << what;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::ListWeightSetsResponse list;
+    ASSERT_TRUE(ts->stub().ListWeightSets(&ctx, {}, &list).ok());
+    for (const v1::WeightSetInfo& info : list.weight_sets()) EXPECT_NE(info.name(), "garbage/chunk") << what;
+  }
+  // The same stream without the garbage loads, through the raw method too (the response parses).
+  std::string response;
+  const grpc::Status ok = CallWithRawMessages(
+      ts->channel(), method, {chunk(true, 0, half), chunk(false, half, set.second.size() - half)}, &response);
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  v1::WeightSetInfo info;
+  ASSERT_TRUE(info.ParseFromString(response));
+  EXPECT_EQ(info.name(), "garbage/chunk");
 }
 
 // ---- the memory limit the defaults are derived from ------------------------------------------------
