@@ -178,16 +178,22 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   }
   srv->weights_->FinishStartup();
 
-  // A plaintext unix socket is accepted by the server itself, so calls know their peer's user
-  // (rpc/unix_listener.h); bound here, accepted from once gRPC runs.
-  if (listen_kind != ListenKind::kTcp && security->plaintext_open) {
-    absl::StatusOr<std::unique_ptr<UnixPeerListener>> listener = UnixPeerListener::Listen(cfg.address);
-    if (!listener.ok()) return listener.status();
-    srv->unix_listener_ = std::move(*listener);
+  // A plaintext address is accepted by the server itself (rpc/plaintext_listener.h): a unix
+  // socket's calls know their peer's user, and a TCP listener keeps accepting after the process ran
+  // out of descriptors. Bound here, accepted from once gRPC runs. A TCP address in another form
+  // than HOST:PORT (ipv4:, dns:///...) is left to gRPC's listener.
+  if (security->plaintext_open) {
+    absl::StatusOr<std::unique_ptr<PlaintextListener>> listener = PlaintextListener::Listen(cfg.address);
+    if (listener.ok()) {
+      srv->plaintext_listener_ = std::move(*listener);
+    } else if (listen_kind != ListenKind::kTcp || listener.status().code() != absl::StatusCode::kUnimplemented) {
+      return listener.status();
+    }
   }
+  const bool unix_peers = srv->plaintext_listener_ && listen_kind != ListenKind::kTcp;
   srv->service_ = std::make_unique<FusedLayerService>(
       cfg, identity, be, *srv->executor_, *srv->weights_, *srv->metrics_, *srv->shadow_, *srv->lanes_,
-      srv->unix_listener_ ? &srv->unix_listener_->peers() : nullptr);
+      unix_peers ? &srv->plaintext_listener_->peers() : nullptr);
   if (cfg.allow_call_rings) {
     ring::CallRingOptions rings;
     rings.socket_path = cfg.call_ring_socket;
@@ -208,7 +214,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  if (!srv->unix_listener_) builder.AddListeningPort(cfg.address, security->credentials, &srv->port_);
+  if (!srv->plaintext_listener_) builder.AddListeningPort(cfg.address, security->credentials, &srv->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(cfg.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(cfg.max_message_bytes));
   // gRPC's own buffers (messages being received, transport) are bounded by the quota, and a client
@@ -239,13 +245,14 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   srv->server_ = builder.BuildAndStart();
   // BuildAndStart returns null when a port fails to bind. A TCP port of 0 after a "successful"
   // start is gRPC's other failure signal; a unix socket has no port (gRPC reports 1 for it).
+  if (srv->plaintext_listener_) srv->port_ = srv->plaintext_listener_->port();
   if (srv->server_ == nullptr || (listen_kind == ListenKind::kTcp && srv->port_ == 0)) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", cfg.address, " (--address)"));
   }
   if (listen_kind != ListenKind::kTcp) srv->port_ = 0;
-  if (srv->unix_listener_) srv->unix_listener_->Start(srv->server_.get());
+  if (srv->plaintext_listener_) srv->plaintext_listener_->Start(srv->server_.get());
   srv->health_.Attach(srv->server_->GetHealthCheckService());
-  const char* peers = srv->unix_listener_ ? "; callers identified by their user id, SO_PEERCRED" : "";
+  const char* peers = unix_peers ? "; callers identified by their user id, SO_PEERCRED" : "";
   const std::string where =
       listen_kind == ListenKind::kTcp
           ? absl::StrCat(" (port ", srv->port_, ")")
@@ -278,7 +285,7 @@ void FusedLayerServer::Shutdown(std::chrono::system_clock::time_point deadline) 
   LogInfo("draining: health NOT_SERVING, new calls refused with UNAVAILABLE");
   // Waits for in-flight RPCs (their executor tasks finish them) until the deadline, then cancels
   // what is left; queued tasks of cancelled calls are dropped at their launch check.
-  if (unix_listener_) unix_listener_->Stop();  // no new connections, as gRPC's own listener at Shutdown
+  if (plaintext_listener_) plaintext_listener_->Stop();  // no new connections, as gRPC's own listener at Shutdown
   if (server_) server_->Shutdown(deadline);
   // Rings: no more calls taken; the ones queued finish (or are dropped: their ring is closed) by
   // the deadline, before the executor stops.

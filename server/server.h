@@ -15,7 +15,7 @@
 #include "rpc/health.h"
 #include "common/metrics.h"
 #include "rpc/service.h"
-#include "rpc/unix_listener.h"
+#include "rpc/plaintext_listener.h"
 #include "ring/call_rings.h"
 #include "shadow/shadow_verifier.h"
 #include "exec/weight_manager.h"
@@ -72,9 +72,9 @@ class FusedLayerServer {
   std::unique_ptr<Executor> executor_;
   Health health_;
   std::unique_ptr<WeightManager> weights_;
-  // A plaintext unix: / unix-abstract: address's own listener (rpc/unix_listener.h); before the
-  // service, which reads its table of peers.
-  std::unique_ptr<UnixPeerListener> unix_listener_;
+  // A plaintext address's own listener (rpc/plaintext_listener.h); before the service, which reads
+  // its table of unix peers.
+  std::unique_ptr<PlaintextListener> plaintext_listener_;
   std::unique_ptr<FusedLayerService> service_;
   // Call rings (--allow_call_rings): after the service, whose engine they submit to.
   std::unique_ptr<ring::CallRingService> call_rings_;

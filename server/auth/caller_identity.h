@@ -6,7 +6,7 @@
 //     AuthContext is per connection, and two tokens can share one connection;
 //   - else a verified TLS client certificate (mutual TLS, per connection): "cert:" + its peer
 //     identity (subject alternative name, else common name, as gRPC reports it);
-//   - else, on a plaintext unix socket the server accepts itself (rpc/unix_listener.h), the
+//   - else, on a plaintext unix socket the server accepts itself (rpc/plaintext_listener.h), the
 //     connecting process's user from the kernel: "uid:" + its user id (auth/unix_peers.h); a call
 //     whose connection is no longer known (it closed meanwhile) is "unix-peer:unknown", which owns
 //     nothing;

@@ -7,7 +7,7 @@
 // permissions whoever asks (a confused deputy: a client could name another user's object and have
 // the server read and write it). On a unix socket the kernel knows the connecting process's user;
 // gRPC 1.51 does not expose it (grpc/grpc#15511, #28755), so the server accepts such connections
-// itself (rpc/unix_listener.h), reads SO_PEERCRED once per connection and hands the connected socket
+// itself (rpc/plaintext_listener.h), reads SO_PEERCRED once per connection and hands the connected socket
 // to gRPC (grpc::AddInsecureChannelFromFd). gRPC names the calls of such a connection's peer
 // "fd:N"; this table maps that name back to the credentials, and checks that descriptor N is still
 // the socket that was accepted (its inode), so a number reused by a later connection can never lend

@@ -1,13 +1,18 @@
 // Hardening of the server's edges: its --help, requests (and LoadWeights chunks) whose bytes do not
-// parse, the memory limit its defaults are derived from and the descriptors that shared-memory
-// regions hold open.
+// parse, the memory limit its defaults are derived from, the descriptors that shared-memory regions
+// hold open, and a listener that accepts again after the process ran out of descriptors.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -389,6 +394,45 @@ TEST(DescriptorBudget, RegionsBeyondItAreResourceExhaustedAndNewConnectionsStill
   const grpc::Status again = RegisterRegion(*stub, "again", object.key());
   EXPECT_TRUE(again.ok()) << again.error_message();
   EXPECT_EQ(RegisterRegion(*stub, "one-more", object.key()).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+
+  ASSERT_EQ(kill(p.pid(), SIGTERM), 0);
+  const std::string log = p.ReadAll();
+  EXPECT_EQ(p.Wait(), 0) << log;
+}
+
+// Whatever takes the descriptors (here: connections that never speak), the TCP listener accepts
+// again once some are free. gRPC 1.51's own listener stopped for good at the first EMFILE.
+TEST(DescriptorBudget, ATcpListenerAcceptsAgainAfterTheProcessRanOutOfDescriptors) {
+  ServerProcess p("/bin/sh", {"-c", "ulimit -S -n 96 && ulimit -H -n 96 && exec \"$0\" \"$@\"",
+                              FUSEDLAYER_SERVER_BINARY, "--backend=cpu", "--cpu_threads=1", "--address=127.0.0.1:0",
+                              "--metrics_address=127.0.0.1:0"});
+  const std::string serving = p.ReadUntil(std::regex("serving fusedlayer\\.v1\\.FusedLayer .*\\(port ([0-9]+)\\)"));
+  ASSERT_FALSE(serving.empty()) << p.log();
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(serving, match, std::regex("\\(port ([0-9]+)\\)")));
+  const int port = std::stoi(match[1]);
+
+  // More connections than the server has descriptors: it accepts until accept4 fails with EMFILE.
+  std::vector<int> idle;
+  for (int i = 0; i < 160; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(static_cast<uint16_t>(port));
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)), 0) << std::strerror(errno);
+    idle.push_back(fd);
+  }
+  ASSERT_FALSE(p.ReadUntil(std::regex("accept.*Too many open files")).empty()) << p.log();
+  for (int fd : idle) ::close(fd);  // the server's ends close as gRPC reads their EOF
+
+  // A new client is served (before: DEADLINE_EXCEEDED, the listener had stopped).
+  int status = 0;
+  const grpc::Status health = HealthCheck(MakeChannel(port), "", &status);
+  EXPECT_TRUE(health.ok()) << health.error_message() << "\n" << p.log();
+  EXPECT_EQ(status, 1);
+  ASSERT_FALSE(p.ReadUntil(std::regex("listener: accepting again")).empty()) << p.log();
 
   ASSERT_EQ(kill(p.pid(), SIGTERM), 0);
   const std::string log = p.ReadAll();

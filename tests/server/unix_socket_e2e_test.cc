@@ -155,7 +155,7 @@ TEST_F(UnixSocketTest, AbstractSocketServesBothOps) {
 }
 
 // A plaintext unix socket is accepted by the server itself, which reads each connection's peer
-// credentials (SO_PEERCRED; server/rpc/unix_listener.h): a caller is the identity "uid:N" of its
+// credentials (SO_PEERCRED; server/rpc/plaintext_listener.h): a caller is the identity "uid:N" of its
 // user, so processes of different users have separate region namespaces, and the server registers
 // only shared-memory objects the caller could open read-write itself. The second process is
 // fusedlayer_unix_peer_probe; run as root, the test starts it as nobody (65534) with setpriv, and
