@@ -462,7 +462,7 @@ absl::Status RunBench(const FusedLayerClient& client, const CommandLine& cl, std
 
   const bool session_transport = cl.transport == "session";
   // ring, ring_cuda_ipc: the shm / cuda_ipc regions, each call through a call ring instead of an RPC.
-  const bool ring_transport = cl.transport == "ring" || cl.transport == "ring_cuda_ipc";
+  const bool ring_transport = IsRingTransport(cl.transport);
   const bool cuda_transport = cl.transport == "cuda_ipc" || cl.transport == "ring_cuda_ipc";
   // shm and cuda_ipc: every tensor in a region of the caller's (the same code, another memory).
   absl::StatusOr<bool> region_parsed =

@@ -59,6 +59,8 @@ struct CommandLine {
 // --transport of seam and swa: true for shm and cuda_ipc (the tensors in a region of the caller's),
 // false for tcp; InvalidArgument otherwise.
 absl::StatusOr<bool> ParseRegionTransport(const std::string& transport);
+// --transport=ring|ring_cuda_ipc: a region's call through a call ring instead of an RPC.
+bool IsRingTransport(const std::string& transport);
 // A registered region of `bytes` bytes for --transport=shm (a POSIX shared-memory object) or
 // cuda_ipc (a device allocation of this process, cl.cuda_regions; FailedPrecondition without one).
 absl::StatusOr<std::unique_ptr<ClientRegion>> MakeRegion(const FusedLayerClient& client, const CommandLine& cl,

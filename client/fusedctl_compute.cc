@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/call_ring.h"
 #include "client/cli_options.h"
 #include "client/fusedctl_commands.h"
 #include "client/random_inputs.h"
@@ -81,8 +82,10 @@ absl::StatusOr<v1::PathPreference> PathOf(const CommandLine& cl) {
 absl::StatusOr<bool> ParseRegionTransport(const std::string& transport) {
   if (transport == "tcp" || transport.empty()) return false;
   if (transport == "shm" || transport == "cuda_ipc") return true;
-  return absl::InvalidArgumentError(absl::StrCat("--transport=", transport, ": want tcp, shm or cuda_ipc"));
+  return absl::InvalidArgumentError(absl::StrCat("--transport=", transport, ": want tcp, shm, cuda_ipc, ring or ring_cuda_ipc"));
 }
+
+bool IsRingTransport(const std::string& transport) { return transport == "ring" || transport == "ring_cuda_ipc"; }
 
 absl::StatusOr<std::unique_ptr<ClientRegion>> MakeRegion(const FusedLayerClient& client, const CommandLine& cl,
                                                          uint64_t bytes) {
@@ -105,15 +108,56 @@ std::string RegionLine(const CommandLine& cl, const ClientRegion& region) {
                       " region ", region.region_name(), ", ", FormatBytes(double(region.byte_size())), "\n");
 }
 
+// The call of `req` (its tensors in `region`) through a call ring opened for it: the response
+// holds the completion's report and the outputs read from the region.
+template <typename Response, typename Request>
+absl::StatusOr<Response> CallThroughRing(const FusedLayerClient& client, const CommandLine& cl, const Request& req,
+                                         const ClientRegion& region, double* round_trip_seconds) {
+  CallRing::Options options;
+  options.weight_sets = {req.weight_set()};
+  v1::CallRingRegion bound;
+  bound.set_name(region.region_name());
+  bound.set_cuda(cl.transport == "ring_cuda_ipc");
+  options.regions = {bound};
+  options.slots = 1;
+  absl::StatusOr<std::unique_ptr<CallRing>> ring = CallRing::Open(client, options);
+  if (!ring.ok()) return ring.status();
+  absl::StatusOr<wire::RingCallDescriptor> call = RingCallOf(req, options.weight_sets, options.regions);
+  if (!call.ok()) return call.status();
+  const Clock::time_point t0 = Clock::now();
+  const RingCallResult r = (*ring)->Call(0, *call);
+  *round_trip_seconds = Since(t0);
+  if (!r.status.ok()) return r.status;
+  Response resp;
+  v1::ExecutionReport* report = resp.mutable_report();
+  report->set_path(r.path);
+  report->set_fallback_reason(r.fallback_reason);
+  report->set_fallback_detail(r.fallback_detail);
+  report->set_weight_set(req.weight_set());
+  report->set_server_seconds(r.server_seconds);
+  report->set_queue_seconds(r.queue_seconds);
+  report->set_kernel_seconds(r.kernel_seconds);
+  report->set_batch_requests(r.batch_requests);
+  if (absl::Status s = region.FetchPlaced(resp); !s.ok()) return s;
+  return resp;
+}
+
 // Sends `req` with `send` and prints its request and response sizes and its report. With
 // --transport=shm|cuda_ipc the tensors go in a region of the caller's first (`region_bytes` of it,
-// filled by `prepare`), and the outputs are fetched from there into the response.
+// filled by `prepare`), and the outputs are fetched from there into the response; with
+// --transport=ring|ring_cuda_ipc the same region's call goes through a call ring instead of `send`.
 template <typename Request, typename Send>
 auto SendAndReport(const FusedLayerClient& client, const CommandLine& cl, Request& req,
                    const std::function<absl::StatusOr<uint64_t>()>& region_bytes,
                    const std::function<absl::Status(ClientRegion&)>& prepare, Send send, std::ostream& out)
     -> decltype(send(req)) {
-  absl::StatusOr<bool> region_transport = ParseRegionTransport(cl.transport);
+  using Response = typename decltype(send(req))::value_type;
+  const bool ring = IsRingTransport(cl.transport);
+  if (ring && req.verify()) {
+    return absl::InvalidArgumentError(
+        "--verify: a call ring's completion carries no verification; verify over --transport=tcp|shm|cuda_ipc");
+  }
+  absl::StatusOr<bool> region_transport = ring ? true : ParseRegionTransport(cl.transport);
   if (!region_transport.ok()) return region_transport.status();
   std::unique_ptr<ClientRegion> region;
   if (*region_transport) {
@@ -124,6 +168,15 @@ auto SendAndReport(const FusedLayerClient& client, const CommandLine& cl, Reques
     region = *std::move(created);
     if (absl::Status s = prepare(*region); !s.ok()) return s;
     out << RegionLine(cl, *region);
+  }
+  if (ring) {
+    double rtt = 0;
+    absl::StatusOr<Response> resp = CallThroughRing<Response>(client, cl, req, *region, &rtt);
+    if (!resp.ok()) return resp.status();
+    out << "call ring: a " << FormatBytes(double(sizeof(wire::RingCallDescriptor)))
+        << " descriptor and its completion in shared memory, no RPC\n";
+    out << FormatReport(resp->report(), rtt);
+    return resp;
   }
   const Clock::time_point t0 = Clock::now();
   auto resp = send(req);
@@ -149,8 +202,9 @@ std::string FormatReport(const v1::ExecutionReport& r, double round_trip_seconds
     absl::StrAppend(&s, "\n");
   }
   absl::StrAppend(&s, "  weight_set  ", r.weight_set(), "\n");
-  absl::StrAppend(&s, "  backend     ", r.backend(), "\n");
-  absl::StrAppend(&s, "  device      ", r.device(), "\n");
+  // A call ring's completion names neither (the server's info does).
+  if (!r.backend().empty()) absl::StrAppend(&s, "  backend     ", r.backend(), "\n");
+  if (!r.device().empty()) absl::StrAppend(&s, "  device      ", r.device(), "\n");
   absl::StrAppend(&s, "  kernel      ", FormatSeconds(r.kernel_seconds()), "\n");
   absl::StrAppend(&s, "  queue       ", FormatSeconds(r.queue_seconds()), "\n");
   absl::StrAppend(&s, "  server      ", FormatSeconds(r.server_seconds()), "\n");

@@ -81,13 +81,13 @@ ABSL_FLAG(bool, copy_requests, false,
           "way) instead of sending one shared request's tensor data by reference (FusedLayerClient's shared-request "
           "calls); for comparing the two");
 ABSL_FLAG(std::string, transport, "tcp",
-          "seam/swa/bench: tcp (tensors in the messages) or shm (tensors in a POSIX shared-memory object this "
-          "process creates and registers; same host, server started with --allow_shared_memory); bench --op=mhc "
-          "also: session (x only per call, the residual and mixes kept in a residual session on the server); bench "
-          "also: cuda_ipc (tensors in device memory of this process on the server's GPU, used by the server's "
-          "kernels in place; server started with --allow_cuda_shared_memory); bench also: ring and ring_cuda_ipc "
-          "(the shm / cuda_ipc regions, each call through a call ring in shared memory instead of an RPC; server "
-          "started with --allow_call_rings; the RPC over the same regions is the comparison row)");
+          "seam/swa/bench: tcp (tensors in the messages), shm (tensors in a POSIX shared-memory object this "
+          "process creates and registers; same host, server started with --allow_shared_memory), cuda_ipc "
+          "(tensors in device memory of this process on the server's GPU, used by the server's kernels in place; "
+          "server started with --allow_cuda_shared_memory), ring and ring_cuda_ipc (the shm / cuda_ipc regions, "
+          "the call through a call ring in shared memory instead of an RPC; server started with "
+          "--allow_call_rings; bench's comparison row is the RPC over the same regions); bench --op=mhc also: "
+          "session (x only per call, the residual and mixes kept in a residual session on the server)");
 ABSL_FLAG(std::string, session, "",
           "seam: run the call in this residual session of the caller's (x only; the residual and mixes stay on "
           "the server between calls). --stage=first opens it (T = --tokens) when it is not open and starts the "

@@ -7,7 +7,10 @@
 
 #include <cerrno>
 #include <cstring>
+#include <initializer_list>
 #include <random>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -32,31 +35,52 @@ uint64_t TensorBytes(const v1::Tensor& t) {
 
 int64_t Tokens(const v1::Tensor& t) { return t.shape_size() > 0 ? t.shape(0) : 0; }
 
-// (name, bytes) of every output the server produces for the request.
-std::vector<std::pair<const char*, uint64_t>> MhcOutputs(const v1::MhcSeamRequest& r, const v1::MhcConfig& mhc) {
-  const uint64_t T = static_cast<uint64_t>(Tokens(r.x())), n = static_cast<uint64_t>(mhc.hc_mult()),
-                 C = static_cast<uint64_t>(mhc.hidden());
-  std::vector<std::pair<const char*, uint64_t>> out = {{"new_residual", T * n * C * 2}, {"y", T * C * 2}};
+uint64_t ShapeBytes(v1::DataType dtype, std::initializer_list<int64_t> shape) {
+  uint64_t n = DTypeBytes(dtype);
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d < 0 ? 0 : d);
+  return n;
+}
+
+// Every output the server produces for the request: its name, dtype and shape (as the server's
+// response describes it) and bytes.
+std::vector<PlacedOutput> MhcOutputs(const v1::MhcSeamRequest& r, const v1::MhcConfig& mhc) {
+  const int64_t T = Tokens(r.x()), n = mhc.hc_mult(), C = mhc.hidden();
+  auto out = [](const char* name, v1::DataType dtype, std::initializer_list<int64_t> shape) {
+    return PlacedOutput{name, dtype, std::vector<int64_t>(shape), 0, ShapeBytes(dtype, shape)};
+  };
+  std::vector<PlacedOutput> outs = {out("new_residual", v1::DATA_TYPE_BF16, {T, n, C}),
+                                    out("y", v1::DATA_TYPE_BF16, {T, C})};
   if (r.stage() != v1::MHC_STAGE_HEAD) {
-    out.insert(out.end(), {{"new_pre_mix", T * n * 4}, {"new_post_mix", T * n * 4}, {"new_comb_mix", T * n * n * 4}});
+    outs.push_back(out("new_pre_mix", v1::DATA_TYPE_FP32, {T, n}));
+    outs.push_back(out("new_post_mix", v1::DATA_TYPE_FP32, {T, n}));
+    outs.push_back(out("new_comb_mix", v1::DATA_TYPE_FP32, {T, n, n}));
   }
-  if (r.capture_aux()) out.emplace_back("aux", T * C * 2);
-  return out;
+  if (r.capture_aux()) outs.push_back(out("aux", v1::DATA_TYPE_BF16, {T, C}));
+  return outs;
 }
 
-std::vector<std::pair<const char*, uint64_t>> SwaOutputs(const v1::SwaNormQuantRequest& r, const v1::SwaConfig& swa,
-                                                         int64_t wq_b_rows) {
-  const uint64_t M = static_cast<uint64_t>(Tokens(r.qr_kv())), Q = static_cast<uint64_t>(swa.q_rank()),
-                 D = static_cast<uint64_t>(swa.head_dim()), G = Q / 128;
-  const uint64_t scale_rows = swa.scale_layout() == v1::SCALE_LAYOUT_ROW_MAJOR ? M : (M + 3) / 4 * 4;
-  std::vector<std::pair<const char*, uint64_t>> out = {{"q_fp8", M * Q}, {"q_scale", scale_rows * G * 4}, {"kv", M * D * 2}};
-  if (wq_b_rows > 0) out.emplace_back("q_proj", M * static_cast<uint64_t>(wq_b_rows) * 2);
-  return out;
+std::vector<PlacedOutput> SwaOutputs(const v1::SwaNormQuantRequest& r, const v1::SwaConfig& swa, int64_t wq_b_rows) {
+  const int64_t M = Tokens(r.qr_kv()), Q = swa.q_rank(), D = swa.head_dim(), G = Q / 128;
+  auto out = [](const char* name, v1::DataType dtype, std::initializer_list<int64_t> shape) {
+    return PlacedOutput{name, dtype, std::vector<int64_t>(shape), 0, ShapeBytes(dtype, shape)};
+  };
+  const v1::DataType fp8 =
+      swa.fp8_format() == v1::FP8_FORMAT_E4M3FNUZ ? v1::DATA_TYPE_FP8_E4M3FNUZ : v1::DATA_TYPE_FP8_E4M3FN;
+  std::vector<PlacedOutput> outs = {out("q_fp8", fp8, {M, Q})};
+  // Column-major scales (the TMA layout) pad the token dimension to a multiple of 4.
+  if (swa.scale_layout() == v1::SCALE_LAYOUT_ROW_MAJOR) {
+    outs.push_back(out("q_scale", v1::DATA_TYPE_FP32, {M, G}));
+  } else {
+    outs.push_back(out("q_scale", v1::DATA_TYPE_FP32, {G, (M + 3) / 4 * 4}));
+  }
+  outs.push_back(out("kv", v1::DATA_TYPE_BF16, {M, D}));
+  if (wq_b_rows > 0) outs.push_back(out("q_proj", v1::DATA_TYPE_BF16, {M, wq_b_rows}));
+  return outs;
 }
 
-uint64_t Sum(const std::vector<std::pair<const char*, uint64_t>>& outs, std::initializer_list<const v1::Tensor*> ins) {
+uint64_t Sum(const std::vector<PlacedOutput>& outs, std::initializer_list<const v1::Tensor*> ins) {
   uint64_t total = 0;
-  for (const auto& o : outs) total += AlignUp(o.second);
+  for (const PlacedOutput& o : outs) total += AlignUp(o.bytes);
   for (const v1::Tensor* t : ins) total += AlignUp(TensorBytes(*t));
   return total;
 }
@@ -153,21 +177,24 @@ absl::Status ClientRegion::PlaceInput(v1::Tensor* t) {
   return absl::OkStatus();
 }
 
-absl::Status ClientRegion::PlaceOutput(const char* name, uint64_t bytes,
+absl::Status ClientRegion::PlaceOutput(PlacedOutput output,
                                        google::protobuf::RepeatedPtrField<v1::OutputPlacement>* out) {
-  absl::StatusOr<uint64_t> at = Take(bytes);
+  absl::StatusOr<uint64_t> at = Take(output.bytes);
   if (!at.ok()) return at.status();
   v1::OutputPlacement* p = out->Add();
-  p->set_output(name);
+  p->set_output(output.name);
   v1::SharedMemoryRef* ref = cuda_ ? p->mutable_cuda_shared_memory() : p->mutable_shared_memory();
   ref->set_region(name_);
   ref->set_offset(*at);
-  ref->set_byte_size(bytes);
+  ref->set_byte_size(output.bytes);
+  output.offset = *at;
+  placed_.push_back(std::move(output));
   return absl::OkStatus();
 }
 
 absl::Status ClientRegion::Prepare(v1::MhcSeamRequest& r, const v1::MhcConfig& mhc) {
   used_ = 0;
+  placed_.clear();
   r.clear_output_placements();
   for (v1::Tensor* t : {r.mutable_x(), r.mutable_residual(), r.mutable_post_mix(), r.mutable_comb_mix()}) {
     if (absl::Status s = PlaceInput(t); !s.ok()) return s;
@@ -180,18 +207,19 @@ absl::Status ClientRegion::Prepare(v1::MhcSeamRequest& r, const v1::MhcConfig& m
     r.clear_post_mix();
     r.clear_comb_mix();
   }
-  for (const auto& [name, bytes] : MhcOutputs(r, mhc)) {
-    if (absl::Status s = PlaceOutput(name, bytes, r.mutable_output_placements()); !s.ok()) return s;
+  for (PlacedOutput& o : MhcOutputs(r, mhc)) {
+    if (absl::Status s = PlaceOutput(std::move(o), r.mutable_output_placements()); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
 absl::Status ClientRegion::Prepare(v1::SwaNormQuantRequest& r, const v1::SwaConfig& swa, int64_t wq_b_rows) {
   used_ = 0;
+  placed_.clear();
   r.clear_output_placements();
   if (absl::Status s = PlaceInput(r.mutable_qr_kv()); !s.ok()) return s;
-  for (const auto& [name, bytes] : SwaOutputs(r, swa, wq_b_rows)) {
-    if (absl::Status s = PlaceOutput(name, bytes, r.mutable_output_placements()); !s.ok()) return s;
+  for (PlacedOutput& o : SwaOutputs(r, swa, wq_b_rows)) {
+    if (absl::Status s = PlaceOutput(std::move(o), r.mutable_output_placements()); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
@@ -227,6 +255,25 @@ absl::Status ClientRegion::Fetch(v1::SwaNormQuantResponse& r) const {
     if (absl::Status s = FetchTensor(t); !s.ok()) return s;
   }
   if (r.q_proj().dtype() == v1::DATA_TYPE_UNSPECIFIED) r.clear_q_proj();
+  return absl::OkStatus();
+}
+
+absl::Status ClientRegion::FetchPlaced(google::protobuf::Message& response) const {
+  const google::protobuf::Descriptor* type = response.GetDescriptor();
+  const google::protobuf::Reflection* reflection = response.GetReflection();
+  for (const PlacedOutput& o : placed_) {
+    const google::protobuf::FieldDescriptor* field = type->FindFieldByName(o.name);
+    if (field == nullptr || field->message_type() != v1::Tensor::descriptor()) {
+      return absl::InternalError(absl::StrCat(type->full_name(), " has no tensor ", o.name));
+    }
+    auto* t = static_cast<v1::Tensor*>(reflection->MutableMessage(&response, field));
+    t->Clear();
+    t->set_dtype(o.dtype);
+    for (int64_t d : o.shape) t->add_shape(d);
+    std::string* data = t->mutable_data();
+    data->resize(o.bytes);
+    if (absl::Status s = Read(o.offset, data->data(), o.bytes); !s.ok()) return s;
+  }
   return absl::OkStatus();
 }
 

@@ -6,10 +6,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/fusedlayer_client.h"
+#include "google/protobuf/message.h"
 
 namespace fusedlayer::client {
 
@@ -24,6 +26,15 @@ uint64_t SwaRequestSharedBytes(const v1::SwaNormQuantRequest& request, const v1:
 // so neither travels in the messages; Fetch reads the outputs back into the response. What the
 // region is (a POSIX shared-memory object, ClientSharedMemory; a device allocation exported over
 // CUDA IPC, client/cuda_shared_memory.h) is the subclass's: it moves the bytes.
+// An output a region holds for a request: where ClientRegion::Prepare placed it, and what it is.
+struct PlacedOutput {
+  std::string name;  // the response field
+  v1::DataType dtype = v1::DATA_TYPE_UNSPECIFIED;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
 class ClientRegion {
  public:
   virtual ~ClientRegion() = default;
@@ -37,6 +48,9 @@ class ClientRegion {
   // response reads as a TCP one.
   absl::Status Fetch(v1::MhcSeamResponse& response) const;
   absl::Status Fetch(v1::SwaNormQuantResponse& response) const;
+  // Sets every output the last Prepare placed (its dtype, shape and bytes) in `response`, for a
+  // call that returns no response message: a call ring's (the completion says only how it went).
+  absl::Status FetchPlaced(google::protobuf::Message& response) const;
 
   const std::string& region_name() const { return name_; }
   uint64_t byte_size() const { return bytes_; }
@@ -52,7 +66,7 @@ class ClientRegion {
   // The next aligned range of `bytes` bytes (ResourceExhausted when the region is too small).
   absl::StatusOr<uint64_t> Take(uint64_t bytes);
   absl::Status PlaceInput(v1::Tensor* t);
-  absl::Status PlaceOutput(const char* name, uint64_t bytes, google::protobuf::RepeatedPtrField<v1::OutputPlacement>* out);
+  absl::Status PlaceOutput(PlacedOutput output, google::protobuf::RepeatedPtrField<v1::OutputPlacement>* out);
   absl::Status FetchTensor(v1::Tensor* t) const;
   v1::SharedMemoryRef* MutableRef(v1::Tensor* t) const;
 
@@ -60,6 +74,7 @@ class ClientRegion {
   const uint64_t bytes_;
   const bool cuda_;
   uint64_t used_ = 0;
+  std::vector<PlacedOutput> placed_;  // the last Prepare's outputs
 };
 
 // A POSIX shared-memory object that this process creates (a random, unguessable name, mode 0600,

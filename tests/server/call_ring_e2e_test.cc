@@ -11,7 +11,8 @@
 //    a token presented twice or never;
 //  - a client that goes away mid-call (its connection closed while its call is held in the
 //    kernel): the ring closes, its queued call is dropped, the server keeps serving;
-//  - dynamic batching across rings; drain with ring calls in flight; the ring metrics.
+//  - dynamic batching across rings; drain with ring calls in flight; the ring metrics;
+//  - fusedctl seam|swa --transport=ring: the outputs of the same call by RPC.
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -28,9 +29,14 @@
 #include "client_for.h"
 #include "fault_backend.h"
 #include "gtest/gtest.h"
+#include "server_process.h"
 #include "server_test_env.h"
 #include "test_util.h"
 #include "two_token_file.h"
+
+#ifndef FUSEDCTL_BINARY
+#error "FUSEDCTL_BINARY must point at the fusedctl executable"
+#endif
 
 namespace fusedlayer::testing {
 namespace {
@@ -71,6 +77,24 @@ void PoisonOutputs(const ClientSharedMemory& shm, const Request& by_ref) {
   }
 }
 
+// Every Tensor field of `a` and `b`: present in both or neither, and equal (dtype, shape, bytes).
+void ExpectSameTensors(const google::protobuf::Message& a, const google::protobuf::Message& b) {
+  const google::protobuf::Descriptor* type = a.GetDescriptor();
+  for (int i = 0; i < type->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = type->field(i);
+    if (f->message_type() != v1::Tensor::descriptor() || f->is_repeated()) continue;
+    SCOPED_TRACE(f->name());
+    ASSERT_EQ(a.GetReflection()->HasField(a, f), b.GetReflection()->HasField(b, f));
+    if (!a.GetReflection()->HasField(a, f)) continue;
+    const auto& ta = static_cast<const v1::Tensor&>(a.GetReflection()->GetMessage(a, f));
+    const auto& tb = static_cast<const v1::Tensor&>(b.GetReflection()->GetMessage(b, f));
+    EXPECT_EQ(ta.dtype(), tb.dtype());
+    EXPECT_EQ(std::vector<int64_t>(ta.shape().begin(), ta.shape().end()),
+              std::vector<int64_t>(tb.shape().begin(), tb.shape().end()));
+    EXPECT_TRUE(ta.data() == tb.data());
+  }
+}
+
 // A ring call of `by_ref` (every tensor in `shm`): OK, and the response it stands for, read back
 // from the region into the RPC's response shape (`shaped`: the same call over shared memory by RPC,
 // whose outputs are references with their shapes).
@@ -84,6 +108,11 @@ RingCallResult RingCallInto(CallRing& ring, uint32_t slot, const Request& by_ref
   RingCallResult r = ring.Call(slot, *call);
   EXPECT_TRUE(r.status.ok()) << r.status;
   EXPECT_TRUE(shm.Fetch(shaped).ok());
+  // What a ring caller without the RPC's response gets (fusedctl --transport=ring): the outputs as
+  // the region placed them, with the dtypes and shapes the server's response gives them.
+  Response placed;
+  EXPECT_TRUE(shm.FetchPlaced(placed).ok());
+  ExpectSameTensors(placed, shaped);
   *out = std::move(shaped);
   return r;
 }
@@ -538,6 +567,45 @@ TEST(CallRing, DrainFinishesRingCallsInFlight) {
   v1::MhcSeamResponse got = v.shaped;
   ASSERT_TRUE(v.shm->Fetch(got).ok());
   ExpectMhcEqual(got, v.tcp);
+}
+
+// ---- fusedctl seam|swa --transport=ring ------------------------------------------------------------
+
+// The part of fusedctl's output after "outputs": one summary line per output tensor.
+std::string OutputsSection(const std::string& out) {
+  const size_t at = out.find("\noutputs\n");
+  return at == std::string::npos ? std::string() : out.substr(at);
+}
+
+TEST(FusedctlRing, SeamAndSwaThroughARingPrintTheOutputsOfTheSameCallByRpc) {
+  std::mt19937_64 rng = MakeRng(77);
+  const PackedWeightSet set = MakeWeightSet(rng, "ring/ctl", MhcSetSpec{.hc_mult = 4, .hidden = 256}, SwaSetSpec{});
+  RingServer s = StartRingServer({set});
+  ASSERT_NE(s.client, nullptr);
+  const std::string target = "--target=127.0.0.1:" + std::to_string(s.ts->server().port());
+  for (const std::vector<std::string>& call :
+       {std::vector<std::string>{"seam", "--tokens=5", "--capture_aux"}, std::vector<std::string>{"seam", "--stage=head"},
+        std::vector<std::string>{"swa", "--tokens=9"}}) {
+    SCOPED_TRACE(call[0] + " " + call[1]);
+    std::vector<std::string> args = {target};
+    args.insert(args.end(), call.begin(), call.end());
+    args.insert(args.end(), {"--weight_set=ring/ctl", "--seed=12345"});
+    std::string by_rpc, by_ring;
+    std::vector<std::string> shm = args, ring = args;
+    shm.push_back("--transport=shm");
+    ring.push_back("--transport=ring");
+    ASSERT_EQ(RunToEnd(FUSEDCTL_BINARY, shm, &by_rpc), 0) << by_rpc;
+    ASSERT_EQ(RunToEnd(FUSEDCTL_BINARY, ring, &by_ring), 0) << by_ring;
+    EXPECT_NE(by_ring.find("call ring: a "), std::string::npos) << by_ring;
+    EXPECT_NE(by_ring.find("  path        fused"), std::string::npos) << by_ring;
+    ASSERT_FALSE(OutputsSection(by_rpc).empty()) << by_rpc;
+    EXPECT_EQ(OutputsSection(by_ring), OutputsSection(by_rpc)) << by_ring << "\n----\n" << by_rpc;
+  }
+  // No verification in a completion: refused before anything is sent.
+  std::string out;
+  EXPECT_NE(RunToEnd(FUSEDCTL_BINARY, {target, "seam", "--weight_set=ring/ctl", "--verify", "--transport=ring"}, &out),
+            0);
+  EXPECT_NE(out.find("--verify: a call ring's completion carries no verification"), std::string::npos) << out;
 }
 
 }  // namespace
