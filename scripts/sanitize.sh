@@ -41,8 +41,10 @@ CTEST_JOBS="${CTEST_JOBS:-$((JOBS * 2))}"
 WHAT="${1:-all}"
 step() { printf '\n==== %s\n' "$*"; }
 
+# -g1: line tables and function names, all a sanitizer report's stack needs, in about a quarter less
+# compile time than -g (the suites' own files are -g1 already: tests/CMakeLists.txt).
 COMMON=(-G Ninja -DFUSEDLAYER_CUDA=OFF -DFUSEDLAYER_HIP=OFF -DFUSEDLAYER_BUILD_BENCH=OFF
-        -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g" "-DCMAKE_C_FLAGS_DEBUG=-O1 -g"
+        -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g1" "-DCMAKE_C_FLAGS_DEBUG=-O1 -g1"
         -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST)
 
 if [ "$WHAT" = all ] || [ "$WHAT" = asan ]; then
