@@ -40,7 +40,7 @@ ABSL_FLAG(int64_t, max_queue_delay_us, 0,
 ABSL_FLAG(int64_t, executor_spin_us, -1,
           "how long (microseconds) an idle executor worker polls its queue before it sleeps, so a request that "
           "arrives meanwhile starts without a thread wake-up (one worker spins at a time, only after work; 0: never; "
-          "-1 = auto: 500 on a GPU, 0 on the CPU backend)");
+          "-1 = auto: 500 on a GPU; on the CPU backend --call_ring_spin_us with --allow_call_rings, else 0)");
 ABSL_FLAG(int32_t, device_lanes, 0,
           "GPU: lanes (streams, each with its own executor worker) per device, so one request's copies overlap "
           "another's kernel; 0 = auto (4), at most 16. The CPU backend always runs one worker");

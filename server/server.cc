@@ -145,8 +145,12 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
             " host copy helper threads (--host_copy_threads), requests read into pinned memory up to ",
             cfg.request_staging_bytes, " bytes (--request_staging_bytes)");
   }
-  const int64_t spin_us =
-      cfg.executor_spin_us >= 0 ? cfg.executor_spin_us : (srv->lanes_->lanes() > 0 ? kAutoExecutorSpinUs : 0);
+  // Auto: spin on a GPU; on the CPU backend, whose kernels want every core, only where call rings
+  // are on (a ring client asked for latency), as long as the ring poller spins.
+  const int64_t spin_us = cfg.executor_spin_us >= 0 ? cfg.executor_spin_us
+                          : srv->lanes_->lanes() > 0 ? kAutoExecutorSpinUs
+                          : cfg.allow_call_rings     ? cfg.call_ring_spin_us
+                                                     : 0;
   LogInfo("executor: ", srv->lanes_->workers(), " worker(s), idle spin ", spin_us, " us (--executor_spin_us)");
   srv->executor_ =
       std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching, srv->lanes_->workers(),
