@@ -23,9 +23,9 @@
 #       verification's shared messages (server_shadow_e2e_tests), residual sessions (server_residual_session_tests:
 #       the store's reaper thread, a session held from a gRPC thread to an executor worker).
 #       Debian's Abseil and gRPC are not TSan-instrumented. What makes their synchronisation visible:
-#       server/common/annotated_mutex.h (our absl::Mutex locks), server/common/tsan_grpc_handoff.cc
+#       server/common/annotated_mutex.h (our absl::Mutex locks), proto/fusedlayer/wire/tsan_grpc_handoff.cc
 #       (linked into every TSan target: absl::Mutex/CondVar as libgrpc uses them, and gRPC's callback
-#       operations from start to completion), server/common/tsan_annotations.h (our reactors' hand-offs)
+#       operations from start to completion), proto/fusedlayer/wire/tsan_annotations.h (our reactors' hand-offs)
 #       and tests/fuzz/tsan.supp (libc interceptors called from inside those libraries; nothing of
 #       ours) - docs/operations.md, "Sanitizers and fuzzing". Not here: server_e2e_tests (functional
 #       RPC coverage, long to build; clean under TSan when measured) and server_unix_socket_tests (its
@@ -77,7 +77,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tsan ]; then
   # start inherit the options. tests/fuzz/tsan.supp: only libc interceptors called from inside
   # Debian's gRPC, protobuf, Abseil and OpenSSL (policy in its header: races in fusedlayer code are
   # fixed, never suppressed). Cancelled calls included: OnDone acquires the call's reference count
-  # and OnCancel releases to OnDone (server/common/tsan_annotations.h, docs/operations.md).
+  # and OnCancel releases to OnDone (proto/fusedlayer/wire/tsan_annotations.h, docs/operations.md).
   TSAN_OPTIONS="halt_on_error=1:exitcode=66:second_deadlock_stack=1:suppressions=$ROOT/tests/fuzz/tsan.supp" \
     ctest --test-dir "$B" --output-on-failure --no-tests=error -j"$CTEST_JOBS" \
       -R '^(Concurrency\.|Executor\.|Dispatcher\.|WeightStoreTest\.|WeightManager[./]|IdleWatch\.|Pipeline\.|ExecutorBatching\.|ServerBatching\.|SharedMemory\.|SharedMemoryTokens\.|Reliability\.|LoadWeightsFaults\.|LoadWeightsLimits\.|SecurityTest\.|TokenFile\.|ClientToken\.|IdentityFile\.|TokenAuth\.|TransportSecurity\.|ShadowE2E\.|ShadowFaults\.|ResidualSession(Tokens)?\.|CudaSharedMemory(Tokens)?\.|CallRing(Identities)?\.|UnixSocketTest\.(ServesBoth|AbstractSocket|PeersAre|TokensAre|StaleSocket|BadUnix))'

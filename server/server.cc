@@ -24,7 +24,7 @@
 #include "common/byte_budget.h"
 #include "common/descriptors.h"
 #include "common/log.h"
-#include "common/tsan_annotations.h"
+#include "fusedlayer/wire/tsan_annotations.h"
 #include "prometheus/exposer.h"
 #include "rpc/undecodable_requests.h"
 
@@ -238,7 +238,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   // makes it INVALID_ARGUMENT naming the request type, as the compute RPCs answer.
   // Not in ThreadSanitizer builds: gRPC builds each call's interceptor state on one of its threads
   // and runs the interceptor on another, ordered inside the uninstrumented libgrpc
-  // (common/tsan_annotations.h), where no hand-off of ours could announce it; TSan would report
+  // (fusedlayer/wire/tsan_annotations.h), where no hand-off of ours could announce it; TSan would report
   // every admin call. The interceptor is tested in the other builds (UndecodableRequests).
 #ifndef FUSEDLAYER_TSAN
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
@@ -301,7 +301,7 @@ void FusedLayerServer::Shutdown(std::chrono::system_clock::time_point deadline) 
   if (executor_) executor_->Stop();
   if (server_) server_->Wait();
   // Every call's OnDone has returned (UnaryCall::OnDone releases this key; tsan_annotations.h).
-  if (metrics_) TsanAcquireFrom(metrics_.get());
+  if (metrics_) wire::TsanAcquireFrom(metrics_.get());
 }
 
 FusedLayerServer::FusedLayerServer(ServerConfig config) : config_(std::move(config)) {}

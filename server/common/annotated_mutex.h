@@ -19,7 +19,7 @@
 #include "absl/synchronization/mutex.h"
 // FUSEDLAYER_TSAN (TSan detection) and, when set, <sanitizer/tsan_interface.h>: defined once
 // there, shared with the gRPC hand-off annotations.
-#include "common/tsan_annotations.h"
+#include "fusedlayer/wire/tsan_annotations.h"
 
 namespace fusedlayer::server {
 

@@ -24,7 +24,7 @@
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "common/metrics.h"
 #include "weights/weight_set.h"
-#include "weights/weight_store.h"
+#include "exec/weight_store.h"
 
 namespace fusedlayer::server {
 

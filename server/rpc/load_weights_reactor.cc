@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
-#include "common/tsan_annotations.h"
+#include "fusedlayer/wire/tsan_annotations.h"
 #include "rpc/proto_convert.h"
 #include "rpc/service.h"
 #include "rpc/unary_call.h"
@@ -50,15 +50,15 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   }
 
   // Each callback first acquires what the thread that handed the stream to gRPC (StartRead,
-  // Finish) released (common/tsan_annotations.h).
+  // Finish) released (fusedlayer/wire/tsan_annotations.h).
   void OnCancel() override {
-    TsanAcquireFrom(this);
+    wire::TsanAcquireFrom(this);
     cancelled_.store(true, std::memory_order_release);
-    TsanReleaseTo(this);  // for OnDone, maybe on another thread (tsan_annotations.h: OnCancel)
+    wire::TsanReleaseTo(this);  // for OnDone, maybe on another thread (tsan_annotations.h: OnCancel)
   }
 
   void OnReadDone(bool ok) override {
-    TsanAcquireFrom(this);
+    wire::TsanAcquireFrom(this);
     idle_.Touch();
     // Finished by the idle watch while this read was pending: nothing more to do with the stream.
     if (Finished()) return;
@@ -117,8 +117,8 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   }
 
   void OnDone() override {
-    TsanAcquireCallReferences(this);  // gRPC's own threads' last uses of the reactor (tsan_annotations.h)
-    TsanAcquireFrom(this);
+    wire::TsanAcquireCallReferences(this);  // gRPC's own threads' last uses of the reactor (tsan_annotations.h)
+    wire::TsanAcquireFrom(this);
     // After Remove the idle watch no longer runs (and will never run) IdleTimeout on this reactor.
     if (watched_) service_.upload_idle_.Remove(&idle_);
     buffered_.Release();
@@ -137,7 +137,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
   void ReadNext() {
     std::lock_guard<std::mutex> lock(finish_mu_);
     if (finished_) return;
-    TsanReleaseTo(this);  // OnReadDone acquires it
+    wire::TsanReleaseTo(this);  // OnReadDone acquires it
     StartRead(&wire_chunk_);
   }
 
@@ -222,7 +222,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
     // The reactor stays alive until Finish() has returned too: gRPC's inline Finish() still reads
     // it after handing the status over, and OnDone may run on a gRPC thread before that.
     refs_.fetch_add(1, std::memory_order_relaxed);
-    TsanReleaseTo(this);  // OnDone acquires it
+    wire::TsanReleaseTo(this);  // OnDone acquires it
     Finish(ToGrpcStatus(status));
     Unref();  // `this` may be gone from here on
   }

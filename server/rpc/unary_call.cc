@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/tsan_annotations.h"
+#include "fusedlayer/wire/tsan_annotations.h"
 #include "rpc/proto_convert.h"
 #include "rpc/wire_messages.h"
 #include "shadow/shared_messages.h"
@@ -46,7 +46,7 @@ bool UnaryCall::Complete(absl::Status status) {
   // This call stays alive until Finish() has returned too: gRPC's inline Finish() still reads
   // the reactor after handing the status over, and OnDone may run on a gRPC thread before that.
   refs_.fetch_add(1, std::memory_order_relaxed);
-  TsanReleaseTo(this);  // hand-off to gRPC: OnDone (another gRPC thread) acquires it
+  wire::TsanReleaseTo(this);  // hand-off to gRPC: OnDone (another gRPC thread) acquires it
   Finish(ToGrpcStatus(status));
   Unref();  // `this` may be gone from here on
   return sent;
@@ -64,15 +64,15 @@ absl::Status UnaryCall::LaunchCheck() const {
 }
 
 void UnaryCall::OnDone() {
-  TsanAcquireCallReferences(this);  // gRPC's own threads' last uses of the reactor (tsan_annotations.h)
-  TsanAcquireFrom(this);  // what the thread that called Finish did happens before (tsan_annotations.h)
+  wire::TsanAcquireCallReferences(this);  // gRPC's own threads' last uses of the reactor (tsan_annotations.h)
+  wire::TsanAcquireFrom(this);  // what the thread that called Finish did happens before (tsan_annotations.h)
   // What the call held first: a scrape that sees no call in flight also sees its bytes given back.
   ReleaseWhenDone();
   metrics_.InflightAdd(-1);
   // gRPC's Server::Shutdown returns only after every OnDone has (libgrpc's own counting, which
   // TSan cannot see): what OnDone did with the service's budgets and metrics happens before the
   // server tears them down (FusedLayerServer::Shutdown acquires this after Wait()).
-  TsanReleaseTo(&metrics_);
+  wire::TsanReleaseTo(&metrics_);
   Unref();
 }
 

@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "common/byte_budget.h"
 #include "common/metrics.h"
-#include "common/tsan_annotations.h"
+#include "fusedlayer/wire/tsan_annotations.h"
 #include "exec/output_buffers.h"
 #include "exec/transport_call.h"
 #include "google/protobuf/message.h"
@@ -44,10 +44,10 @@ class UnaryCall : public grpc::ServerUnaryReactor {
   grpc::CallbackServerContext* context() const { return ctx_; }
 
   void OnCancel() override {
-    TsanAcquireFrom(this);
+    wire::TsanAcquireFrom(this);
     cancelled_.store(true, std::memory_order_release);
     metrics_.RecordCancellation(method_);
-    TsanReleaseTo(this);  // for OnDone, maybe on another thread (tsan_annotations.h: OnCancel)
+    wire::TsanReleaseTo(this);  // for OnDone, maybe on another thread (tsan_annotations.h: OnCancel)
   }
   void OnDone() final;
 

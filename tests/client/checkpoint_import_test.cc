@@ -1,9 +1,9 @@
-// Tests of `fusedctl import-checkpoint` (client/checkpoint_import.h): small synthetic DeepSeek-V4 /
+// Tests of `fusedctl import-checkpoint` (client/lib/checkpoint_import.h): small synthetic DeepSeek-V4 /
 // V4.1 checkpoints, written here in both tensor-name dialects (3 layers, C = 256, hc_mult 4,
 // several shards, UE8M0 block scales, F16 / F32 / BF16 norm weights, fresh random values with
 // outliers), imported, then loaded through the real manifest loader and built on the CPU backend;
 // every tensor must be bitwise what this file wrote (expected values converted here, independently
-// of server/weights/dtype_conversion.cc). Also the errors (missing tensor, unknown layout, wrong
+// of weights/dtype_conversion.cc). Also the errors (missing tensor, unknown layout, wrong
 // shape, bad config, --layers) and the fusedctl binary's exit codes and messages.
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,7 +22,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "client/checkpoint_import.h"
+#include "client/lib/checkpoint_import.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/numeric.h"
 #include "gmock/gmock.h"

@@ -16,17 +16,17 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "client/bench_stats.h"
-#include "client/cli_options.h"
-#include "client/echo_floor.h"
-#include "client/fusedctl_commands.h"
-#include "client/fusedlayer_client.h"
-#include "client/latency_stats.h"
-#include "client/random_inputs.h"
-#include "client/safetensors_io.h"
-#include "client/tensor_messages.h"
-#include "client/tensor_summary.h"
-#include "client/wire_request.h"
+#include "client/fusedctl/bench_stats.h"
+#include "client/fusedctl/cli_options.h"
+#include "client/fusedctl/echo_floor.h"
+#include "client/fusedctl/commands.h"
+#include "client/lib/fusedlayer_client.h"
+#include "client/lib/latency_stats.h"
+#include "client/lib/random_inputs.h"
+#include "client/lib/safetensors_io.h"
+#include "client/lib/tensor_messages.h"
+#include "client/lib/tensor_summary.h"
+#include "client/lib/wire_request.h"
 #include "grpcpp/support/slice.h"
 #include "gtest/gtest.h"
 
@@ -61,7 +61,7 @@ std::vector<float> Fp32Of(const v1::Tensor& t) {
 }
 std::vector<int64_t> Shape(const v1::Tensor& t) { return {t.shape().begin(), t.shape().end()}; }
 
-// ---- shared requests sent by reference (client/wire_request.h) ------------------------------------
+// ---- shared requests sent by reference (client/lib/wire_request.h) ------------------------------------
 
 std::string RandomBytes(std::mt19937_64& rng, size_t n) {
   std::string s(n, '\0');

@@ -217,7 +217,7 @@ void RequestSeeds(const std::string& dir) {
 
 // The request reader's seeds (fuzz_wire_reader: byte 0 bit 0 the message, bits 1-7 the slicing
 // seed). Besides RequestSeeds' requests, the shapes the reader treats apart: the C++ client's
-// shared form (client/wire_request.h), tensors in several occurrences, and what it leaves to protobuf.
+// shared form (client/lib/wire_request.h), tensors in several occurrences, and what it leaves to protobuf.
 // Field `field` of the wire type LEN holding `body`.
 std::string LengthDelimited(int field, const std::string& body) {
   std::string out;

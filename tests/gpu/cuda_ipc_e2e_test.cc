@@ -1,6 +1,6 @@
 // CUDA shared memory across two processes on one GPU (server/transport/cuda_shared_memory.h): this
 // test process is the client (the compute library's GPU backend allocates and exports its buffers,
-// client/cuda_shared_memory.h) and a fusedlayer_server child process on the same GPU opens them by
+// client/lib/cuda_shared_memory.h) and a fusedlayer_server child process on the same GPU opens them by
 // their IPC handles; cudaIpcOpenMemHandle refuses a handle of its own process, so the two
 // processes are the only real test. The same flows without a GPU: tests/server/cuda_shared_memory_e2e_test.cc.
 //
@@ -11,7 +11,7 @@
 //    freed by the driver): the server keeps serving, bitwise, and the region can be unregistered;
 //  - with --cuda_shared_memory_idle_seconds, such a region expires and the dead client's GPU
 //    memory, held until then by the server's opening, comes back (the device's free memory);
-//  - call rings (server/ring/, client/call_ring.h) with the tensors in CUDA shared memory: mHC
+//  - call rings (server/ring/, client/lib/call_ring.h) with the tensors in CUDA shared memory: mHC
 //    (T = 1 and 64, both paths) and SWA (M = 64) ring calls bitwise the same request over TCP, the
 //    outputs poisoned before every call and read right after its completion.
 //
@@ -31,11 +31,11 @@
 #include <thread>
 #include <vector>
 
-#include "client/call_ring.h"
-#include "client/cuda_shared_memory.h"
-#include "client/fusedlayer_client.h"
-#include "client/random_inputs.h"
-#include "client/shared_memory.h"
+#include "client/lib/call_ring.h"
+#include "client/lib/cuda_shared_memory.h"
+#include "client/lib/fusedlayer_client.h"
+#include "client/lib/random_inputs.h"
+#include "client/lib/shared_memory.h"
 #include "fusedlayer/backend.h"
 #include "gpu_runtime.h"
 #include "gtest/gtest.h"

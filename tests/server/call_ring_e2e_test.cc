@@ -1,4 +1,4 @@
-// Call rings end to end (server/ring/, client/call_ring.h, proto OpenCallRing): in-process servers
+// Call rings end to end (server/ring/, client/lib/call_ring.h, proto OpenCallRing): in-process servers
 // with --allow_call_rings and --allow_shared_memory, regions made by ClientSharedMemory.
 //
 //  - every ring call's outputs bitwise equal to the same call over TCP (fresh random inputs with
@@ -23,9 +23,9 @@
 #include <thread>
 #include <vector>
 
-#include "client/call_ring.h"
-#include "client/fusedlayer_client.h"
-#include "client/shared_memory.h"
+#include "client/lib/call_ring.h"
+#include "client/lib/fusedlayer_client.h"
+#include "client/lib/shared_memory.h"
 #include "client_for.h"
 #include "fault_backend.h"
 #include "gtest/gtest.h"

@@ -14,8 +14,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
-#include "client/echo_floor.h"
-#include "client/fusedlayer_client.h"
+#include "client/fusedctl/echo_floor.h"
+#include "client/lib/fusedlayer_client.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"

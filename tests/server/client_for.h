@@ -6,7 +6,7 @@
 #include <string>
 #include <utility>
 
-#include "client/fusedlayer_client.h"
+#include "client/lib/fusedlayer_client.h"
 #include "gtest/gtest.h"
 #include "server_test_env.h"
 

@@ -19,7 +19,7 @@
 #include "exec/executor.h"
 #include "gtest/gtest.h"
 #include "thread_pool.h"
-#include "weights/weight_store.h"
+#include "exec/weight_store.h"
 
 namespace fusedlayer::server {
 namespace {

@@ -1,5 +1,5 @@
 // CUDA shared-memory transport end to end (server/transport/cuda_shared_memory.h,
-// client/cuda_shared_memory.h), in CI without a GPU: in-process servers on the lane test backend,
+// client/lib/cuda_shared_memory.h), in CI without a GPU: in-process servers on the lane test backend,
 // whose IPC handles name its own device blocks (tests/server/lane_test_backend.h), so the server's
 // code cannot tell them from another process's. The same flows on an H200 across two processes:
 // tests/gpu/cuda_ipc_e2e_test.cc.
@@ -21,9 +21,9 @@
 #include <string>
 #include <vector>
 
-#include "client/cuda_shared_memory.h"
-#include "client/fusedlayer_client.h"
-#include "client/shared_memory.h"
+#include "client/lib/cuda_shared_memory.h"
+#include "client/lib/fusedlayer_client.h"
+#include "client/lib/shared_memory.h"
 #include "client_for.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"

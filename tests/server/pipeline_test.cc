@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include "client/fusedlayer_client.h"
-#include "client/wire_request.h"
+#include "client/lib/fusedlayer_client.h"
+#include "client/lib/wire_request.h"
 #include "exec/device_lanes.h"
 #include "exec/device_staging.h"
 #include "exec/executor.h"
@@ -36,7 +36,7 @@
 #include "wire_reader_check.h"
 #include "test_util.h"
 #include "weights/weight_set.h"
-#include "weights/weight_store.h"
+#include "exec/weight_store.h"
 
 namespace fusedlayer::testing {
 namespace {
@@ -284,7 +284,7 @@ TEST(WireReader, MergedMalformedAndHostileRequestsReadAsProtobufParsesThem) {
 }
 
 // The C++ client's shared requests (each tensor's data as one more occurrence of its field after
-// the message, client/wire_request.h): read with every tensor's data in the block.
+// the message, client/lib/wire_request.h): read with every tensor's data in the block.
 TEST(WireReader, ReadsTheClientsSharedRequestsWithTheDataInTheBlock) {
   LaneTestBackend backend(1);
   HostStagingPool pool(backend, size_t{64} << 20);
@@ -1153,7 +1153,7 @@ TEST(PipelineServer, ConcurrentRequestsOverGrpcMatchTheLibraryBatchingOffAndOn) 
 }
 
 // The C++ client's shared requests (their tensor data sent by reference after the message,
-// client/wire_request.h) read by the server as the same requests: on lanes, where the server reads
+// client/lib/wire_request.h) read by the server as the same requests: on lanes, where the server reads
 // the data straight into pinned memory (rpc/wire_messages.h), and on the CPU. Bitwise the library's
 // outputs, and the same as the protobuf-serialized call, for small and large tensors.
 TEST(PipelineServer, SharedClientRequestsAreReadAsTheSameRequests) {

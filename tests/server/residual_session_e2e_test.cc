@@ -23,8 +23,8 @@
 #include <thread>
 #include <vector>
 
-#include "client/fusedlayer_client.h"
-#include "client/safetensors_io.h"
+#include "client/lib/fusedlayer_client.h"
+#include "client/lib/safetensors_io.h"
 #include "client_for.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"

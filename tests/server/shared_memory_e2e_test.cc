@@ -1,4 +1,4 @@
-// System shared-memory transport end to end (server/transport/shared_memory.h, client/shared_memory.h):
+// System shared-memory transport end to end (server/transport/shared_memory.h, client/lib/shared_memory.h):
 // in-process servers with --allow_shared_memory, regions created here with shm_open.
 //
 //  - outputs bitwise equal to the same request over TCP (fresh random inputs with outliers; the
@@ -26,9 +26,9 @@
 #include <thread>
 #include <vector>
 
-#include "client/fusedlayer_client.h"
+#include "client/lib/fusedlayer_client.h"
 #include "client_for.h"
-#include "client/shared_memory.h"
+#include "client/lib/shared_memory.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
 #include "server_test_env.h"

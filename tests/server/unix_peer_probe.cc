@@ -17,7 +17,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "client/fusedlayer_client.h"
+#include "client/lib/fusedlayer_client.h"
 
 namespace {
 

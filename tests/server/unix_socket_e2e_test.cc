@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "client/fusedlayer_client.h"
-#include "client/random_inputs.h"
-#include "client/wire_request.h"
+#include "client/lib/fusedlayer_client.h"
+#include "client/lib/random_inputs.h"
+#include "client/lib/wire_request.h"
 #include "gtest/gtest.h"
 #include "server_process.h"
 #include "server_test_env.h"
@@ -381,7 +381,7 @@ TEST_F(UnixSocketTest, FusedctlCommandsAndBenchEchoFloorOverUnixAndTcp) {
   args.insert(args.end(), bench.begin(), bench.end());
   ASSERT_EQ(Fusedctl({}, args, &out), 0) << out;
   EXPECT_NE(out.find("echo floor   bare gRPC echo over a unix socket (plaintext)"), std::string::npos) << out;
-  // The bench sends a shared request (its tensors as patches after the message, client/wire_request.h).
+  // The bench sends a shared request (its tensors as patches after the message, client/lib/wire_request.h).
   ExpectEchoFloorBlock(out, client::EncodeRequestByReference(std::make_shared<v1::MhcSeamRequest>(*mhc_req)).Length());
 
   // The same over TCP loopback: a second server, the echo on 127.0.0.1.

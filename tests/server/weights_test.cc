@@ -1,4 +1,4 @@
-// Tests of server/weights: the safetensors reader and writer, manifests, SHA-256, weight-set
+// Tests of weights/: the safetensors reader and writer, manifests, SHA-256, weight-set
 // validation and preparation (on the CPU backend), the weight store, the demo sets and the exporter.
 // Every weight file is generated here from fresh random values; nothing binary is checked in.
 #include <unistd.h>
@@ -33,7 +33,7 @@
 #include "weights/safetensors_writer.h"
 #include "weights/sha256.h"
 #include "weights/weight_set.h"
-#include "weights/weight_store.h"
+#include "exec/weight_store.h"
 
 namespace fusedlayer::server {
 namespace {

@@ -1,6 +1,6 @@
 """fusedlayer.import_checkpoint: a DeepSeek-V4 / V4.1 checkpoint folder -> a weight-set manifest.
 
-The same import as ``fusedctl import-checkpoint`` (client/checkpoint_import.cc; docs/weights.md
+The same import as ``fusedctl import-checkpoint`` (client/lib/checkpoint_import.cc; docs/weights.md
 "Importing a checkpoint"): the same sets, tensor references, hyper-parameters, head tensors, notes
 and errors (with the same gRPC codes), so either tool's manifest loads the same sets; the tests
 import the same synthetic folders with both and compare the manifests. Needs no server: it reads
@@ -43,7 +43,7 @@ class _Dialect:
     hc_head: Tuple[str, str, str]
 
 
-# The two spellings of client/checkpoint_import.cc, entry for entry.
+# The two spellings of client/lib/checkpoint_import.cc, entry for entry.
 _DEEPSEEK = _Dialect("deepseek", "layers.", ("hc_attn_fn", "hc_attn_base", "hc_attn_scale"), "attn_norm.weight",
                      ("hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale"), "ffn_norm.weight", "attn.q_norm.weight",
                      "attn.kv_norm.weight", "attn.wq_b.weight", "attn.wq_b.scale", "norm.weight",

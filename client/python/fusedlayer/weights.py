@@ -7,7 +7,7 @@ Two sources, one result (a ``PackedWeightSet``: a ``WeightSetHeader`` and the pa
   patterns, ``swa.wq_b`` as uint8 fp8 codes in the set's ``fp8_format``;
 - ``pack_manifest(path)``: the JSON manifest format of docs/weights.md, reading only the named
   tensors from each safetensors file, with the same exact-only dtype conversions as the server's
-  manifest loader (server/weights/dtype_conversion.h): nothing is rounded silently.
+  manifest loader (weights/dtype_conversion.h): nothing is rounded silently.
 
 The server validates every set again (shapes, hyper-parameters, names); these functions check what
 they need to build a correct stream and raise the exception class the server's own manifest loader

@@ -8,7 +8,7 @@
 //
 // This header is the memory layout both sides agree on (version kCallRingLayoutVersion), the futex
 // and descriptor-passing helpers they share; the server is server/ring/, the C++ client
-// client/call_ring.h, the Python client fusedlayer/ring.py (which mirrors these offsets).
+// client/lib/call_ring.h, the Python client fusedlayer/ring.py (which mirrors these offsets).
 //
 // The ring's memory is a memfd the server creates and seals against shrinking, mapped by both; the
 // server hands it over (with the doorbell eventfd) on a unix socket by SCM_RIGHTS, and the client

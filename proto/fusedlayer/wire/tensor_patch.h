@@ -1,6 +1,6 @@
 // Tensor data sent beside a serialized message instead of inside it, with no copy, by both sides of
 // the compute RPCs: the server's responses (server/rpc/wire_messages.h) and the C++ client's
-// requests (client/wire_request.h).
+// requests (client/lib/wire_request.h).
 //
 // A message is serialized without the `data` of some of its Tensor fields; each such field then
 // follows as one more occurrence holding only `data` (a "patch"). Protobuf merges repeated
