@@ -245,6 +245,26 @@ class FakeCgroups {
   std::string base_;
 };
 
+// The server says at start which limit its defaults come from and where it read it: the same limit
+// and file this test process (a sibling in the same cgroup) reads, and the defaults derived from it.
+TEST(CgroupMemoryLimit, TheServerLogsTheLimitItReadAndWhereAtStart) {
+  const server::MemoryLimit here = server::AvailableMemory();
+  ServerProcess p(FUSEDLAYER_SERVER_BINARY, {"--backend=cpu", "--cpu_threads=1", "--address=127.0.0.1:0",
+                                            "--metrics_address=127.0.0.1:0"});
+  const std::string line = p.ReadUntil(std::regex("memory: [0-9]+ bytes \\([^)]*\\); defaults from it: .*"));
+  ASSERT_FALSE(line.empty()) << p.log();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(line, m, std::regex("memory: ([0-9]+) bytes \\(([^)]*)\\)")));
+  EXPECT_EQ(std::stoull(m[1]), here.bytes) << line;
+  EXPECT_EQ(m[2].str(), here.source.empty() ? "unknown: defaults assume 16 GiB" : here.source) << line;
+  EXPECT_THAT(line, HasSubstr("--max_inflight_bytes "));
+  EXPECT_THAT(line, HasSubstr("--residual_session_total_bytes "));
+  ASSERT_FALSE(p.ReadUntil(std::regex("serving fusedlayer\\.v1\\.FusedLayer")).empty()) << p.log();
+  ASSERT_EQ(kill(p.pid(), SIGTERM), 0);
+  const std::string log = p.ReadAll();
+  EXPECT_EQ(p.Wait(), 0) << log;
+}
+
 TEST(CgroupMemoryLimit, V2TakesTheSmallestLimitOnThePathFromTheProcessCgroupUp) {
   FakeCgroups fake;
   fake.Membership("0::/user.slice/user-1000.slice/session-3.scope\n");
