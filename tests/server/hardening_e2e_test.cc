@@ -19,6 +19,7 @@
 #include <optional>
 #include <random>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -422,8 +423,25 @@ TEST(DescriptorBudget, RegionsBeyondItAreResourceExhaustedAndNewConnectionsStill
 
 // Whatever takes the descriptors (here: connections that never speak), the TCP listener accepts
 // again once some are free. gRPC 1.51's own listener stopped for good at the first EMFILE.
+// UndefinedBehaviorSanitizer's vptr check probes an object's vtable through a pipe: in a process with
+// no descriptors left every probe fails and reports "object has invalid vptr" for a sound object. In
+// the sanitizer build (UBSAN_OPTIONS set) the server below therefore goes on after a report, and the
+// test accepts that one report and no other (every other check, and AddressSanitizer, still end it).
+void ExpectNoSanitizerReportButOutOfDescriptorVptrProbes(const std::string& log) {
+  std::istringstream lines(log);
+  std::string line, next;
+  while (std::getline(lines, line)) {
+    if (line.find("runtime error:") == std::string::npos) continue;
+    std::getline(lines, next);
+    EXPECT_THAT(next, HasSubstr("object has invalid vptr")) << line;
+  }
+  EXPECT_THAT(log, Not(HasSubstr("ERROR: AddressSanitizer")));
+}
+
 TEST(DescriptorBudget, ATcpListenerAcceptsAgainAfterTheProcessRanOutOfDescriptors) {
-  ServerProcess p("/bin/sh", {"-c", "ulimit -S -n 96 && ulimit -H -n 96 && exec \"$0\" \"$@\"",
+  ServerProcess p("/bin/sh", {"-c",
+                              "if [ -n \"$UBSAN_OPTIONS\" ]; then export UBSAN_OPTIONS=\"$UBSAN_OPTIONS:halt_on_error=0\"; fi"
+                              " && ulimit -S -n 96 && ulimit -H -n 96 && exec \"$0\" \"$@\"",
                               FUSEDLAYER_SERVER_BINARY, "--backend=cpu", "--cpu_threads=1", "--address=127.0.0.1:0",
                               "--metrics_address=127.0.0.1:0"});
   const std::string serving = p.ReadUntil(std::regex("serving fusedlayer\\.v1\\.FusedLayer .*\\(port ([0-9]+)\\)"));
@@ -457,6 +475,7 @@ TEST(DescriptorBudget, ATcpListenerAcceptsAgainAfterTheProcessRanOutOfDescriptor
   ASSERT_EQ(kill(p.pid(), SIGTERM), 0);
   const std::string log = p.ReadAll();
   EXPECT_EQ(p.Wait(), 0) << log;
+  ExpectNoSanitizerReportButOutOfDescriptorVptrProbes(log);
 }
 
 }  // namespace
