@@ -13,7 +13,7 @@
 #include "fusedlayer/backend.h"
 #include "grpcpp/server.h"
 #include "rpc/health.h"
-#include "common/metrics.h"
+#include "metrics/metrics.h"
 #include "rpc/service.h"
 #include "rpc/plaintext_listener.h"
 #include "ring/call_rings.h"

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "metrics/component_metrics.h"
 
 namespace fusedlayer::server {
 namespace {
@@ -40,31 +41,14 @@ HostStagingPool::HostStagingPool(Backend& backend, size_t limit_bytes, prometheu
       names_(std::move(names)),
       lend_state_(std::make_shared<LendState>(this)) {
   if (registry == nullptr) return;
-  auto& bytes = prometheus::BuildGauge()
-                    .Name(names_.metric + "_bytes")
-                    .Help(absl::StrCat(names_.what,
-                                       ": in_use (held by running requests and responses being sent), lent (of "
-                                       "in_use, held by responses being sent), held (in use + kept for reuse), limit (",
-                                       names_.flag, ")"))
-                    .Register(*registry);
-  in_use_gauge_ = &bytes.Add({{"state", "in_use"}});
-  held_gauge_ = &bytes.Add({{"state", "held"}});
-  limit_gauge_ = &bytes.Add({{"state", "limit"}});
-  lent_gauge_ = &bytes.Add({{"state", "lent"}});
+  const StagingPoolMetrics m = StagingPoolMetrics::Register(*registry, names_.metric, names_.what, names_.flag);
+  in_use_gauge_ = m.in_use;
+  held_gauge_ = m.held;
+  limit_gauge_ = m.limit;
+  lent_gauge_ = m.lent;
+  waits_counter_ = m.waits;
+  misses_counter_ = m.misses;
   limit_gauge_->Set(static_cast<double>(limit_));
-  waits_counter_ = &prometheus::BuildCounter()
-                        .Name(names_.metric + "_waits_total")
-                        .Help(absl::StrCat("Requests that waited for this memory held by other requests (raise ",
-                                           names_.flag, " if this grows with load)"))
-                        .Register(*registry)
-                        .Add({});
-  misses_counter_ = &prometheus::BuildCounter()
-                         .Name(names_.metric + "_misses_total")
-                         .Help(absl::StrCat("Requests that did without this memory because the bound was taken or "
-                                            "the system refused page-locked memory (raise ",
-                                            names_.flag, " if this grows with load)"))
-                         .Register(*registry)
-                         .Add({});
 }
 
 HostStagingPool::~HostStagingPool() {

@@ -11,12 +11,12 @@
 #include <vector>
 
 #include "codec/request_codec.h"
-#include "common/metrics.h"
 #include "config.h"
 #include "exec/batch_assembly.h"
 #include "exec/op_calls.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
+#include "metrics/metrics.h"
 #include "shadow/shadow_verifier.h"
 #include "shadow/shared_messages.h"
 #include "transport/residual_sessions.h"

@@ -20,11 +20,11 @@
 #include "config.h"
 #include "exec/executor.h"
 #include "exec/op_serving.h"
+#include "exec/weight_store.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
-#include "common/metrics.h"
+#include "metrics/metrics.h"
 #include "weights/weight_set.h"
-#include "exec/weight_store.h"
 
 namespace fusedlayer::server {
 

@@ -29,27 +29,6 @@ namespace fusedlayer::server::ring {
 using wire::RingCallDescriptor;
 using wire::RingSlot;
 
-CallRingMetrics::CallRingMetrics(prometheus::Registry& registry) {
-  open = &prometheus::BuildGauge()
-              .Name("fusedlayer_call_rings_open")
-              .Help("Call rings open (handed over to their client and not yet closed)")
-              .Register(registry)
-              .Add({});
-  auto& calls_family = prometheus::BuildCounter()
-                           .Name("fusedlayer_call_ring_calls_total")
-                           .Help("Compute calls that arrived by call ring (they are also counted in "
-                                 "fusedlayer_requests_total under their method)")
-                           .Register(registry);
-  calls[0] = &calls_family.Add({{"method", MethodName(Method::kMhcSeam)}});
-  calls[1] = &calls_family.Add({{"method", MethodName(Method::kSwaNormQuant)}});
-  poller_busy_seconds = &prometheus::BuildCounter()
-                             .Name("fusedlayer_call_ring_poller_busy_seconds_total")
-                             .Help("Time the call-ring poller spent awake (scanning slots and submitting calls), "
-                                   "seconds")
-                             .Register(registry)
-                             .Add({});
-}
-
 namespace {
 
 // The one-time token a client presents on the ring socket.

@@ -28,9 +28,10 @@
 
 #include "absl/status/statusor.h"
 #include "common/annotated_mutex.h"
-#include "common/metrics.h"
 #include "exec/compute_engine.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
+#include "metrics/component_metrics.h"
+#include "metrics/metrics.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
@@ -44,14 +45,6 @@ struct CallRingOptions {
   uint32_t max_slots = 64;       // per ring
   int64_t spin_us = 100;         // the poller spins this long after the last call before it sleeps
   int64_t handover_seconds = 10; // a token not presented within this is void
-};
-
-// The ring metrics (fusedlayer_call_ring_*), cached handles.
-struct CallRingMetrics {
-  explicit CallRingMetrics(prometheus::Registry& registry);
-  prometheus::Gauge* open;                      // fusedlayer_call_rings_open
-  prometheus::Counter* calls[2];                // fusedlayer_call_ring_calls_total{method}
-  prometheus::Counter* poller_busy_seconds;     // fusedlayer_call_ring_poller_busy_seconds_total
 };
 
 class Ring;

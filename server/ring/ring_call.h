@@ -8,15 +8,15 @@
 #include <memory>
 
 #include "absl/status/status.h"
-#include "common/metrics.h"
 #include "exec/compute_engine.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "fusedlayer/wire/call_ring.h"
+#include "metrics/component_metrics.h"
+#include "metrics/metrics.h"
 
 namespace fusedlayer::server::ring {
 
 class Ring;
-struct CallRingMetrics;
 
 // Where a ring call's completion goes: the ring (held until the completion is written), the slot
 // and the seq the client submitted, and the counters it reports to.

@@ -18,7 +18,7 @@
 #include "exec/executor.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.grpc.pb.h"
-#include "common/metrics.h"
+#include "metrics/metrics.h"
 #include "shadow/shadow_verifier.h"
 #include "transport/residual_sessions.h"
 #include "transport/cuda_shared_memory.h"

@@ -12,14 +12,14 @@
 
 #include "absl/status/status.h"
 #include "common/byte_budget.h"
-#include "common/metrics.h"
-#include "fusedlayer/wire/tsan_annotations.h"
 #include "exec/output_buffers.h"
 #include "exec/transport_call.h"
+#include "fusedlayer/wire/tsan_annotations.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
+#include "metrics/metrics.h"
 
 namespace fusedlayer::server {
 

@@ -14,7 +14,7 @@
 //              job only reads them.
 //   run        the job goes to the executor's background lane (Executor::SubmitBackground), which
 //              the worker serves only when no compute or control task is waiting.
-//   record     fusedlayer_shadow_* metrics (shadow/shadow_metrics.h); on a mismatch one WARNING
+//   record     fusedlayer_shadow_* metrics (metrics/shadow_metrics.h); on a mismatch one WARNING
 //              line (request id, op, weight set, outputs and their diffs) and, with
 //              --shadow_dump_dir, a dump (shadow/shadow_dump.h).
 //
@@ -40,7 +40,7 @@
 #include "prometheus/registry.h"
 #include "shadow/compare.h"
 #include "shadow/shadow_dump.h"
-#include "shadow/shadow_metrics.h"
+#include "metrics/shadow_metrics.h"
 #include "shadow/shared_messages.h"
 #include "weights/weight_set.h"
 

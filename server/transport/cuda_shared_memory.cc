@@ -12,23 +12,7 @@ namespace fusedlayer::server::transport {
 
 CudaSharedMemoryRegistry::CudaSharedMemoryRegistry(CudaSharedMemoryLimits limits, prometheus::Registry& metrics,
                                                    Backend* importer)
-    : limits_(limits), importer_(importer) {
-  regions_gauge_ = &prometheus::BuildGauge()
-                        .Name("fusedlayer_cuda_shared_memory_regions")
-                        .Help("CUDA shared-memory regions registered (all identities)")
-                        .Register(metrics)
-                        .Add({});
-  bytes_gauge_ = &prometheus::BuildGauge()
-                      .Name("fusedlayer_cuda_shared_memory_registered_bytes")
-                      .Help("Bytes of the registered CUDA shared-memory regions (all identities)")
-                      .Register(metrics)
-                      .Add({});
-  expired_counter_ = &prometheus::BuildCounter()
-                          .Name("fusedlayer_cuda_shared_memory_regions_expired_total")
-                          .Help("CUDA shared-memory regions unregistered because no request used them for "
-                                "--cuda_shared_memory_idle_seconds")
-                          .Register(metrics)
-                          .Add({});
+    : limits_(limits), importer_(importer), metrics_(CudaSharedMemoryMetrics::Register(metrics)) {
   // Last: the reaper may run as soon as it exists.
   if (limits_.enabled && limits_.idle_seconds > 0) {
     reaper_.emplace(ReaperPeriod(limits_.idle_seconds), [this] { ExpireIdle(std::chrono::steady_clock::now()); });
@@ -50,8 +34,8 @@ absl::Status CudaSharedMemoryRegistry::CheckEnabled() const {
 }
 
 void CudaSharedMemoryRegistry::UpdateGaugesLocked() {
-  regions_gauge_->Set(static_cast<double>(regions_.size()));
-  bytes_gauge_->Set(static_cast<double>(total_bytes_));
+  metrics_.regions->Set(static_cast<double>(regions_.size()));
+  metrics_.registered_bytes->Set(static_cast<double>(total_bytes_));
 }
 
 absl::Status CudaSharedMemoryRegistry::CheckRegisterLocked(const std::string& identity,
@@ -183,7 +167,7 @@ void CudaSharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point 
   ExpireIdleRegions(regions_, now, limits_.idle_seconds, [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     LogInfo("CUDA shared-memory region '", it->second.region->name(), "' unregistered: no request used it for ",
             limits_.idle_seconds, " s (--cuda_shared_memory_idle_seconds)");
-    expired_counter_->Increment();
+    metrics_.expired->Increment();
     EraseLocked(it);  // the handle closes once no region and no request in flight holds it
   });
 }

@@ -40,8 +40,7 @@
 #include "exec/device_range.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
-#include "prometheus/counter.h"
-#include "prometheus/gauge.h"
+#include "metrics/component_metrics.h"
 #include "prometheus/registry.h"
 #include "transport/region_map.h"
 
@@ -133,9 +132,7 @@ class CudaSharedMemoryRegistry {
 
   const CudaSharedMemoryLimits limits_;
   Backend* const importer_;
-  prometheus::Gauge* regions_gauge_;
-  prometheus::Gauge* bytes_gauge_;
-  prometheus::Counter* expired_counter_;
+  const CudaSharedMemoryMetrics metrics_;  // metrics/component_metrics.h
   // Registrations one at a time (opening a handle takes milliseconds; it is done outside mu_, so
   // compute requests' lookups never wait for it).
   Mutex register_mu_ ABSL_ACQUIRED_BEFORE(mu_);

@@ -79,17 +79,7 @@ DeviceRange ResidualSession::memory() const {
 
 ResidualSessionStore::ResidualSessionStore(ResidualSessionLimits limits, Backend& backend,
                                            prometheus::Registry& metrics)
-    : limits_(limits), backend_(backend) {
-  sessions_gauge_ = &prometheus::BuildGauge()
-                         .Name("fusedlayer_residual_sessions")
-                         .Help("Residual sessions open (all identities)")
-                         .Register(metrics)
-                         .Add({});
-  bytes_gauge_ = &prometheus::BuildGauge()
-                      .Name("fusedlayer_residual_session_bytes")
-                      .Help("Backend (device) memory held by the open residual sessions (all identities)")
-                      .Register(metrics)
-                      .Add({});
+    : limits_(limits), backend_(backend), metrics_(ResidualSessionMetrics::Register(metrics)) {
   // Last: the reaper may run as soon as it exists.
   if (enabled()) {
     reaper_.emplace(ReaperPeriod(limits_.idle_seconds), [this] { CloseIdle(std::chrono::steady_clock::now()); });
@@ -106,8 +96,8 @@ absl::Status ResidualSessionStore::CheckEnabled() const {
 }
 
 void ResidualSessionStore::UpdateGaugesLocked() {
-  sessions_gauge_->Set(static_cast<double>(total_sessions_));
-  bytes_gauge_->Set(static_cast<double>(total_bytes_));
+  metrics_.sessions->Set(static_cast<double>(total_sessions_));
+  metrics_.bytes->Set(static_cast<double>(total_bytes_));
 }
 
 void ResidualSessionStore::EraseLocked(std::map<Key, std::shared_ptr<ResidualSession>>::iterator it) {

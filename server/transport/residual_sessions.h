@@ -39,7 +39,7 @@
 #include "exec/device_range.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/tensor.h"
-#include "prometheus/gauge.h"
+#include "metrics/component_metrics.h"
 #include "prometheus/registry.h"
 
 namespace fusedlayer::server::transport {
@@ -194,8 +194,7 @@ class ResidualSessionStore {
 
   const ResidualSessionLimits limits_;
   Backend& backend_;
-  prometheus::Gauge* sessions_gauge_;
-  prometheus::Gauge* bytes_gauge_;
+  const ResidualSessionMetrics metrics_;  // metrics/component_metrics.h
   Mutex mu_;
   std::map<Key, std::shared_ptr<ResidualSession>> sessions_ ABSL_GUARDED_BY(mu_);
   std::set<Key> opening_ ABSL_GUARDED_BY(mu_);  // names being opened: counted, not usable yet

@@ -199,38 +199,9 @@ void PinnedBytes::DetachGauge() {
 SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus::Registry& metrics, Backend* locker)
     : limits_(limits),
       locker_(locker),
-      pinned_(std::make_shared<PinnedBytes>(
-          &prometheus::BuildGauge()
-               .Name("fusedlayer_shared_memory_locked_bytes")
-               .Help("Bytes of shared-memory regions that are mapped and page-locked, so the device copies their "
-                     "inputs where they lie (--shared_memory_locked_bytes); an unregistered region counts until "
-                     "the last request using it is done")
-               .Register(metrics)
-               .Add({}))) {
-  regions_gauge_ = &prometheus::BuildGauge()
-                        .Name("fusedlayer_shared_memory_regions")
-                        .Help("System shared-memory regions registered (all identities)")
-                        .Register(metrics)
-                        .Add({});
-  bytes_gauge_ = &prometheus::BuildGauge()
-                      .Name("fusedlayer_shared_memory_registered_bytes")
-                      .Help("Bytes of the registered system shared-memory regions (all identities)")
-                      .Register(metrics)
-                      .Add({});
-  total_regions_budget_gauge_ = &prometheus::BuildGauge()
-                                    .Name("fusedlayer_shared_memory_region_budget")
-                                    .Help("System shared-memory regions all identities may hold registered together, "
-                                          "one open descriptor each: RLIMIT_NOFILE's soft limit less "
-                                          "--descriptor_reserve (0: no bound)")
-                                    .Register(metrics)
-                                    .Add({});
-  total_regions_budget_gauge_->Set(static_cast<double>(limits_.max_total_regions));
-  expired_counter_ = &prometheus::BuildCounter()
-                          .Name("fusedlayer_shared_memory_regions_expired_total")
-                          .Help("System shared-memory regions unregistered because no request used them for "
-                                "--shared_memory_idle_seconds")
-                          .Register(metrics)
-                          .Add({});
+      metrics_(SharedMemoryMetrics::Register(metrics)),
+      pinned_(std::make_shared<PinnedBytes>(metrics_.locked_bytes)) {
+  metrics_.region_budget->Set(static_cast<double>(limits_.max_total_regions));
   // Last: the reaper may run as soon as it exists.
   if (limits_.enabled && limits_.idle_seconds > 0) {
     reaper_.emplace(ReaperPeriod(limits_.idle_seconds), [this] { ExpireIdle(std::chrono::steady_clock::now()); });
@@ -250,8 +221,8 @@ absl::Status SharedMemoryRegistry::CheckEnabled() const {
 }
 
 void SharedMemoryRegistry::UpdateGaugesLocked() {
-  regions_gauge_->Set(static_cast<double>(total_regions_));
-  bytes_gauge_->Set(static_cast<double>(total_bytes_));
+  metrics_.regions->Set(static_cast<double>(total_regions_));
+  metrics_.registered_bytes->Set(static_cast<double>(total_bytes_));
 }
 
 void SharedMemoryRegistry::EraseLocked(RegionMap<SharedMemoryRegion>::iterator it) {
@@ -424,7 +395,7 @@ void SharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point now)
   ExpireIdleRegions(regions_, now, limits_.idle_seconds, [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     LogInfo("shared-memory region '", it->second.region->name(), "' (", it->second.region->key(),
             ") unregistered: no request used it for ", limits_.idle_seconds, " s (--shared_memory_idle_seconds)");
-    expired_counter_->Increment();
+    metrics_.expired->Increment();
     EraseLocked(it);  // a request still holding it keeps its descriptor (and mapping) until done
   });
 }

@@ -51,6 +51,7 @@
 #include "exec/host_staging_pool.h"
 #include "exec/output_buffers.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
+#include "metrics/component_metrics.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
@@ -222,10 +223,7 @@ class SharedMemoryRegistry {
 
   const SharedMemoryLimits limits_;
   Backend* const locker_;
-  prometheus::Gauge* regions_gauge_;
-  prometheus::Gauge* bytes_gauge_;
-  prometheus::Counter* expired_counter_;
-  prometheus::Gauge* total_regions_budget_gauge_;
+  const SharedMemoryMetrics metrics_;  // metrics/component_metrics.h
   Mutex mu_;
   RegionMap<SharedMemoryRegion> regions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);

@@ -1,4 +1,4 @@
-#include "shadow/shadow_metrics.h"
+#include "metrics/shadow_metrics.h"
 
 #include <string>
 

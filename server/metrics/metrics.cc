@@ -1,4 +1,4 @@
-#include "common/metrics.h"
+#include "metrics/metrics.h"
 
 #include <sstream>
 

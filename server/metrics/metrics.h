@@ -1,4 +1,5 @@
-// The service's Prometheus metrics (names fixed in docs/conventions.md and design.md). Every
+// The service's request and weight-set series (names fixed in docs/conventions.md and design.md);
+// the components' series are component_metrics.h, shadow verification's shadow_metrics.h. Every
 // handle used on a request path is created once here and cached: prometheus-cpp's Family::Add
 // takes a mutex, Counter/Gauge updates are lock-free atomics. Every op x path and op x reason
 // series is pre-created at 0 so dashboards and alerts see a 0 rather than a missing series.
