@@ -263,10 +263,13 @@ TEST(SharedMemory, OnLanesInputsInAPageLockedRegionAreCopiedWhereTheyLie) {
       PoisonOutputs(**shm, by_ref.output_placements());
       control->copies_to_device = 0;
       control->copies_to_host = 0;
+      // Waiting for its kernel, not for any operation at the gate: the TCP call above may have left
+      // an operation (a free) queued on the lane, which reaches the gate before this call is decoded.
+      const int64_t kernels = control->KernelsEnqueued();
       control->Hold();
       absl::StatusOr<v1::MhcSeamResponse> got;
       std::thread caller([&] { got = c->MhcSeam(by_ref); });
-      control->WaitForHeld(1);  // decoded, at the lane, its copy to the device not yet run
+      control->WaitForKernelsEnqueued(kernels + 1);  // decoded, queued on the lane, its copy to the device not yet run
       for (auto [ref, in] : {std::pair{&by_ref.x(), &seen.x()}, {&by_ref.residual(), &seen.residual()},
                              {&by_ref.post_mix(), &seen.post_mix()}, {&by_ref.comb_mix(), &seen.comb_mix()},
                              {&by_ref.pre_mix(), &seen.pre_mix()}}) {
@@ -441,9 +444,11 @@ TEST(SharedMemory, OnLanesAnUnregisteredRegionInUseKeepsItsPinnedBytesUntilTheRe
   ASSERT_EQ(control->page_locks.load(), 1);
   v1::MhcSeamRequest first_ref = req;
   ASSERT_TRUE((*first)->Prepare(first_ref, MhcConfigOf(spec)).ok());
+  // Its kernel, not any operation at the gate: the TCP call above may have left one queued.
+  const int64_t kernels = control->KernelsEnqueued();
   control->Hold();
   caller = std::thread([&c, &got, &first_ref] { got = c->MhcSeam(first_ref); });
-  control->WaitForHeld(1);  // decoded, holding the region, at the lane
+  control->WaitForKernelsEnqueued(kernels + 1);  // decoded, holding the region, queued on the lane
   // Unregistered (the object stays: the request writes its outputs there) while the request holds it.
   ASSERT_TRUE(c->UnregisterSystemSharedMemory((*first)->region_name()).ok());
   EXPECT_EQ(control->page_locks.load(), 1);  // still pinned: the lane will copy into it
