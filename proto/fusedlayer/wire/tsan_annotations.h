@@ -44,13 +44,11 @@
 #endif
 
 namespace grpc {
+class ByteBuffer;
 class ServerUnaryReactor;
 template <class Request>
 class ServerReadReactor;
 }  // namespace grpc
-namespace fusedlayer::v1 {
-class WeightChunk;
-}  // namespace fusedlayer::v1
 
 namespace fusedlayer::wire {
 
@@ -83,11 +81,11 @@ inline void TsanAcquireFrom(const void* key) {
 // saw the Finish thread's vtable read unordered with the destructor's vtable write (the clean-clone
 // CI's ServerBatching.DeadlinesAndCancellationWhileWaitingForABatch, stop 21). Acquiring the
 // reference count's own address is the edge its acq_rel atomics really give: every instrumented
-// fetch_sub released there. Defined in common/tsan_grpc_handoff.cc (TSan builds only: it names
+// fetch_sub released there. Defined in tsan_grpc_handoff.cc (TSan builds only: it names
 // gRPC's private members the way that file names StaticRun).
 #ifdef FUSEDLAYER_TSAN
 void TsanAcquireCallReferences(grpc::ServerUnaryReactor* reactor);
-void TsanAcquireCallReferences(grpc::ServerReadReactor<v1::WeightChunk>* reactor);
+void TsanAcquireCallReferences(grpc::ServerReadReactor<grpc::ByteBuffer>* reactor);  // LoadWeights (raw)
 #else
 template <typename Reactor>
 inline void TsanAcquireCallReferences(Reactor* reactor) {

@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "fusedlayer/wire/tsan_annotations.h"
 #include "grpc/grpc.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/callback_common.h"
 #include "grpcpp/support/server_callback.h"
 
@@ -107,12 +108,12 @@ struct UnaryReactorCall {
 };
 template struct PrivateMember<UnaryReactorCall, &grpc::ServerUnaryReactor::call_>;
 
-using WeightChunkReactor = grpc::ServerReadReactor<fusedlayer::v1::WeightChunk>;
-struct WeightChunkReactorReader {
-  using type = std::atomic<grpc::ServerCallbackReader<fusedlayer::v1::WeightChunk>*> WeightChunkReactor::*;
-  friend type Get(WeightChunkReactorReader);
+using ChunkReactor = grpc::ServerReadReactor<grpc::ByteBuffer>;  // LoadWeights, a raw method
+struct ChunkReactorReader {
+  using type = std::atomic<grpc::ServerCallbackReader<grpc::ByteBuffer>*> ChunkReactor::*;
+  friend type Get(ChunkReactorReader);
 };
-template struct PrivateMember<WeightChunkReactorReader, &WeightChunkReactor::reader_>;
+template struct PrivateMember<ChunkReactorReader, &ChunkReactor::reader_>;
 
 void AcquireReferences(grpc::internal::ServerCallbackCall* call) {
   if (call != nullptr) __tsan_acquire(&(call->*Get(CallReferences{})));
@@ -126,8 +127,8 @@ void TsanAcquireCallReferences(grpc::ServerUnaryReactor* reactor) {
   AcquireReferences((reactor->*Get(UnaryReactorCall{})).load(std::memory_order_acquire));
 }
 
-void TsanAcquireCallReferences(grpc::ServerReadReactor<v1::WeightChunk>* reactor) {
-  AcquireReferences((reactor->*Get(WeightChunkReactorReader{})).load(std::memory_order_acquire));
+void TsanAcquireCallReferences(grpc::ServerReadReactor<grpc::ByteBuffer>* reactor) {
+  AcquireReferences((reactor->*Get(ChunkReactorReader{})).load(std::memory_order_acquire));
 }
 
 }  // namespace fusedlayer::wire
