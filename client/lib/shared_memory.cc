@@ -41,40 +41,38 @@ uint64_t ShapeBytes(v1::DataType dtype, std::initializer_list<int64_t> shape) {
   return n;
 }
 
-// Every output the server produces for the request: its name, dtype and shape (as the server's
-// response describes it) and bytes.
+// An output of `dtype` and `shape` (as the server's response describes it), not placed yet.
+PlacedOutput Output(const char* name, v1::DataType dtype, std::initializer_list<int64_t> shape) {
+  return PlacedOutput{name, dtype, std::vector<int64_t>(shape), 0, ShapeBytes(dtype, shape)};
+}
+
+// Every output the server produces for the request: its name, dtype and shape, and bytes.
 std::vector<PlacedOutput> MhcOutputs(const v1::MhcSeamRequest& r, const v1::MhcConfig& mhc) {
   const int64_t T = Tokens(r.x()), n = mhc.hc_mult(), C = mhc.hidden();
-  auto out = [](const char* name, v1::DataType dtype, std::initializer_list<int64_t> shape) {
-    return PlacedOutput{name, dtype, std::vector<int64_t>(shape), 0, ShapeBytes(dtype, shape)};
-  };
-  std::vector<PlacedOutput> outs = {out("new_residual", v1::DATA_TYPE_BF16, {T, n, C}),
-                                    out("y", v1::DATA_TYPE_BF16, {T, C})};
+  std::vector<PlacedOutput> outs = {Output("new_residual", v1::DATA_TYPE_BF16, {T, n, C}),
+                                    Output("y", v1::DATA_TYPE_BF16, {T, C})};
   if (r.stage() != v1::MHC_STAGE_HEAD) {
-    outs.push_back(out("new_pre_mix", v1::DATA_TYPE_FP32, {T, n}));
-    outs.push_back(out("new_post_mix", v1::DATA_TYPE_FP32, {T, n}));
-    outs.push_back(out("new_comb_mix", v1::DATA_TYPE_FP32, {T, n, n}));
+    outs.push_back(Output("new_pre_mix", v1::DATA_TYPE_FP32, {T, n}));
+    outs.push_back(Output("new_post_mix", v1::DATA_TYPE_FP32, {T, n}));
+    outs.push_back(Output("new_comb_mix", v1::DATA_TYPE_FP32, {T, n, n}));
   }
-  if (r.capture_aux()) outs.push_back(out("aux", v1::DATA_TYPE_BF16, {T, C}));
+  if (r.capture_aux()) outs.push_back(Output("aux", v1::DATA_TYPE_BF16, {T, C}));
   return outs;
 }
 
 std::vector<PlacedOutput> SwaOutputs(const v1::SwaNormQuantRequest& r, const v1::SwaConfig& swa, int64_t wq_b_rows) {
   const int64_t M = Tokens(r.qr_kv()), Q = swa.q_rank(), D = swa.head_dim(), G = Q / 128;
-  auto out = [](const char* name, v1::DataType dtype, std::initializer_list<int64_t> shape) {
-    return PlacedOutput{name, dtype, std::vector<int64_t>(shape), 0, ShapeBytes(dtype, shape)};
-  };
   const v1::DataType fp8 =
       swa.fp8_format() == v1::FP8_FORMAT_E4M3FNUZ ? v1::DATA_TYPE_FP8_E4M3FNUZ : v1::DATA_TYPE_FP8_E4M3FN;
-  std::vector<PlacedOutput> outs = {out("q_fp8", fp8, {M, Q})};
+  std::vector<PlacedOutput> outs = {Output("q_fp8", fp8, {M, Q})};
   // Column-major scales (the TMA layout) pad the token dimension to a multiple of 4.
   if (swa.scale_layout() == v1::SCALE_LAYOUT_ROW_MAJOR) {
-    outs.push_back(out("q_scale", v1::DATA_TYPE_FP32, {M, G}));
+    outs.push_back(Output("q_scale", v1::DATA_TYPE_FP32, {M, G}));
   } else {
-    outs.push_back(out("q_scale", v1::DATA_TYPE_FP32, {G, (M + 3) / 4 * 4}));
+    outs.push_back(Output("q_scale", v1::DATA_TYPE_FP32, {G, (M + 3) / 4 * 4}));
   }
-  outs.push_back(out("kv", v1::DATA_TYPE_BF16, {M, D}));
-  if (wq_b_rows > 0) outs.push_back(out("q_proj", v1::DATA_TYPE_BF16, {M, wq_b_rows}));
+  outs.push_back(Output("kv", v1::DATA_TYPE_BF16, {M, D}));
+  if (wq_b_rows > 0) outs.push_back(Output("q_proj", v1::DATA_TYPE_BF16, {M, wq_b_rows}));
   return outs;
 }
 
