@@ -138,6 +138,7 @@ absl::StatusOr<Response> CallThroughRing(const FusedLayerClient& client, const C
   report->set_queue_seconds(r.queue_seconds);
   report->set_kernel_seconds(r.kernel_seconds);
   report->set_batch_requests(r.batch_requests);
+  *report->mutable_stages() = r.stages;
   if (absl::Status s = region.FetchPlaced(resp); !s.ok()) return s;
   return resp;
 }

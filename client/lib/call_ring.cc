@@ -329,6 +329,13 @@ RingCallResult CallRing::Wait(uint32_t slot, absl::Duration timeout) {
   r.server_seconds = c.server_seconds;
   r.queue_seconds = c.queue_seconds;
   r.kernel_seconds = c.kernel_seconds;
+  if (c.code == 0) {
+    r.stages.set_decode(c.decode_seconds);
+    r.stages.set_copy_in(c.copy_in_seconds);
+    r.stages.set_device(c.device_seconds);
+    r.stages.set_copy_out(c.copy_out_seconds);
+    r.stages.set_response(c.response_seconds);
+  }
   return r;
 }
 

@@ -42,6 +42,7 @@ struct RingCallResult {
   double server_seconds = 0;
   double queue_seconds = 0;
   double kernel_seconds = 0;
+  v1::StageSeconds stages;  // where server_seconds went (set on OK calls)
 };
 
 // An input tensor at [offset, offset + bytes of dtype x shape) of bound region `region`.

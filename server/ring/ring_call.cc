@@ -144,6 +144,12 @@ class RingCall final : public TransportCall {
       c.server_seconds = report.server_seconds();
       c.queue_seconds = report.queue_seconds();
       c.kernel_seconds = report.kernel_seconds();
+      const v1::StageSeconds& stages = report.stages();
+      c.decode_seconds = stages.decode();
+      c.copy_in_seconds = stages.copy_in();
+      c.device_seconds = stages.device();
+      c.copy_out_seconds = stages.copy_out();
+      c.response_seconds = stages.response();
       CopyText(c.fallback_detail, sizeof(c.fallback_detail), report.fallback_detail());
     } else {
       c.server_seconds = elapsed();

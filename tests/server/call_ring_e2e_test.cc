@@ -166,6 +166,12 @@ TEST(CallRing, MhcCallsEqualTcpBitwiseForEveryVariantAndPath) {
           EXPECT_EQ(r.fallback_detail, tcp->report().fallback_detail());
           EXPECT_GE(r.batch_requests, 1u);
           EXPECT_GT(r.server_seconds, 0);
+          // The stages of the call, as its RPC's report has them: disjoint parts of server_seconds.
+          EXPECT_GT(r.stages.decode(), 0);
+          EXPECT_GT(r.stages.device(), 0);
+          const double staged = r.stages.decode() + r.queue_seconds + r.stages.copy_in() + r.stages.device() +
+                                r.stages.copy_out() + r.stages.response();
+          EXPECT_LE(staged, r.server_seconds * (1 + 1e-9));
         }
       }
     }

@@ -38,9 +38,9 @@ from .v1 import fusedlayer_pb2 as pb
 # ---- the layout (call_ring.h, kCallRingLayoutVersion 1) --------------------------------------------
 
 CALL_RING_MAGIC = 0x46524C43
-CALL_RING_LAYOUT_VERSION = 1
+CALL_RING_LAYOUT_VERSION = 2
 RING_MAX_TENSORS = 12
-RING_MESSAGE_BYTES = 384
+RING_MESSAGE_BYTES = 344
 RING_DETAIL_BYTES = 192
 RING_SLOT_OFFSET = 4096                # of slot 0 from the start of the ring (kRingSlotOffset)
 # call_ring.h static_asserts these same literals (kRingSlotBytes, kRingCallOffsetInSlot,
@@ -87,6 +87,10 @@ class RingCompletion(ctypes.Structure):
     _fields_ = [("code", ctypes.c_int32), ("path", ctypes.c_uint32), ("fallback_reason", ctypes.c_uint32),
                 ("batch_requests", ctypes.c_uint32), ("server_seconds", ctypes.c_double),
                 ("queue_seconds", ctypes.c_double), ("kernel_seconds", ctypes.c_double),
+                # where server_seconds went (ExecutionReport.stages; 0 on errors)
+                ("decode_seconds", ctypes.c_double), ("copy_in_seconds", ctypes.c_double),
+                ("device_seconds", ctypes.c_double), ("copy_out_seconds", ctypes.c_double),
+                ("response_seconds", ctypes.c_double),
                 ("message", ctypes.c_char * RING_MESSAGE_BYTES), ("fallback_detail", ctypes.c_char * RING_DETAIL_BYTES)]
 
 
@@ -123,7 +127,7 @@ def layout_mismatches() -> List[str]:
         ("offsetof(RingSlotControl, complete_seq)", RingSlotControl.complete_seq.offset, 64),
         ("offsetof(RingSlotControl, client_waiting)", RingSlotControl.client_waiting.offset, 68),
         ("offsetof(RingCallDescriptor, tensors)", RingCallDescriptor.tensors.offset, 40),
-        ("offsetof(RingCompletion, message)", RingCompletion.message.offset, 40),
+        ("offsetof(RingCompletion, message)", RingCompletion.message.offset, 80),
         ("sizeof(RingHeader)", ctypes.sizeof(RingHeader), 128),
         ("offsetof(RingHeader, poller_sleeping)", RingHeader.poller_sleeping.offset, 64),
     ]
@@ -283,6 +287,11 @@ class RingCallResult:
     server_seconds: float     # from the poller taking the call to the completion
     queue_seconds: float
     kernel_seconds: float
+    # where server_seconds went: "decode", "copy_in", "device", "copy_out", "response" -> seconds
+    stages: Dict[str, float]
+
+
+_STAGES = cl._REPORT_STAGES  # the completion's stage fields are these names + "_seconds"
 
 
 def _enum_name(enum_type: Any, value: int, prefix: str) -> str:
@@ -518,7 +527,8 @@ class CallRing:
             fallback_reason=_enum_name(pb.FallbackReason, c.fallback_reason, "FALLBACK_REASON_"),
             fallback_detail=c.fallback_detail.decode("utf-8", "replace"), batch_requests=int(c.batch_requests),
             server_seconds=float(c.server_seconds), queue_seconds=float(c.queue_seconds),
-            kernel_seconds=float(c.kernel_seconds))
+            kernel_seconds=float(c.kernel_seconds),
+            stages={name: float(getattr(c, name + "_seconds")) for name in _STAGES})
 
     def call(self, slot: int, descriptor: RingCallDescriptor, timeout: Optional[float] = 60.0) -> RingCallResult:
         """submit + wait."""
@@ -622,7 +632,7 @@ def _report(r: RingCallResult, weight_set: str, elapsed: float) -> cl.ExecutionR
     return cl.ExecutionReport(path=r.path, fallback_reason=r.fallback_reason, fallback_detail=r.fallback_detail,
                               backend="", device="", weight_set=weight_set, kernel_seconds=r.kernel_seconds,
                               queue_seconds=r.queue_seconds, server_seconds=r.server_seconds,
-                              round_trip_seconds=elapsed)
+                              round_trip_seconds=elapsed, stages=dict(r.stages))
 
 
 def _placed_as_kind(name: str, tensor: Any, kind: str) -> Any:

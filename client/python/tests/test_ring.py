@@ -67,6 +67,10 @@ def test_mhc_ring_calls_equal_rpcs_bitwise(ring_server, rng, weight_set, stage, 
                     assert _same_bits(getattr(got, f), getattr(want, f)), (T, path, f)
                 assert (got.report.path, got.report.fallback_reason) == (want.report.path, want.report.fallback_reason)
                 assert got.report.weight_set == weight_set and got.verification is None
+                # the completion's stages, as the RPC's report has them: disjoint parts of server_seconds
+                assert set(got.report.stages) == set(want.report.stages)
+                assert got.report.stages["decode"] > 0 and got.report.stages["device"] > 0
+                assert sum(got.report.stages.values()) + got.report.queue_seconds <= got.report.server_seconds * (1 + 1e-9)
 
 
 def test_swa_ring_calls_equal_rpcs_bitwise(ring_server, rng):

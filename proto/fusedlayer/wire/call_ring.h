@@ -37,9 +37,9 @@
 namespace fusedlayer::wire {
 
 inline constexpr uint32_t kCallRingMagic = 0x46524C43;  // "CLRF" little-endian: "call ring, fusedlayer"
-inline constexpr uint32_t kCallRingLayoutVersion = 1;
+inline constexpr uint32_t kCallRingLayoutVersion = 2;
 inline constexpr int kRingMaxTensors = 12;
-inline constexpr size_t kRingMessageBytes = 384;
+inline constexpr size_t kRingMessageBytes = 344;
 inline constexpr size_t kRingDetailBytes = 192;
 
 // RingCallDescriptor.op
@@ -120,6 +120,12 @@ struct RingCompletion {
   double server_seconds;     // from the poller taking the call to the completion
   double queue_seconds;
   double kernel_seconds;
+  // Where server_seconds went (v1::StageSeconds, the same stages an RPC's report has; 0 on errors).
+  double decode_seconds;
+  double copy_in_seconds;
+  double device_seconds;
+  double copy_out_seconds;
+  double response_seconds;
   char message[kRingMessageBytes];         // the status message when code != 0
   char fallback_detail[kRingDetailBytes];  // ExecutionReport.fallback_detail
 };
@@ -175,7 +181,7 @@ inline constexpr size_t kRingCompletionOffsetInSlot = offsetof(RingSlot, complet
 static_assert(kRingSlotBytes == 1536 && kRingCallOffsetInSlot == 128 && kRingCompletionOffsetInSlot == 896,
               "client/python/fusedlayer/ring.py mirrors the slot layout");
 static_assert(sizeof(RingCallDescriptor) == 712 && offsetof(RingCallDescriptor, tensors) == 40 &&
-                  sizeof(RingCompletion) == 616 && offsetof(RingCompletion, message) == 40,
+                  sizeof(RingCompletion) == 616 && offsetof(RingCompletion, message) == 80,
               "client/python/fusedlayer/ring.py mirrors the descriptor and the completion");
 static_assert(sizeof(RingSlotControl) == 128 && offsetof(RingSlotControl, complete_seq) == 64 &&
                   offsetof(RingSlotControl, client_waiting) == 68,
