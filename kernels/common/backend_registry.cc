@@ -45,6 +45,10 @@ absl::StatusOr<DeviceBuffer> Backend::ImportIpcMemory(std::string_view) {
   return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend has no CUDA IPC"));
 }
 
+absl::Status Lane::EnqueueHostWrite(uint32_t*, uint32_t) {
+  return absl::UnimplementedError("this lane cannot write host memory from the device");
+}
+
 absl::StatusOr<std::unique_ptr<Lane>> Backend::CreateLane() {
   return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend has no lanes"));
 }

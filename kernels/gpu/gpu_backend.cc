@@ -184,6 +184,13 @@ class GpuLane final : public Lane {
     });
   }
 
+  absl::Status EnqueueHostWrite(uint32_t* host_word, uint32_t value) override {
+    if (absl::Status s = Bind(); !s.ok()) return s;
+    absl::Status s = gpu::GpuStatus(gpuStreamWriteValue32(ctx_->stream, host_word, value), "stream write of a host word");
+    if (!s.ok()) (void)gpuGetLastError();
+    return s;
+  }
+
   absl::StatusOr<RunStats> Wait() override {
     const bool timed = timed_;
     timed_ = false;

@@ -134,3 +134,26 @@ void* GpuContext::Workspace(size_t bytes, Scratch block) {
 }
 
 }  // namespace fusedlayer::gpu
+
+#if !FL_HIP
+cudaError_t gpuStreamWriteValue32(cudaStream_t stream, void* host_word, uint32_t value) {
+  // CUresult cuStreamWriteValue32(CUstream, CUdeviceptr, cuuint32_t, unsigned int): CUstream is
+  // cudaStream_t, CUdeviceptr a 64-bit integer; CUDA_SUCCESS is 0.
+  using WriteValue32 = int (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
+  static const WriteValue32 write_value = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<WriteValue32>(fn);
+  }();
+  if (write_value == nullptr) return cudaErrorNotSupported;
+  void* device_word = nullptr;
+  if (cudaError_t err = cudaHostGetDevicePointer(&device_word, host_word, 0); err != cudaSuccess) return err;
+  return write_value(stream, reinterpret_cast<unsigned long long>(device_word), value, 0) == 0 ? cudaSuccess
+                                                                                           : cudaErrorUnknown;
+}
+#endif

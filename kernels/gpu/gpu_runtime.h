@@ -3,6 +3,8 @@
 // kWarpSize is 32 on NVIDIA and the wavefront size (64 on CDNA) on AMD.
 #pragma once
 
+#include <cstdint>
+
 #include "fusedlayer/portability.h"
 
 #if defined(__HIPCC__) || defined(FUSEDLAYER_HIP_BUILD)
@@ -63,7 +65,19 @@ using gpuMemPool_t = hipMemPool_t;
 #define gpuMemPoolAttrReleaseThreshold hipMemPoolAttrReleaseThreshold
 #define gpuFreeHost hipHostFree
 inline hipError_t gpuHostAlloc(void** p, size_t bytes) { return hipHostMalloc(p, bytes, hipHostMallocDefault); }
-inline hipError_t gpuHostRegister(void* p, size_t bytes) { return hipHostRegister(p, bytes, hipHostRegisterDefault); }
+// Mapped: the device can address the memory (gpuStreamWriteValue32 stores into it); portable: for
+// every device of the process.
+inline hipError_t gpuHostRegister(void* p, size_t bytes) {
+  return hipHostRegister(p, bytes, hipHostRegisterMapped | hipHostRegisterPortable);
+}
+// After the work queued on `stream` so far, the device stores `value` into `host_word` (4 bytes of
+// host memory registered with gpuHostRegister), with a memory barrier before it: a host that sees
+// the value sees everything that work wrote.
+inline hipError_t gpuStreamWriteValue32(hipStream_t stream, void* host_word, uint32_t value) {
+  void* device_word = nullptr;
+  if (hipError_t err = hipHostGetDevicePointer(&device_word, host_word, 0); err != hipSuccess) return err;
+  return hipStreamWriteValue32(stream, device_word, value, 0);
+}
 #define gpuHostUnregister hipHostUnregister
 using gpuIpcMemHandle_t = hipIpcMemHandle_t;
 #define gpuIpcGetMemHandle hipIpcGetMemHandle
@@ -129,7 +143,17 @@ using gpuMemPool_t = cudaMemPool_t;
 #define gpuMemPoolAttrReleaseThreshold cudaMemPoolAttrReleaseThreshold
 #define gpuFreeHost cudaFreeHost
 inline cudaError_t gpuHostAlloc(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, cudaHostAllocDefault); }
-inline cudaError_t gpuHostRegister(void* p, size_t bytes) { return cudaHostRegister(p, bytes, cudaHostRegisterDefault); }
+// Mapped: the device can address the memory (gpuStreamWriteValue32 stores into it); portable: for
+// every device of the process.
+inline cudaError_t gpuHostRegister(void* p, size_t bytes) {
+  return cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+}
+// After the work queued on `stream` so far, the device stores `value` into `host_word` (4 bytes of
+// host memory registered with gpuHostRegister), with a memory barrier before it: a host that sees
+// the value sees everything that work wrote. A stream memory operation (cuStreamWriteValue32): no
+// kernel launch, and no host thread involved once it is queued. The runtime API has none, so the
+// driver's entry point is looked up once (no link-time dependency on libcuda).
+cudaError_t gpuStreamWriteValue32(cudaStream_t stream, void* host_word, uint32_t value);  // gpu_context.cc
 #define gpuHostUnregister cudaHostUnregister
 using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
 #define gpuIpcGetMemHandle cudaIpcGetMemHandle

@@ -187,6 +187,11 @@ class Lane {
   // Wait (0 when none). An error of the queued work (a faulting kernel, a failed copy) is returned
   // here as Internal; the lane stays usable for the next request.
   virtual absl::StatusOr<RunStats> Wait() = 0;
+  // After the work enqueued so far, the device stores `value` into `host_word` (host memory locked
+  // by Backend::PageLockHostMemory), with a memory barrier before it: a host thread that sees the
+  // value sees everything that work wrote, without a Wait (a completion word a client spins on).
+  // If that work fails, the store does not happen. Unimplemented where the device cannot.
+  virtual absl::Status EnqueueHostWrite(uint32_t* host_word, uint32_t value);
 };
 
 // The CPU backend, always available (kernels/cpu).
