@@ -209,6 +209,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     rings.max_per_identity = static_cast<int>(cfg.call_ring_max_per_identity);
     rings.max_slots = static_cast<uint32_t>(cfg.call_ring_max_slots);
     rings.spin_us = cfg.call_ring_spin_us;
+    if (!srv->backend_->host_accessible()) rings.device = srv->backend_.get();
     absl::StatusOr<std::unique_ptr<ring::CallRingService>> started =
         ring::CallRingService::Start(std::move(rings), srv->service_->engine(), *srv->metrics_);
     if (!started.ok()) return started.status();

@@ -219,6 +219,7 @@ class RingCaller : public Caller {
     o.report.set_kernel_seconds(r.kernel_seconds);
     o.report.set_batch_requests(r.batch_requests);
     if (r.status.ok()) *o.report.mutable_stages() = r.stages;
+    o.completed_by_device = r.completed_by_device;
     return o;
   }
   // Nothing crosses a socket: the descriptor is written into shared memory.

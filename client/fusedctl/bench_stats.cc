@@ -16,10 +16,15 @@ void BenchStats::Add(const CallOutcome& o) {
     return;
   }
   latencies_.push_back(o.round_trip_seconds);
-  kernel_.push_back(o.report.kernel_seconds());
-  server_.push_back(o.report.server_seconds());
+  if (o.completed_by_device) {
+    ++completed_by_device_;  // its server time ends at the launch: not mixed with the others'
+    to_launch_.push_back(o.report.server_seconds());
+  } else {
+    kernel_.push_back(o.report.kernel_seconds());
+    server_.push_back(o.report.server_seconds());
+  }
   queue_.push_back(o.report.queue_seconds());
-  if (o.report.has_stages()) {
+  if (o.report.has_stages() && !o.completed_by_device) {
     const v1::StageSeconds& st = o.report.stages();
     decode_.push_back(st.decode());
     copy_in_.push_back(st.copy_in());
@@ -45,6 +50,8 @@ void BenchStats::Merge(const BenchStats& other) {
     mine->insert(mine->end(), theirs->begin(), theirs->end());
   }
   fused_ += other.fused_;
+  completed_by_device_ += other.completed_by_device_;
+  to_launch_.insert(to_launch_.end(), other.to_launch_.begin(), other.to_launch_.end());
   for (const auto& [k, v] : other.fallbacks_) fallbacks_[k] += v;
   for (const auto& [k, v] : other.errors_) errors_[k] += v;
   for (const auto& [k, v] : other.first_error_) first_error_.emplace(k, v);  // keeps ours if present
@@ -118,6 +125,11 @@ std::string BenchStats::Format(const RunInfo& info) const {
                       FormatSeconds(SummarizeLatencies(response_).p50), "  (server p50 ", FormatSeconds(sv.p50),
                       ")\n");
     }
+  }
+  if (completed_by_device_ > 0) {
+    absl::StrAppend(&s, absl::StrFormat("completions  %d of %d written by the GPU stream after the kernels; their "
+                                        "server time to the launch p50 %s (the server side line: the others)\n",
+                                        completed_by_device_, ok(), FormatSeconds(SummarizeLatencies(to_launch_).p50)));
   }
   absl::StrAppend(&s, absl::StrFormat("fused hit    %.2f%% (%d of %d OK responses)\n", 100.0 * FusedHitRate(), fused_, ok()));
   if (fallbacks_.empty()) {

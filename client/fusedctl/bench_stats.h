@@ -19,6 +19,9 @@ struct CallOutcome {
   absl::Status status;                 // OK or the call's error
   // Valid when status is OK:
   v1::ExecutionReport report;
+  // A call ring's completion written by the GPU stream: the report's server time ends at the
+  // launch and it has no kernel or device time.
+  bool completed_by_device = false;
 };
 
 class BenchStats {
@@ -67,6 +70,8 @@ class BenchStats {
   // ExecutionReport.stages of the OK calls that had them (a server older than stages sends none).
   std::vector<double> decode_, copy_in_, device_, copy_out_, response_;
   int64_t fused_ = 0;
+  int64_t completed_by_device_ = 0;
+  std::vector<double> to_launch_;  // server seconds of the completions written by the GPU stream
   std::map<std::string, int64_t> fallbacks_;
   std::map<absl::StatusCode, int64_t> errors_;
   std::map<absl::StatusCode, std::string> first_error_;  // first message seen per code

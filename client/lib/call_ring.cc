@@ -329,6 +329,7 @@ RingCallResult CallRing::Wait(uint32_t slot, absl::Duration timeout) {
   r.server_seconds = c.server_seconds;
   r.queue_seconds = c.queue_seconds;
   r.kernel_seconds = c.kernel_seconds;
+  r.completed_by_device = (c.flags & wire::kRingCompletedByDevice) != 0;
   if (c.code == 0) {
     r.stages.set_decode(c.decode_seconds);
     r.stages.set_copy_in(c.copy_in_seconds);

@@ -43,6 +43,9 @@ struct RingCallResult {
   double queue_seconds = 0;
   double kernel_seconds = 0;
   v1::StageSeconds stages;  // where server_seconds went (set on OK calls)
+  // The GPU stream wrote the completion after the kernels (wire::kRingCompletedByDevice):
+  // server_seconds then ends at the launch, and kernel_seconds and stages.device are 0.
+  bool completed_by_device = false;
 };
 
 // An input tensor at [offset, offset + bytes of dtype x shape) of bound region `region`.

@@ -89,10 +89,19 @@ class ComputeEngine::QueuedCall final : public BatchableTask {
  private:
   void RunBatch(std::vector<std::unique_ptr<BatchableTask>>& batch, const std::vector<double>& queue_seconds) override;
   // Path choice and run with fallback for `call` (one request's or a batch's); its stage times
-  // are added to `times`.
+  // are added to `times`. `answer_on_device`: the request alone, offered to answer from the device
+  // (AnswersOnDevice).
   absl::StatusOr<DispatchOutcome> Execute(const typename Op::Call& call, const std::string& what, StageTimes* times,
                                           OutputBuffers* outputs, HostRange pinned_inputs = {},
-                                          HostRange pinned_outputs = {}) const;
+                                          HostRange pinned_outputs = {}, bool answer_on_device = false) const;
+  // Whether this request, run alone, may have its answer stored by the device after its work
+  // (TransportCall::PrepareDeviceAnswer): on a lane, with every output it places in CUDA shared
+  // memory (nothing for the server to write after the wait), no session state to copy back, no
+  // verify run to compare. Whether the transport takes the offer is its own.
+  bool AnswersOnDevice() const {
+    return engine_.lanes_.lanes() > 0 && transfer_ != nullptr && transfer_->outputs_all_on_device() &&
+           !session_.held() && !request_->verify();
+  }
   // Metrics, report, verify or shadow sampling, response: this request's part after the launch.
   void Finish(const absl::StatusOr<DispatchOutcome>& ran, size_t batch_requests, int64_t batch_tokens);
   // Where this request's inputs were read into page-locked memory: its shared-memory inputs'
@@ -142,7 +151,8 @@ absl::StatusOr<DispatchOutcome> ComputeEngine::QueuedCall<Op>::Execute(const typ
                                                                      StageTimes* times,
                                                                      OutputBuffers* outputs,
                                                                      HostRange pinned_inputs,
-                                                                     HostRange pinned_outputs) const {
+                                                                     HostRange pinned_outputs,
+                                                                     bool answer_on_device) const {
   const typename Op::Prepared& part = *Op::Part(*set_);
   Backend& backend = engine_.backend_;
   const v1::PathPreference preference = request_->path_preference();
@@ -157,8 +167,40 @@ absl::StatusOr<DispatchOutcome> ComputeEngine::QueuedCall<Op>::Execute(const typ
   target.pinned_outputs = pinned_outputs;
   if (session_.held()) target.resident = session_.memory();
   if (transfer_ != nullptr && transfer_->uses_device_memory()) target.resident = transfer_->device_ranges();
-  return RunWithFallback(Op::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what,
-                         [&](Path path) { return Op::Run(target, part, call, path); });
+  if (!answer_on_device || target.lane == nullptr) {
+    return RunWithFallback(Op::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what,
+                           [&](Path path) { return Op::Run(target, part, call, path); });
+  }
+  // Offered on the chosen path's run only: a re-run after a failed fused run is answered after its
+  // wait (its report names the failure, which is known only then).
+  return RunWithFallback(Op::kOp, *decision, preference == v1::PATH_PREFERENCE_REQUIRE_FUSED, what, [&](Path path) {
+    if (path != decision->path) return Op::Run(target, part, call, path);
+    bool prepared = false;
+    ExecTarget answering = target;
+    answering.answer_on_device = [&](Lane& lane) {
+      v1::ExecutionReport so_far;
+      so_far.set_path(ToProto(path));
+      so_far.set_fallback_reason(decision->reason.has_value() ? ToProto(*decision->reason) : v1::FALLBACK_REASON_NONE);
+      so_far.set_fallback_detail(decision->detail);
+      so_far.set_queue_seconds(queue_seconds_);
+      so_far.set_batch_requests(1);
+      so_far.set_batch_tokens(call.args.tokens);
+      so_far.mutable_stages()->set_decode(decode_seconds_);
+      so_far.mutable_stages()->set_copy_in(times->copy_in);
+      so_far.set_server_seconds(call_->elapsed());
+      std::optional<TransportCall::DeviceAnswer> answer = call_->PrepareDeviceAnswer(so_far);
+      if (!answer.has_value()) return;
+      if (lane.EnqueueHostWrite(answer->word, answer->value).ok()) {
+        prepared = true;
+      } else {
+        call_->WithdrawDeviceAnswer();
+      }
+    };
+    absl::StatusOr<RunStats> ran = Op::Run(answering, part, call, path);
+    // A failed wait means the stream stopped before the store: the answer is Complete()'s again.
+    if (prepared && !ran.ok()) call_->WithdrawDeviceAnswer();
+    return ran;
+  });
 }
 
 template <typename Op>
@@ -226,7 +268,7 @@ void ComputeEngine::QueuedCall<Op>::RunBatch(std::vector<std::unique_ptr<Batchab
     // Alone, its inputs are copied to the device from where they were read (when pinned).
     absl::StatusOr<DispatchOutcome> ran =
         task->Execute(task->decoded_, task->What(), &task->stages_, task->outputs_, task->PinnedInputs(),
-                      task->PinnedOutputs());
+                      task->PinnedOutputs(), task->AnswersOnDevice());
     metrics.RecordBatch(Op::kOp, 1, task->decoded_.args.tokens);
     task->Finish(ran, 1, task->decoded_.args.tokens);
   }

@@ -37,6 +37,9 @@ absl::StatusOr<RunStats> RunOnLane(const ExecTarget& target, const Args& dev, La
   if (target.times != nullptr) target.times->copy_in += SecondsBetween(t0, staged);
   if (launched.ok()) launched = enqueue(dev);
   if (launched.ok()) launched = staging.EnqueueCopiesBack();
+  // Whatever the answer's enqueueing gives, the run goes on: a transport whose answer could not be
+  // enqueued answers after the wait, as every other.
+  if (launched.ok() && target.answer_on_device) target.answer_on_device(*target.lane);
   absl::StatusOr<RunStats> waited = staging.Finish(/*copy_out=*/launched.ok(), target.times, staged, target.outputs);
   if (!launched.ok()) return launched;  // a validation or allocation error, as the default path reports it
   return waited;

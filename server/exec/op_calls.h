@@ -21,6 +21,7 @@
 //     shadow verification, which are rare and serialised by the executor.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -72,6 +73,10 @@ struct ExecTarget {
   // residual_sessions.h; the client's CUDA shared-memory regions, transport/cuda_shared_memory.h),
   // or empty: views inside it are handed to the kernels as they are.
   DeviceRanges resident;
+  // Called on a lane once the run's last device work (kernels, copies back) is enqueued and before
+  // the wait, to enqueue the call's answer on the lane (TransportCall::PrepareDeviceAnswer). Empty:
+  // the call is answered after the wait.
+  std::function<void(Lane&)> answer_on_device;
 };
 
 absl::StatusOr<RunStats> RunMhcCall(const ExecTarget& target, const PreparedMhcWeights& weights,

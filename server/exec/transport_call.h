@@ -5,10 +5,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "common/byte_budget.h"
 #include "exec/output_buffers.h"
+#include "fusedlayer/v1/fusedlayer.pb.h"
 
 namespace fusedlayer::server {
 
@@ -35,6 +37,26 @@ class TransportCall {
   // report included) and outputs(). Returns whether the response went out with OK (false also when
   // the transport dropped it, e.g. over its send limit).
   virtual bool Complete(absl::Status status) = 0;
+
+  // An answer the device stores (call rings: the completion word a client spins on, in page-locked
+  // memory). For a call on a device lane whose outputs all lie in device memory the client reads
+  // (CUDA shared memory), once its last device work is enqueued, the engine offers the report as
+  // far as it is known then (path, fallback, queue and stage times so far; no kernel time). A
+  // transport that takes it writes its answer but the one word and returns where that word is:
+  // the lane's stream stores `value` into `word` after the work, so the client sees the answer
+  // with no server thread in between. Complete() still follows (the call's bookkeeping): with OK
+  // it must not answer again, as the client may be on its next call already. Default: not taken.
+  struct DeviceAnswer {
+    uint32_t* word;
+    uint32_t value;
+  };
+  virtual std::optional<DeviceAnswer> PrepareDeviceAnswer(const v1::ExecutionReport& so_far) {
+    (void)so_far;
+    return std::nullopt;
+  }
+  // The prepared answer will not be stored (its store could not be enqueued, or the work before it
+  // failed, which stops the stream): Complete() answers as usual.
+  virtual void WithdrawDeviceAnswer() {}
 };
 
 }  // namespace fusedlayer::server

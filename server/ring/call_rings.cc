@@ -122,7 +122,8 @@ absl::StatusOr<std::unique_ptr<CallRingService>> CallRingService::Start(CallRing
   s->poll_thread_ = std::thread([p = s.get()] { p->PollLoop(); });
   LogInfo("call rings: handed over on ", s->options_.socket_path, " (at most ", s->options_.max_rings, " rings, ",
           s->options_.max_per_identity, " per identity, ", s->options_.max_slots, " slots each; poller spins ",
-          s->options_.spin_us, " us)");
+          s->options_.spin_us, " us",
+          s->options_.device != nullptr ? "; completions of CUDA calls stored by the GPU stream" : "", ")");
   return s;
 }
 
@@ -167,7 +168,7 @@ absl::StatusOr<v1::OpenCallRingResponse> CallRingService::Open(const std::string
                                      std::vector<std::string>(request.weight_sets().begin(), request.weight_sets().end()),
                                      std::vector<v1::CallRingRegion>(request.regions().begin(), request.regions().end()),
                                      slots);
-  absl::Status created = ring->Create();
+  absl::Status created = ring->Create(options_.device);
   const std::string token = RandomToken();
   MutexLock lock(&mu_);
   if (!created.ok() || token.size() != kTokenBytes) {

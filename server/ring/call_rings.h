@@ -45,6 +45,9 @@ struct CallRingOptions {
   uint32_t max_slots = 64;       // per ring
   int64_t spin_us = 100;         // the poller spins this long after the last call before it sleeps
   int64_t handover_seconds = 10; // a token not presented within this is void
+  // A device backend (null on a CPU server): each ring's memory is page-locked for it, so that the
+  // GPU stream of a CUDA call stores its completion (ring/ring_call.cc, PrepareDeviceAnswer).
+  Backend* device = nullptr;
 };
 
 class Ring;

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "fusedlayer/wire/call_ring.h"
 
@@ -40,14 +41,18 @@ class Ring {
     for (uint32_t i = 0; i < slots; ++i) busy_[i].store(false, std::memory_order_relaxed);
   }
   ~Ring() {
+    locked_ = DeviceBuffer();  // unlocked before it is unmapped
     if (base_ != nullptr) ::munmap(base_, bytes_);
     for (int fd : {memfd_, doorbell_, connection_}) {
       if (fd >= 0) ::close(fd);
     }
   }
 
-  // The memory: a memfd of RingBytes(slots), sealed so that nobody can shrink (or grow) it, mapped.
-  absl::Status Create() {
+  // The memory: a memfd of RingBytes(slots), sealed so that nobody can shrink (or grow) it, mapped,
+  // and page-locked for `device` when there is one (a GPU backend): its streams can then store a
+  // call's completion seq (ring_call.cc). A device that refuses (locked-memory limits) leaves the
+  // ring as it is on a CPU server: its completions are written by server threads.
+  absl::Status Create(Backend* device = nullptr) {
     bytes_ = wire::RingBytes(slots_);
     memfd_ = ::memfd_create("fusedlayer-call-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (memfd_ < 0) return absl::ResourceExhaustedError(absl::StrCat("memfd_create: ", std::strerror(errno)));
@@ -74,8 +79,14 @@ class Ring {
     h->ring_id = id_;
     h->slot_offset = wire::kRingSlotOffset;
     h->poller_sleeping.store(0, std::memory_order_release);
+    if (device != nullptr) {
+      absl::StatusOr<DeviceBuffer> locked = device->PageLockHostMemory(base_, bytes_);
+      if (locked.ok()) locked_ = std::move(*locked);
+    }
     return absl::OkStatus();
   }
+  // Whether the device can store into the ring's memory (Create).
+  bool device_visible() const { return locked_.data() != nullptr; }
 
   uint64_t id() const { return id_; }
   const std::string& identity() const { return identity_; }
@@ -111,6 +122,7 @@ class Ring {
   int doorbell_ = -1;
   int connection_ = -1;
   void* base_ = nullptr;
+  DeviceBuffer locked_;  // the page lock of the mapping for the device, or none
   std::atomic<bool> closed_{false};
   std::vector<uint32_t> taken_;
   std::unique_ptr<std::atomic<bool>[]> busy_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -133,7 +134,43 @@ class RingCall final : public TransportCall {
   void HoldBytes(ByteBudget::Lease lease) override { bytes_ = std::move(lease); }
   void HoldVerifySlot(ByteBudget::Lease slot) override { verify_slot_ = std::move(slot); }
 
+  // A CUDA call whose outputs all lie in CUDA shared memory: the record now, complete_seq by the
+  // lane's stream after the kernels (wire::kRingCompletedByDevice). Only where the ring's memory is
+  // page-locked for the device.
+  std::optional<DeviceAnswer> PrepareDeviceAnswer(const v1::ExecutionReport& so_far) override {
+    if (!target_.ring->device_visible()) return std::nullopt;
+    wire::RingCompletion c{};
+    c.code = 0;
+    c.flags = wire::kRingCompletedByDevice;
+    c.path = static_cast<uint32_t>(so_far.path());
+    c.fallback_reason = static_cast<uint32_t>(so_far.fallback_reason());
+    c.batch_requests = so_far.batch_requests();
+    c.server_seconds = so_far.server_seconds();
+    c.queue_seconds = so_far.queue_seconds();
+    c.decode_seconds = so_far.stages().decode();
+    c.copy_in_seconds = so_far.stages().copy_in();
+    CopyText(c.fallback_detail, sizeof(c.fallback_detail), so_far.fallback_detail());
+    RingSlot* slot = target_.ring->slot(target_.slot);
+    // As Publish: the slot is free for the poller before the client can see the seq.
+    target_.ring->busy(target_.slot).store(false, std::memory_order_seq_cst);
+    std::memcpy(&slot->completion, &c, sizeof(c));
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    answered_on_device_ = true;
+    return DeviceAnswer{reinterpret_cast<uint32_t*>(&slot->control.complete_seq), target_.seq};
+  }
+  void WithdrawDeviceAnswer() override { answered_on_device_ = false; }
+
   bool Complete(absl::Status status) override {
+    if (status.ok() && answered_on_device_) {
+      // The stream stored the seq after the kernels (the lane's wait returned OK after it); the
+      // client may be on its next call of this slot already, so nothing of the slot is written.
+      // Only a client asleep on the futex needs the server: the device cannot wake it.
+      RingSlot* slot = target_.ring->slot(target_.slot);
+      if (slot->control.client_waiting.load(std::memory_order_seq_cst) != 0) {
+        wire::FutexWakeAll(&slot->control.complete_seq);
+      }
+      return Finish(status);
+    }
     wire::RingCompletion c{};
     c.code = static_cast<int32_t>(status.code());
     if (status.ok()) {
@@ -155,16 +192,8 @@ class RingCall final : public TransportCall {
       c.server_seconds = elapsed();
       CopyText(c.message, sizeof(c.message), status.message());
     }
-    target_.metrics->RecordRequest(Op::kMethod, static_cast<grpc::StatusCode>(status.code()), elapsed(),
-                                   request_bytes(), 0);
     Publish(target_, c);
-    bytes_ = {};
-    verify_slot_ = {};
-    held_->Release();
-    target_.metrics->InflightAdd(-1);
-    target_.in_flight->fetch_sub(1, std::memory_order_acq_rel);
-    delete this;  // the ring may be unmapped from here on (the last call of a closed ring)
-    return status.ok();
+    return Finish(status);
   }
 
   // Writes `c` into the slot and makes it the answer to the call's seq: the slot is free for the
@@ -183,6 +212,19 @@ class RingCall final : public TransportCall {
   }
 
  private:
+  // The call's bookkeeping once it is answered; deletes the call.
+  bool Finish(const absl::Status& status) {
+    target_.metrics->RecordRequest(Op::kMethod, static_cast<grpc::StatusCode>(status.code()), elapsed(),
+                                   request_bytes(), 0);
+    bytes_ = {};
+    verify_slot_ = {};
+    held_->Release();
+    target_.metrics->InflightAdd(-1);
+    target_.in_flight->fetch_sub(1, std::memory_order_acq_rel);
+    delete this;  // the ring may be unmapped from here on (the last call of a closed ring)
+    return status.ok();
+  }
+
   const RingCallTarget target_;
   const int64_t deadline_ns_;
   typename Op::Messages* const held_;
@@ -190,6 +232,7 @@ class RingCall final : public TransportCall {
   OutputBuffers outputs_;
   ByteBudget::Lease bytes_;
   ByteBudget::Lease verify_slot_;
+  bool answered_on_device_ = false;  // PrepareDeviceAnswer took the offer, not withdrawn since
 };
 
 template <typename Op, typename Fill>

@@ -264,6 +264,9 @@ class TensorTransfer {
   bool uses_device_memory() const { return !device_regions_.empty(); }
   // The CUDA shared-memory regions the request's tensors lie in (ExecTarget::resident).
   const DeviceRanges& device_ranges() const { return device_ranges_; }
+  // Whether every output the request places lies in CUDA shared memory (and there is one): the
+  // kernels write them where they lie, and WriteOutputs has nothing to write or check.
+  bool outputs_all_on_device() const { return outputs_.empty() && !device_outputs_.empty(); }
 
   // On a device backend: read the inputs (at most `input_bytes` in all, SharedMemoryInputBytes)
   // into one page-locked block of `pool` instead of ordinary memory, so that the lane copies them

@@ -176,8 +176,9 @@ TEST(CudaIpc, MhcAndSwaThroughCudaSharedMemoryAreBitwiseTcp) {
   ASSERT_TRUE(got.ok()) << got.status();
 }
 
-// Ring calls with CUDA IPC tensors: the completion comes after the kernels that wrote the outputs
-// completed (as an RPC's response does), so the outputs read right after it are the call's.
+// Ring calls with CUDA IPC tensors: the completion is stored by the GPU stream after the kernels
+// that wrote the outputs (kRingCompletedByDevice), so the outputs read right after it are the
+// call's, bitwise those of the same request over TCP.
 TEST(CudaIpc, RingCallsThroughCudaSharedMemoryAreBitwiseTcp) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU";
   GpuServer s;
@@ -213,6 +214,10 @@ TEST(CudaIpc, RingCallsThroughCudaSharedMemoryAreBitwiseTcp) {
         client::RingCallResult r = (*ring)->Call(0, *call);
         ASSERT_TRUE(r.status.ok()) << r.status;
         EXPECT_EQ(r.path, tcp->report().path());
+        EXPECT_EQ(r.fallback_reason, tcp->report().fallback_reason());
+        EXPECT_TRUE(r.completed_by_device);
+        EXPECT_EQ(r.kernel_seconds, 0);  // not known when the record was written
+        EXPECT_GT(r.server_seconds, 0);
         v1::MhcSeamResponse got = *shaped;
         ASSERT_TRUE((*region)->Fetch(got).ok());
         ExpectSameOutputs(got, *tcp);
@@ -241,6 +246,7 @@ TEST(CudaIpc, RingCallsThroughCudaSharedMemoryAreBitwiseTcp) {
   Poison(**region, by_ref.output_placements());
   client::RingCallResult r = (*ring)->Call(0, *call);
   ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_TRUE(r.completed_by_device);
   v1::SwaNormQuantResponse got = *shaped;
   ASSERT_TRUE((*region)->Fetch(got).ok());
   ExpectSameOutputs(got, *tcp);

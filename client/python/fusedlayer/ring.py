@@ -40,8 +40,9 @@ from .v1 import fusedlayer_pb2 as pb
 CALL_RING_MAGIC = 0x46524C43
 CALL_RING_LAYOUT_VERSION = 2
 RING_MAX_TENSORS = 12
-RING_MESSAGE_BYTES = 344
+RING_MESSAGE_BYTES = 336
 RING_DETAIL_BYTES = 192
+RING_COMPLETED_BY_DEVICE = 1  # RingCompletion.flags (kRingCompletedByDevice)
 RING_SLOT_OFFSET = 4096                # of slot 0 from the start of the ring (kRingSlotOffset)
 # call_ring.h static_asserts these same literals (kRingSlotBytes, kRingCallOffsetInSlot,
 # kRingCompletionOffsetInSlot): a change on either side fails loudly.
@@ -85,7 +86,8 @@ class RingCallDescriptor(ctypes.Structure):
 class RingCompletion(ctypes.Structure):
     """What the server writes back (strings NUL-terminated)."""
     _fields_ = [("code", ctypes.c_int32), ("path", ctypes.c_uint32), ("fallback_reason", ctypes.c_uint32),
-                ("batch_requests", ctypes.c_uint32), ("server_seconds", ctypes.c_double),
+                ("batch_requests", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+                ("server_seconds", ctypes.c_double),
                 ("queue_seconds", ctypes.c_double), ("kernel_seconds", ctypes.c_double),
                 # where server_seconds went (ExecutionReport.stages; 0 on errors)
                 ("decode_seconds", ctypes.c_double), ("copy_in_seconds", ctypes.c_double),
@@ -127,7 +129,7 @@ def layout_mismatches() -> List[str]:
         ("offsetof(RingSlotControl, complete_seq)", RingSlotControl.complete_seq.offset, 64),
         ("offsetof(RingSlotControl, client_waiting)", RingSlotControl.client_waiting.offset, 68),
         ("offsetof(RingCallDescriptor, tensors)", RingCallDescriptor.tensors.offset, 40),
-        ("offsetof(RingCompletion, message)", RingCompletion.message.offset, 80),
+        ("offsetof(RingCompletion, message)", RingCompletion.message.offset, 88),
         ("sizeof(RingHeader)", ctypes.sizeof(RingHeader), 128),
         ("offsetof(RingHeader, poller_sleeping)", RingHeader.poller_sleeping.offset, 64),
     ]
@@ -289,6 +291,9 @@ class RingCallResult:
     kernel_seconds: float
     # where server_seconds went: "decode", "copy_in", "device", "copy_out", "response" -> seconds
     stages: Dict[str, float]
+    # The GPU stream wrote the completion after the kernels (outputs all in CUDA shared memory on a
+    # GPU server): server_seconds then ends at the launch, and kernel_seconds is 0 (not known then).
+    completed_by_device: bool = False
 
 
 _STAGES = cl._REPORT_STAGES  # the completion's stage fields are these names + "_seconds"
@@ -528,7 +533,8 @@ class CallRing:
             fallback_detail=c.fallback_detail.decode("utf-8", "replace"), batch_requests=int(c.batch_requests),
             server_seconds=float(c.server_seconds), queue_seconds=float(c.queue_seconds),
             kernel_seconds=float(c.kernel_seconds),
-            stages={name: float(getattr(c, name + "_seconds")) for name in _STAGES})
+            stages={name: float(getattr(c, name + "_seconds")) for name in _STAGES},
+            completed_by_device=bool(c.flags & RING_COMPLETED_BY_DEVICE))
 
     def call(self, slot: int, descriptor: RingCallDescriptor, timeout: Optional[float] = 60.0) -> RingCallResult:
         """submit + wait."""

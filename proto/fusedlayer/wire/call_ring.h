@@ -22,7 +22,10 @@
 //           if header.poller_sleeping, writes 1 to the doorbell eventfd
 //   server: sees submit_seq != the last seq it took from the slot, copies slot.call, runs it,
 //           writes slot.completion, then stores slot.complete_seq = s (release); if
-//           slot.client_waiting, FUTEX_WAKE on complete_seq
+//           slot.client_waiting, FUTEX_WAKE on complete_seq. A CUDA call whose outputs all lie
+//           in CUDA shared memory has its record written when its work is enqueued and
+//           complete_seq = s stored by the GPU stream after that work (kRingCompletedByDevice):
+//           the return needs no server thread; the server still wakes a sleeping client after.
 //   client: spins until complete_seq == s (acquire), else sets client_waiting, re-checks and
 //           FUTEX_WAITs on complete_seq; then reads slot.completion
 // A slot holds one call at a time; a client with several slots has several calls in flight.
@@ -39,7 +42,7 @@ namespace fusedlayer::wire {
 inline constexpr uint32_t kCallRingMagic = 0x46524C43;  // "CLRF" little-endian: "call ring, fusedlayer"
 inline constexpr uint32_t kCallRingLayoutVersion = 2;
 inline constexpr int kRingMaxTensors = 12;
-inline constexpr size_t kRingMessageBytes = 344;
+inline constexpr size_t kRingMessageBytes = 336;
 inline constexpr size_t kRingDetailBytes = 192;
 
 // RingCallDescriptor.op
@@ -111,12 +114,20 @@ struct RingCallDescriptor {
   RingTensorRef tensors[kRingMaxTensors];
 };
 
+// RingCompletion.flags
+// The GPU stream stored complete_seq after the call's kernels (a call whose outputs all lie in CUDA
+// shared memory, on a GPU server): the record was written when the work was enqueued, so
+// server_seconds ends there and kernel_seconds and the device stage are not in it (0).
+inline constexpr uint32_t kRingCompletedByDevice = 1u << 0;
+
 // What the server writes back. Strings are NUL-terminated (cut to fit).
 struct RingCompletion {
   int32_t code;              // absl/gRPC status code; 0 = OK
   uint32_t path;             // v1::ExecutionPath
   uint32_t fallback_reason;  // v1::FallbackReason
   uint32_t batch_requests;   // requests that shared the launch (1: alone)
+  uint32_t flags;            // kRingCompleted*
+  uint32_t reserved;
   double server_seconds;     // from the poller taking the call to the completion
   double queue_seconds;
   double kernel_seconds;
@@ -181,7 +192,7 @@ inline constexpr size_t kRingCompletionOffsetInSlot = offsetof(RingSlot, complet
 static_assert(kRingSlotBytes == 1536 && kRingCallOffsetInSlot == 128 && kRingCompletionOffsetInSlot == 896,
               "client/python/fusedlayer/ring.py mirrors the slot layout");
 static_assert(sizeof(RingCallDescriptor) == 712 && offsetof(RingCallDescriptor, tensors) == 40 &&
-                  sizeof(RingCompletion) == 616 && offsetof(RingCompletion, message) == 80,
+                  sizeof(RingCompletion) == 616 && offsetof(RingCompletion, message) == 88,
               "client/python/fusedlayer/ring.py mirrors the descriptor and the completion");
 static_assert(sizeof(RingSlotControl) == 128 && offsetof(RingSlotControl, complete_seq) == 64 &&
                   offsetof(RingSlotControl, client_waiting) == 68,
