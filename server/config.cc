@@ -166,7 +166,8 @@ absl::Status ServerConfig::Validate() const {
        {std::tuple<const char*, int64_t, int64_t, int64_t>{"call_ring_max_rings", call_ring_max_rings, 1, 4096},
         {"call_ring_max_per_identity", call_ring_max_per_identity, 1, 4096},
         {"call_ring_max_slots", call_ring_max_slots, 1, 1024},
-        {"call_ring_spin_us", call_ring_spin_us, 0, 100000}}) {
+        {"call_ring_spin_us", call_ring_spin_us, 0, 100000},
+        {"call_ring_pollers", call_ring_pollers, 0, 64}}) {
     if (value < lo || value > hi) {
       return absl::InvalidArgumentError(absl::StrCat("--", name, " must be in [", lo, ", ", hi, "], got ", value));
     }

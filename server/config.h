@@ -153,9 +153,10 @@ struct ServerConfig {
   bool allow_call_rings = false;
   std::string call_ring_socket;
   int64_t call_ring_max_rings = 64;
-  int64_t call_ring_max_per_identity = 4;
+  int64_t call_ring_max_per_identity = 16;
   int64_t call_ring_max_slots = 64;
   int64_t call_ring_spin_us = 100;
+  int64_t call_ring_pollers = 0;  // 0 = auto (server.cc)
   // Shadow verification (server/shadow/, docs/shadow.md): the fraction of fused requests re-run
   // unfused off the critical path and compared; its bounded queue; mismatch dumps.
   double shadow_sample_rate = 0;

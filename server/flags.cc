@@ -158,8 +158,12 @@ ABSL_FLAG(std::string, call_ring_socket, "",
           "the unix socket where rings are handed over to their clients; empty: <socket path>.rings when --address "
           "is unix:<socket path>, else /tmp/fusedlayer-<pid>.rings");
 ABSL_FLAG(int64_t, call_ring_max_rings, 64, "call rings open at once, all identities (1 to 4096)");
-ABSL_FLAG(int64_t, call_ring_max_per_identity, 4, "call rings one identity may hold open (1 to 4096)");
+ABSL_FLAG(int64_t, call_ring_max_per_identity, 16,
+          "call rings one identity may hold open (1 to 4096): e.g. one per thread or stream of a client process");
 ABSL_FLAG(int64_t, call_ring_max_slots, 64, "slots (calls in flight) per call ring at most (1 to 1024)");
+ABSL_FLAG(int64_t, call_ring_pollers, 0,
+          "call-ring poller threads (0 to 64; 0 = auto: one per 8 CPU cores, 1 to 4): each ring is served by one, "
+          "the one with the fewest rings when it opens; each spins while its rings' calls keep coming");
 ABSL_FLAG(int64_t, call_ring_spin_us, 100,
           "the call-ring poller spins this long after the last call before it sleeps until a doorbell (0 to "
           "100000): a call that arrives while it spins is taken within a microsecond, one that arrives later costs "
@@ -247,6 +251,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.call_ring_max_per_identity = absl::GetFlag(FLAGS_call_ring_max_per_identity);
   c.call_ring_max_slots = absl::GetFlag(FLAGS_call_ring_max_slots);
   c.call_ring_spin_us = absl::GetFlag(FLAGS_call_ring_spin_us);
+  c.call_ring_pollers = absl::GetFlag(FLAGS_call_ring_pollers);
   c.shadow_sample_rate = absl::GetFlag(FLAGS_shadow_sample_rate);
   c.shadow_queue_size = absl::GetFlag(FLAGS_shadow_queue_size);
   c.shadow_queue_max_bytes = absl::GetFlag(FLAGS_shadow_queue_max_bytes);
@@ -307,7 +312,7 @@ const std::vector<FlagGroup>& FlagGroups() {
         "residual_session_idle_seconds"}},
       {"Call rings (same-host data plane)",
        {"allow_call_rings", "call_ring_socket", "call_ring_max_rings", "call_ring_max_per_identity",
-        "call_ring_max_slots", "call_ring_spin_us"}},
+        "call_ring_max_slots", "call_ring_pollers", "call_ring_spin_us"}},
       {"Shadow verification and verify = true (docs/shadow.md)",
        {"shadow_sample_rate", "shadow_queue_size", "shadow_queue_max_bytes", "shadow_dump_dir",
         "shadow_dump_max_files", "shadow_dump_max_bytes", "max_inflight_verify", "verify_dump_max_files",

@@ -209,6 +209,10 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     rings.max_per_identity = static_cast<int>(cfg.call_ring_max_per_identity);
     rings.max_slots = static_cast<uint32_t>(cfg.call_ring_max_slots);
     rings.spin_us = cfg.call_ring_spin_us;
+    // Auto: one poller per 8 cores, 1 to 4 (a spinning poller holds a core while its calls come).
+    rings.pollers = cfg.call_ring_pollers > 0
+                        ? static_cast<int>(cfg.call_ring_pollers)
+                        : std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 8, 1, 4);
     if (!srv->backend_->host_accessible()) rings.device = srv->backend_.get();
     absl::StatusOr<std::unique_ptr<ring::CallRingService>> started =
         ring::CallRingService::Start(std::move(rings), srv->service_->engine(), *srv->metrics_);

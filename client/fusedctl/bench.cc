@@ -175,31 +175,35 @@ absl::StatusOr<std::vector<CallerSlot<Request>>> MakeSlots(const RegionMaker& ma
 template <typename Request>
 class RingCaller : public Caller {
  public:
+  // One ring of one slot per client thread (a slot's region bound to its ring), as an orchestration
+  // process with a thread per stream would hold them; the server spreads rings over its pollers.
   static absl::StatusOr<std::unique_ptr<RingCaller>> Make(const FusedLayerClient& client,
                                                           const std::vector<CallerSlot<Request>>& slots, bool cuda) {
-    CallRing::Options o;
-    o.weight_sets = {slots.front().request.weight_set()};
+    std::unique_ptr<RingCaller> caller(new RingCaller());
     for (const CallerSlot<Request>& slot : slots) {
+      CallRing::Options o;
+      o.weight_sets = {slot.request.weight_set()};
       v1::CallRingRegion r;
       r.set_name(static_cast<const ClientRegion*>(slot.held.get())->region_name());
       r.set_cuda(cuda);
       o.regions.push_back(std::move(r));
-    }
-    o.slots = static_cast<uint32_t>(slots.size());
-    absl::StatusOr<std::unique_ptr<CallRing>> ring = CallRing::Open(client, o);
-    if (!ring.ok()) return ring.status();
-    std::unique_ptr<RingCaller> caller(new RingCaller());
-    caller->ring_ = std::move(*ring);
-    for (const CallerSlot<Request>& slot : slots) {
+      o.slots = 1;
+      absl::StatusOr<std::unique_ptr<CallRing>> ring = CallRing::Open(client, o);
+      if (!ring.ok()) {
+        return absl::Status(ring.status().code(),
+                            absl::StrCat("opening call ring ", caller->rings_.size() + 1, " of ", slots.size(),
+                                         " (one per client thread): ", ring.status().message()));
+      }
       absl::StatusOr<wire::RingCallDescriptor> call = RingCallOf(slot.request, o.weight_sets, o.regions);
       if (!call.ok()) return call.status();
+      caller->rings_.push_back(std::move(*ring));
       caller->calls_.push_back(*call);
     }
     return caller;
   }
 
   CallOutcome Call() const override {
-    // One slot per thread for the caller's life (threads call back to back, never two at once).
+    // One ring per thread for the caller's life (threads call back to back, never two at once).
     thread_local uint32_t mine = 0;
     thread_local const void* owner = nullptr;
     if (owner != this) {
@@ -208,7 +212,7 @@ class RingCaller : public Caller {
     }
     CallOutcome o;
     const Clock::time_point t0 = Clock::now();
-    const RingCallResult r = ring_->Call(mine, calls_[mine]);
+    const RingCallResult r = rings_[mine]->Call(0, calls_[mine]);
     o.round_trip_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     o.status = r.status;
     o.report.set_path(r.path);
@@ -227,8 +231,8 @@ class RingCaller : public Caller {
 
  private:
   RingCaller() = default;
-  std::unique_ptr<CallRing> ring_;
-  std::vector<wire::RingCallDescriptor> calls_;
+  std::vector<std::unique_ptr<CallRing>> rings_;  // one per client thread
+  std::vector<wire::RingCallDescriptor> calls_;   // rings_[i]'s call
   mutable std::atomic<size_t> next_{0};
 };
 

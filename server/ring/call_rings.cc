@@ -10,6 +10,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -109,28 +110,37 @@ absl::StatusOr<std::unique_ptr<CallRingService>> CallRingService::Start(CallRing
   std::unique_ptr<CallRingService> s(new CallRingService(std::move(options), engine, metrics));
   if (absl::Status st = BindSocket(s->options_.socket_path, &s->listen_fd_); !st.ok()) return st;
   s->stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  s->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  s->epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
-  if (s->stop_fd_ < 0 || s->wake_fd_ < 0 || s->epoll_fd_ < 0) {
-    return absl::UnavailableError(absl::StrCat("call rings: eventfd/epoll: ", std::strerror(errno)));
+  if (s->stop_fd_ < 0) return absl::UnavailableError(absl::StrCat("call rings: eventfd: ", std::strerror(errno)));
+  for (int i = 0; i < std::max(1, s->options_.pollers); ++i) {
+    auto poller = std::make_unique<Poller>();
+    poller->wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    poller->epoll_fd = ::epoll_create1(EPOLL_CLOEXEC);
+    const bool made = poller->wake_fd >= 0 && poller->epoll_fd >= 0;
+    s->pollers_.push_back(std::move(poller));  // closed by the destructor, made or not
+    if (!made) return absl::UnavailableError(absl::StrCat("call rings: eventfd/epoll: ", std::strerror(errno)));
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = kWakeTag;
+    ::epoll_ctl(s->pollers_.back()->epoll_fd, EPOLL_CTL_ADD, s->pollers_.back()->wake_fd, &ev);
   }
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.u64 = kWakeTag;
-  ::epoll_ctl(s->epoll_fd_, EPOLL_CTL_ADD, s->wake_fd_, &ev);
   s->handover_thread_ = std::thread([p = s.get()] { p->HandoverLoop(); });
-  s->poll_thread_ = std::thread([p = s.get()] { p->PollLoop(); });
+  for (auto& poller : s->pollers_) poller->thread = std::thread([p = s.get(), q = poller.get()] { p->PollLoop(*q); });
   LogInfo("call rings: handed over on ", s->options_.socket_path, " (at most ", s->options_.max_rings, " rings, ",
-          s->options_.max_per_identity, " per identity, ", s->options_.max_slots, " slots each; poller spins ",
-          s->options_.spin_us, " us",
+          s->options_.max_per_identity, " per identity, ", s->options_.max_slots, " slots each; ",
+          s->pollers_.size(), " poller thread(s), each spins ", s->options_.spin_us, " us",
           s->options_.device != nullptr ? "; completions of CUDA calls stored by the GPU stream" : "", ")");
   return s;
 }
 
 CallRingService::~CallRingService() {
   Stop(std::chrono::steady_clock::now());
-  for (int fd : {listen_fd_, stop_fd_, wake_fd_, epoll_fd_}) {
+  for (int fd : {listen_fd_, stop_fd_}) {
     if (fd >= 0) ::close(fd);
+  }
+  for (const auto& poller : pollers_) {
+    for (int fd : {poller->wake_fd, poller->epoll_fd}) {
+      if (fd >= 0) ::close(fd);
+    }
   }
 }
 
@@ -250,21 +260,25 @@ void CallRingService::Handover(int connection) {
   timeval none{0, 0};
   ::setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
   ring->set_connection(connection);
+  Poller* least = nullptr;
   {
     MutexLock lock(&mu_);
-    incoming_.push_back(std::move(ring));
+    for (const auto& poller : pollers_) {
+      if (least == nullptr || poller->rings < least->rings) least = poller.get();
+    }
+    ++least->rings;
+    least->incoming.push_back(std::move(ring));
   }
-  WakePoller();
+  Signal(least->wake_fd);
 }
 
-void CallRingService::WakePoller() { Signal(wake_fd_); }
-
-void CallRingService::CloseRing(const std::shared_ptr<Ring>& ring) {
+void CallRingService::CloseRing(Poller& poller, const std::shared_ptr<Ring>& ring) {
   ring->Close();
-  ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, ring->doorbell(), nullptr);
-  ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, ring->connection(), nullptr);
+  ::epoll_ctl(poller.epoll_fd, EPOLL_CTL_DEL, ring->doorbell(), nullptr);
+  ::epoll_ctl(poller.epoll_fd, EPOLL_CTL_DEL, ring->connection(), nullptr);
   ring_metrics_.open->Decrement();
   MutexLock lock(&mu_);
+  --poller.rings;
   --per_identity_[ring->identity()];
   if (per_identity_[ring->identity()] <= 0) per_identity_.erase(ring->identity());
   --rings_;
@@ -289,7 +303,8 @@ bool CallRingService::Scan(const std::shared_ptr<Ring>& ring) {
   return found;
 }
 
-void CallRingService::PollLoop() {
+void CallRingService::PollLoop(Poller& poller) {
+  std::vector<std::shared_ptr<Ring>>& active = poller.active;
   using Clock = std::chrono::steady_clock;
   const auto spin = std::chrono::microseconds(options_.spin_us);
   auto last_call = Clock::now();
@@ -297,7 +312,7 @@ void CallRingService::PollLoop() {
   epoll_event events[64];
   while (!stopping_.load(std::memory_order_acquire)) {
     bool found = false;
-    for (const auto& ring : active_) found |= Scan(ring);
+    for (const auto& ring : active) found |= Scan(ring);
     const auto now = Clock::now();
     if (found) last_call = now;
     if (found) continue;
@@ -311,31 +326,31 @@ void CallRingService::PollLoop() {
     // Going to sleep: say so in every ring, then look once more (a call submitted before the flag
     // was visible would otherwise wait for the next doorbell), then wait for a doorbell, a
     // connection's end, a new ring or Stop.
-    for (const auto& ring : active_) ring->header()->poller_sleeping.store(1, std::memory_order_seq_cst);
+    for (const auto& ring : active) ring->header()->poller_sleeping.store(1, std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    for (const auto& ring : active_) found |= Scan(ring);
+    for (const auto& ring : active) found |= Scan(ring);
     int n = 0;
     if (!found) {
       ring_metrics_.poller_busy_seconds->Increment(std::chrono::duration<double>(Clock::now() - awake_since).count());
-      n = ::epoll_wait(epoll_fd_, events, 64, -1);
+      n = ::epoll_wait(poller.epoll_fd, events, 64, -1);
       awake_since = Clock::now();
     }
-    for (const auto& ring : active_) ring->header()->poller_sleeping.store(0, std::memory_order_relaxed);
+    for (const auto& ring : active) ring->header()->poller_sleeping.store(0, std::memory_order_relaxed);
     last_call = Clock::now();
     for (int e = 0; e < n; ++e) {
       const uint64_t tag = events[e].data.u64;
       if (tag == kWakeTag) {
-        Drain(wake_fd_);
+        Drain(poller.wake_fd);
         continue;
       }
       const uint64_t id = tag & ~kConnectionBit;
-      for (auto it = active_.begin(); it != active_.end(); ++it) {
+      for (auto it = active.begin(); it != active.end(); ++it) {
         if ((*it)->id() != id) continue;
         if (tag & kConnectionBit) {
           // The client closed its connection (or died): the ring closes. It sends nothing on it, so
           // anything readable is treated the same way.
-          CloseRing(*it);
-          active_.erase(it);
+          CloseRing(poller, *it);
+          active.erase(it);
         } else {
           Drain((*it)->doorbell());
         }
@@ -345,18 +360,18 @@ void CallRingService::PollLoop() {
     std::vector<std::shared_ptr<Ring>> incoming;
     {
       MutexLock lock(&mu_);
-      incoming.swap(incoming_);
+      incoming.swap(poller.incoming);
     }
     for (auto& ring : incoming) {
       epoll_event ev{};
       ev.events = EPOLLIN;
       ev.data.u64 = ring->id();
-      ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, ring->doorbell(), &ev);
+      ::epoll_ctl(poller.epoll_fd, EPOLL_CTL_ADD, ring->doorbell(), &ev);
       ev.events = EPOLLIN | EPOLLRDHUP | EPOLLHUP;
       ev.data.u64 = ring->id() | kConnectionBit;
-      ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, ring->connection(), &ev);
+      ::epoll_ctl(poller.epoll_fd, EPOLL_CTL_ADD, ring->connection(), &ev);
       ring_metrics_.open->Increment();
-      active_.push_back(std::move(ring));
+      active.push_back(std::move(ring));
     }
   }
 }
@@ -364,15 +379,19 @@ void CallRingService::PollLoop() {
 void CallRingService::Stop(std::chrono::steady_clock::time_point deadline) {
   if (stopping_.exchange(true, std::memory_order_acq_rel)) return;
   Signal(stop_fd_);
-  WakePoller();
+  for (const auto& poller : pollers_) Signal(poller->wake_fd);
   if (handover_thread_.joinable()) handover_thread_.join();
-  if (poll_thread_.joinable()) poll_thread_.join();
-  for (const auto& ring : active_) CloseRing(ring);
-  active_.clear();
+  for (const auto& poller : pollers_) {
+    if (poller->thread.joinable()) poller->thread.join();
+    for (const auto& ring : poller->active) CloseRing(*poller, ring);
+    poller->active.clear();
+  }
   {
     MutexLock lock(&mu_);
-    for (auto& ring : incoming_) ring->Close();
-    incoming_.clear();
+    for (const auto& poller : pollers_) {
+      for (auto& ring : poller->incoming) ring->Close();
+      poller->incoming.clear();
+    }
     pending_.clear();
   }
   // Calls already queued finish (or are dropped at their launch check: their ring is closed) on the

@@ -8,10 +8,13 @@
 // completion is written back into the slot by the thread that completes the call.
 //
 // Threads: one handover thread (accepts on the ring socket, hands a ring's memfd and doorbell
-// eventfd to the client that presents the ring's one-time token) and one poller thread (spins over
-// the slots of every open ring for --call_ring_spin_us after the last call, then sleeps in
-// epoll on the rings' doorbells and their clients' connections; a connection that closes closes its
-// ring).
+// eventfd to the client that presents the ring's one-time token) and --call_ring_pollers poller
+// threads. Each ring is served by one poller, the one with the fewest rings when it was handed
+// over: a poller spins over the slots of its rings for --call_ring_spin_us after its last call,
+// then sleeps in epoll on their doorbells and their clients' connections (a connection that closes
+// closes its ring). A ring's header says whether its poller sleeps, so the ring protocol does not
+// change with the number of pollers; the calls of one ring are taken by one thread, those of
+// different rings in parallel.
 //
 // Safety: the memfd is sealed against shrinking (a client cannot make the server's mapping fault);
 // rings are bounded per identity and in all, slots per ring; a ring's calls act as the identity
@@ -41,9 +44,10 @@ namespace fusedlayer::server::ring {
 struct CallRingOptions {
   std::string socket_path;       // where rings are handed over (a unix stream socket)
   int max_rings = 64;            // open (and handed-over-pending) rings of all identities
-  int max_per_identity = 4;      // ... of one identity
+  int max_per_identity = 16;     // ... of one identity
   uint32_t max_slots = 64;       // per ring
   int64_t spin_us = 100;         // the poller spins this long after the last call before it sleeps
+  int pollers = 1;               // poller threads (>= 1); each ring is served by one of them
   int64_t handover_seconds = 10; // a token not presented within this is void
   // A device backend (null on a CPU server): each ring's memory is page-locked for it, so that the
   // GPU stream of a CUDA call stores its completion (ring/ring_call.cc, PrepareDeviceAnswer).
@@ -73,13 +77,24 @@ class CallRingService {
 
  private:
   CallRingService(CallRingOptions options, ComputeEngine& engine, Metrics& metrics);
+  // A poller thread and the rings it serves.
+  struct Poller {
+    int wake_fd = -1;   // eventfd: its wake-up (a new ring, Stop)
+    int epoll_fd = -1;  // its rings' doorbells and connections, wake_fd
+    // Rings handed over to it, waiting to be taken in (guarded by the service's mu_).
+    std::vector<std::shared_ptr<Ring>> incoming;
+    int rings = 0;  // handed over to it and not closed (guarded by the service's mu_)
+    // Its own list of open rings (its thread only).
+    std::vector<std::shared_ptr<Ring>> active;
+    std::thread thread;
+  };
+
   void HandoverLoop();
-  void PollLoop();
+  void PollLoop(Poller& poller);
   void Handover(int connection);
   // Looks at every slot of `ring` once; submits what is new. Returns whether it found a call.
   bool Scan(const std::shared_ptr<Ring>& ring);
-  void CloseRing(const std::shared_ptr<Ring>& ring);
-  void WakePoller();
+  void CloseRing(Poller& poller, const std::shared_ptr<Ring>& ring);
 
   const CallRingOptions options_;
   ComputeEngine& engine_;
@@ -87,25 +102,20 @@ class CallRingService {
   CallRingMetrics ring_metrics_;
   int listen_fd_ = -1;
   int stop_fd_ = -1;    // eventfd: the handover thread's wake-up at Stop
-  int wake_fd_ = -1;    // eventfd: the poller's wake-up (a new ring, Stop)
-  int epoll_fd_ = -1;   // the poller's: rings' doorbells and connections, wake_fd_
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> next_ring_id_{1};
   mutable Mutex mu_;
   // Rings opened and not yet presented, by token.
   std::map<std::string, std::shared_ptr<Ring>> pending_ ABSL_GUARDED_BY(mu_);
-  // Rings handed over, waiting for the poller to take them in.
-  std::vector<std::shared_ptr<Ring>> incoming_ ABSL_GUARDED_BY(mu_);
   // Rings per identity (pending and open), and in all.
   std::map<std::string, int> per_identity_ ABSL_GUARDED_BY(mu_);
   int rings_ ABSL_GUARDED_BY(mu_) = 0;
-  // The poller's own list of open rings (its thread only).
-  std::vector<std::shared_ptr<Ring>> active_;
   // Ring calls submitted and not yet completed, all rings (shared with the calls, which may finish
   // after the service is gone).
   std::shared_ptr<std::atomic<int64_t>> in_flight_;
   std::thread handover_thread_;
-  std::thread poll_thread_;
+  // Made in Start, before any thread runs; never resized.
+  std::vector<std::unique_ptr<Poller>> pollers_;
 };
 
 }  // namespace fusedlayer::server::ring

@@ -487,14 +487,17 @@ TEST(CallRing, AClientThatGoesAwayMidCallClosesItsRingAndTheServerKeepsServing) 
 
 // ---- batching, drain, metrics -------------------------------------------------------------------
 
-// Calls of several rings queued together share one launch, and each gets its own outputs bitwise.
-TEST(CallRing, CallsOfSeveralRingsAreBatchedTogether) {
+// Calls of several rings, served by several pollers, queued together share one launch, and each
+// gets its own outputs bitwise; a ring that closes leaves the others (on its poller and the
+// others) serving.
+TEST(CallRing, CallsOfRingsOnSeveralPollersAreBatchedTogether) {
   std::mt19937_64 rng = MakeRng(78);
   auto backend = std::make_unique<FaultBackend>(CpuBackendFor(TestConfig()));
   std::shared_ptr<FaultBackend::Control> control = backend->control();
   const PackedWeightSet set = MakeWeightSet(rng, "ring/batch", MhcSetSpec{.hc_mult = 4, .hidden = 256}, std::nullopt);
   server::ServerConfig cfg = RingConfig();
   cfg.max_batch_tokens = 64;
+  cfg.call_ring_pollers = 3;  // 4 rings: one poller serves two
   RingServer s = StartRingServer({set}, cfg, std::move(backend));
   ASSERT_NE(s.client, nullptr);
   constexpr int kRings = 4;
@@ -549,6 +552,18 @@ TEST(CallRing, CallsOfSeveralRingsAreBatchedTogether) {
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_call_ring_calls_total", {{"method", "MhcSeam"}}), kRings);
   EXPECT_EQ(MetricValue(scrape, "fusedlayer_call_rings_open"), kRings);
   EXPECT_GT(MetricValue(scrape, "fusedlayer_call_ring_poller_busy_seconds_total"), 0);
+  // Each ring closes in turn; the ones left keep serving, each call alone now.
+  for (int closed = 0; closed < kRings; ++closed) {
+    rings[closed].reset();
+    for (int i = closed + 1; i < kRings; ++i) {
+      SCOPED_TRACE(::testing::Message() << "ring " << i << " after " << closed + 1 << " closed");
+      v1::MhcSeamResponse got;
+      RingCallResult r = RingCallInto(*rings[i], 0, by_refs[i], *shms[i], sets, {Bound(shms[i]->region_name())},
+                                      shapeds[i], &got);
+      ASSERT_TRUE(r.status.ok()) << r.status;
+      ExpectMhcEqual(got, tcps[i]);
+    }
+  }
 }
 
 // Drain with ring calls in flight: they finish with their outputs; a ring opened after is refused.
