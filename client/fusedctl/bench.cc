@@ -175,28 +175,38 @@ absl::StatusOr<std::vector<CallerSlot<Request>>> MakeSlots(const RegionMaker& ma
 template <typename Request>
 class RingCaller : public Caller {
  public:
-  // One ring of one slot per client thread (a slot's region bound to its ring), as an orchestration
-  // process with a thread per stream would hold them; the server spreads rings over its pollers.
+  // A ring per client thread (a thread's slot and its region bound to its ring), as an
+  // orchestration process with a thread per stream would hold them, up to kMaxRings (the server's
+  // default rings per identity); past that, rings hold several slots (slot k: ring k % rings). The
+  // server spreads rings over its pollers.
+  static constexpr size_t kMaxRings = 16;
   static absl::StatusOr<std::unique_ptr<RingCaller>> Make(const FusedLayerClient& client,
                                                           const std::vector<CallerSlot<Request>>& slots, bool cuda) {
     std::unique_ptr<RingCaller> caller(new RingCaller());
-    for (const CallerSlot<Request>& slot : slots) {
+    const size_t rings = std::min(slots.size(), kMaxRings);
+    for (size_t ring_index = 0; ring_index < rings; ++ring_index) {
       CallRing::Options o;
-      o.weight_sets = {slot.request.weight_set()};
-      v1::CallRingRegion r;
-      r.set_name(static_cast<const ClientRegion*>(slot.held.get())->region_name());
-      r.set_cuda(cuda);
-      o.regions.push_back(std::move(r));
-      o.slots = 1;
+      o.weight_sets = {slots.front().request.weight_set()};
+      for (size_t k = ring_index; k < slots.size(); k += rings) {
+        v1::CallRingRegion r;
+        r.set_name(static_cast<const ClientRegion*>(slots[k].held.get())->region_name());
+        r.set_cuda(cuda);
+        o.regions.push_back(std::move(r));
+      }
+      o.slots = static_cast<uint32_t>(o.regions.size());
       absl::StatusOr<std::unique_ptr<CallRing>> ring = CallRing::Open(client, o);
       if (!ring.ok()) {
-        return absl::Status(ring.status().code(),
-                            absl::StrCat("opening call ring ", caller->rings_.size() + 1, " of ", slots.size(),
-                                         " (one per client thread): ", ring.status().message()));
+        return absl::Status(ring.status().code(), absl::StrCat("opening call ring ", ring_index + 1, " of ", rings,
+                                                               ": ", ring.status().message()));
       }
-      absl::StatusOr<wire::RingCallDescriptor> call = RingCallOf(slot.request, o.weight_sets, o.regions);
-      if (!call.ok()) return call.status();
       caller->rings_.push_back(std::move(*ring));
+      caller->options_.push_back(std::move(o));
+    }
+    for (size_t k = 0; k < slots.size(); ++k) {
+      const CallRing::Options& o = caller->options_[k % rings];
+      // The slot's region is the only one its call references: bound as region k / rings.
+      absl::StatusOr<wire::RingCallDescriptor> call = RingCallOf(slots[k].request, o.weight_sets, o.regions);
+      if (!call.ok()) return call.status();
       caller->calls_.push_back(*call);
     }
     return caller;
@@ -212,7 +222,7 @@ class RingCaller : public Caller {
     }
     CallOutcome o;
     const Clock::time_point t0 = Clock::now();
-    const RingCallResult r = rings_[mine]->Call(0, calls_[mine]);
+    const RingCallResult r = rings_[mine % rings_.size()]->Call(mine / rings_.size(), calls_[mine]);
     o.round_trip_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     o.status = r.status;
     o.report.set_path(r.path);
@@ -231,8 +241,9 @@ class RingCaller : public Caller {
 
  private:
   RingCaller() = default;
-  std::vector<std::unique_ptr<CallRing>> rings_;  // one per client thread
-  std::vector<wire::RingCallDescriptor> calls_;   // rings_[i]'s call
+  std::vector<std::unique_ptr<CallRing>> rings_;
+  std::vector<CallRing::Options> options_;       // rings_[i]'s bindings
+  std::vector<wire::RingCallDescriptor> calls_;  // slot k's call, on ring k % rings, slot k / rings
   mutable std::atomic<size_t> next_{0};
 };
 
