@@ -31,7 +31,7 @@ ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04
 # re-declares the ARG to see this default). grpc-proto is added by the CPU stage only (see below).
 ARG BUILD_PACKAGES="cmake ninja-build g++ pkg-config \
  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
- libabsl-dev prometheus-cpp-dev nlohmann-json3-dev libssl-dev"
+ libabsl-dev prometheus-cpp-dev nlohmann-json3-dev libssl-dev libgoogle-perftools-dev"
 
 # ---------------------------------------------------------------------------------------------
 # CPU-only image: Debian 12, -DFUSEDLAYER_CUDA=OFF.
@@ -56,12 +56,13 @@ RUN cmake -S . -B /build -G Ninja \
 FROM ${DEBIAN_IMAGE} AS cpu
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # Runtime libraries only (Debian 12 names): gRPC 1.51 (libgrpc++1.51 also carries
-# libgrpc++_reflection), protobuf 3.21, prometheus-cpp 1.0 (pull = civetweb exposer), Abseil.
+# libgrpc++_reflection), protobuf 3.21, prometheus-cpp 1.0 (pull = civetweb exposer), Abseil,
+# tcmalloc (the server's allocator).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
       libgrpc++1.51 libgrpc29 libprotobuf32 \
       libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb1 \
-      libabsl20220623 libssl3 zlib1g ca-certificates \
+      libabsl20220623 libssl3 zlib1g libtcmalloc-minimal4 ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 fusedlayer \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
@@ -125,7 +126,7 @@ RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       libgrpc++1.51t64 libgrpc29t64 libprotobuf32t64 \
       libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb1 \
-      libabsl20220623t64 libssl3t64 zlib1g ca-certificates \
+      libabsl20220623t64 libssl3t64 zlib1g libtcmalloc-minimal4t64 ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 fusedlayer \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \

@@ -9,6 +9,8 @@ PACKAGES=(
   # gRPC / protobuf / Abseil / metrics / JSON / crypto
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libabsl-dev prometheus-cpp-dev nlohmann-json3-dev libssl-dev
+  # the server's allocator (tcmalloc, CMakeLists.txt FUSEDLAYER_TCMALLOC)
+  libgoogle-perftools-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
   # metrics lint, real Prometheus for the integration test, helpers of the deploy checks

@@ -15,6 +15,10 @@
 #include <utility>
 #include <vector>
 
+#if FUSEDLAYER_TCMALLOC
+#include <gperftools/tcmalloc.h>
+#endif
+
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
@@ -74,20 +78,31 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<fs::ServerConfig> config = fs::ConfigFromFlags();
   if (!config.ok()) return Fail(std::string(config.status().message()));
+#if FUSEDLAYER_TCMALLOC
+  // The server's allocator (CMakeLists.txt, FUSEDLAYER_TCMALLOC): glibc's tunables below do not apply.
+  const char* tcmalloc_patch = "";
+  int tcmalloc_major = 0, tcmalloc_minor = 0;
+  tc_version(&tcmalloc_major, &tcmalloc_minor, &tcmalloc_patch);
+  fs::LogInfo("memory allocator: tcmalloc ", tcmalloc_major, ".", tcmalloc_minor, tcmalloc_patch,
+              " (gperftools); the --malloc_* flags apply to glibc's malloc and are not used");
+  const bool glibc_malloc = false;
+#else
+  const bool glibc_malloc = true;
+#endif
   // Before any thread exists (the backend's pool, gRPC's): a thread picks its arena on its first
   // allocation. Sanitizer runtimes replace malloc and ignore it (mallopt returns 0 there).
-  if (config->malloc_arena_max > 0 && mallopt(M_ARENA_MAX, config->malloc_arena_max) != 1) {
+  if (glibc_malloc && config->malloc_arena_max > 0 && mallopt(M_ARENA_MAX, config->malloc_arena_max) != 1) {
     fs::LogInfo("--malloc_arena_max=", config->malloc_arena_max, " not applied (this malloc has no M_ARENA_MAX)");
   }
   // A call's tensors (4.4 MiB of mHC T=64 outputs, its request, gRPC's copies) are larger than
   // glibc's default thresholds keep in the heap: they were mmap'd/munmap'd or trimmed away after each
   // call and page-faulted in again by the next (docs/operations.md#malloc-thresholds). Setting either
   // also turns off glibc's dynamic mmap threshold, so both are set together.
-  if (config->malloc_mmap_threshold_bytes > 0 &&
+  if (glibc_malloc && config->malloc_mmap_threshold_bytes > 0 &&
       mallopt(M_MMAP_THRESHOLD, static_cast<int>(config->malloc_mmap_threshold_bytes)) != 1) {
     fs::LogInfo("--malloc_mmap_threshold_bytes=", config->malloc_mmap_threshold_bytes, " not applied");
   }
-  if (config->malloc_trim_threshold_bytes > 0 &&
+  if (glibc_malloc && config->malloc_trim_threshold_bytes > 0 &&
       mallopt(M_TRIM_THRESHOLD, static_cast<int>(config->malloc_trim_threshold_bytes)) != 1) {
     fs::LogInfo("--malloc_trim_threshold_bytes=", config->malloc_trim_threshold_bytes, " not applied");
   }
