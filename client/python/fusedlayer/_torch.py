@@ -100,6 +100,32 @@ def _untyped_storage(t: Any) -> Any:
     return t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage().untyped()
 
 
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def cuda_ipc_handle(shared: bytes) -> bytes:
+    """The cudaIpcMemHandle_t of torch's storage._share_cuda_() handle. Older torch gives the 64 bytes
+    as they are; newer torch prefixes them with a format version byte and a kind byte: b"c" for a
+    block of cudaMalloc (its cudaIpcMemHandle_t follows), b"e" for an expandable segment
+    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), which has no cudaIpcMemHandle_t to send."""
+    if len(shared) == CUDA_IPC_HANDLE_BYTES:
+        return shared
+    if len(shared) == CUDA_IPC_HANDLE_BYTES + 2 and shared[1:2] == b"c":
+        return shared[2:]
+    import grpc
+    from . import errors
+    if len(shared) >= 2 and shared[1:2] == b"e":
+        raise errors.FailedPrecondition(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this CUDA tensor lies in one of torch's expandable segments (PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True), which cannot be shared by a CUDA IPC handle; allocate the tensors "
+            "passed to fusedlayer without expandable segments, or copy them to the host")
+    raise errors.InvalidArgument(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"torch's CUDA IPC handle has {len(shared)} bytes in a format this client does not know "
+        f"(a cudaIpcMemHandle_t is {CUDA_IPC_HANDLE_BYTES}, or that with torch's 2-byte prefix)")
+
+
 class CudaRegions:
     """The CUDA shared-memory regions of one client: one per device allocation a tensor lies in,
     registered on first use by its CUDA IPC handle (torch's storage._share_cuda_()) and kept (cached
@@ -124,7 +150,8 @@ class CudaRegions:
         A registration is (name, raw_handle, device_id, offset, byte_size) for RegisterCudaSharedMemory."""
         storage = _untyped_storage(tensor)
         shared = storage._share_cuda_()
-        device, handle, size, storage_offset = int(shared[0]), bytes(shared[1]), int(shared[2]), int(shared[3])
+        device, size, storage_offset = int(shared[0]), int(shared[2]), int(shared[3])
+        handle = cuda_ipc_handle(bytes(shared[1]))
         key = (device, handle, storage_offset, size)
         registration = None
         if key not in self._names:

@@ -134,6 +134,19 @@ def test_bf16_helpers_for_numpy_users():
 
 # ---- CUDA tensors (GPU host only) -----------------------------------------------------------------
 
+def test_torch_cuda_ipc_handles_of_every_format():
+    # The 64 bytes of a cudaIpcMemHandle_t, as older torch gives them; newer torch puts a version
+    # byte and a kind byte first ("c": a cudaMalloc block, "e": an expandable segment).
+    raw = bytes(range(3, 67))
+    assert _torch.cuda_ipc_handle(raw) == raw
+    assert _torch.cuda_ipc_handle(b"\x02c" + raw) == raw
+    with pytest.raises(fusedlayer.FailedPrecondition, match="expandable segments"):
+        _torch.cuda_ipc_handle(b"\x02e" + raw[:40])
+    for bad in (raw[:63], b"\x02x" + raw, raw + b"\x00"):
+        with pytest.raises(fusedlayer.InvalidArgument, match=f"has {len(bad)} bytes"):
+            _torch.cuda_ipc_handle(bad)
+
+
 def test_cuda_inputs_to_a_server_without_cuda_shared_memory_fail_before_registering():
     """The check every CUDA-tensor call makes first (the GPU-host test below makes it on a real call):
     FailedPrecondition naming the server flag, and no region registered."""
