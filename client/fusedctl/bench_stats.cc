@@ -113,9 +113,14 @@ std::string BenchStats::Format(const RunInfo& info) const {
                     "  (round trip, OK calls)\n");
     const LatencySummary k = SummarizeLatencies(kernel_), sv = SummarizeLatencies(server_),
                          q = SummarizeLatencies(queue_);
-    absl::StrAppend(&s, "server side  kernel p50 ", FormatSeconds(k.p50), " p99 ", FormatSeconds(k.p99),
-                    "; server p50 ", FormatSeconds(sv.p50), " p99 ", FormatSeconds(sv.p99), "; queue p50 ",
-                    FormatSeconds(q.p50), " p99 ", FormatSeconds(q.p99), "\n");
+    if (server_.empty()) {  // every completion written by the GPU stream: no server or kernel time
+      absl::StrAppend(&s, "server side  queue p50 ", FormatSeconds(q.p50), " p99 ", FormatSeconds(q.p99),
+                      " (server and kernel times: see the completions line)\n");
+    } else {
+      absl::StrAppend(&s, "server side  kernel p50 ", FormatSeconds(k.p50), " p99 ", FormatSeconds(k.p99),
+                      "; server p50 ", FormatSeconds(sv.p50), " p99 ", FormatSeconds(sv.p99), "; queue p50 ",
+                      FormatSeconds(q.p50), " p99 ", FormatSeconds(q.p99), "\n");
+    }
     if (!decode_.empty()) {
       // Where the server time went (ExecutionReport.stages): each stage's own p50, beside server p50.
       absl::StrAppend(&s, "stages p50   decode ", FormatSeconds(SummarizeLatencies(decode_).p50), "  queue ",
