@@ -109,6 +109,27 @@ void CopyText(char* dst, size_t capacity, absl::string_view text) {
   dst[n] = '\0';
 }
 
+// The completion record of an OK call with `report` (the engine's, or the part of it known at the
+// launch for an answer the device stores).
+wire::RingCompletion RecordOf(const v1::ExecutionReport& report) {
+  wire::RingCompletion c{};
+  c.code = 0;
+  c.path = static_cast<uint32_t>(report.path());
+  c.fallback_reason = static_cast<uint32_t>(report.fallback_reason());
+  c.batch_requests = report.batch_requests();
+  c.server_seconds = report.server_seconds();
+  c.queue_seconds = report.queue_seconds();
+  c.kernel_seconds = report.kernel_seconds();
+  const v1::StageSeconds& stages = report.stages();
+  c.decode_seconds = stages.decode();
+  c.copy_in_seconds = stages.copy_in();
+  c.device_seconds = stages.device();
+  c.copy_out_seconds = stages.copy_out();
+  c.response_seconds = stages.response();
+  CopyText(c.fallback_detail, sizeof(c.fallback_detail), report.fallback_detail());
+  return c;
+}
+
 // The compute engine's transport for a ring call (exec/transport_call.h). Lives from its
 // submission to Complete(), which writes the completion record into the slot and deletes it.
 template <typename Op>
@@ -139,17 +160,8 @@ class RingCall final : public TransportCall {
   // page-locked for the device.
   std::optional<DeviceAnswer> PrepareDeviceAnswer(const v1::ExecutionReport& so_far) override {
     if (!target_.ring->device_visible()) return std::nullopt;
-    wire::RingCompletion c{};
-    c.code = 0;
+    wire::RingCompletion c = RecordOf(so_far);  // no kernel or device time yet: 0
     c.flags = wire::kRingCompletedByDevice;
-    c.path = static_cast<uint32_t>(so_far.path());
-    c.fallback_reason = static_cast<uint32_t>(so_far.fallback_reason());
-    c.batch_requests = so_far.batch_requests();
-    c.server_seconds = so_far.server_seconds();
-    c.queue_seconds = so_far.queue_seconds();
-    c.decode_seconds = so_far.stages().decode();
-    c.copy_in_seconds = so_far.stages().copy_in();
-    CopyText(c.fallback_detail, sizeof(c.fallback_detail), so_far.fallback_detail());
     RingSlot* slot = target_.ring->slot(target_.slot);
     // As Publish: the slot is free for the poller before the client can see the seq.
     target_.ring->busy(target_.slot).store(false, std::memory_order_seq_cst);
@@ -172,23 +184,10 @@ class RingCall final : public TransportCall {
       return Finish(status);
     }
     wire::RingCompletion c{};
-    c.code = static_cast<int32_t>(status.code());
     if (status.ok()) {
-      const v1::ExecutionReport& report = held_->response()->report();
-      c.path = static_cast<uint32_t>(report.path());
-      c.fallback_reason = static_cast<uint32_t>(report.fallback_reason());
-      c.batch_requests = report.batch_requests();
-      c.server_seconds = report.server_seconds();
-      c.queue_seconds = report.queue_seconds();
-      c.kernel_seconds = report.kernel_seconds();
-      const v1::StageSeconds& stages = report.stages();
-      c.decode_seconds = stages.decode();
-      c.copy_in_seconds = stages.copy_in();
-      c.device_seconds = stages.device();
-      c.copy_out_seconds = stages.copy_out();
-      c.response_seconds = stages.response();
-      CopyText(c.fallback_detail, sizeof(c.fallback_detail), report.fallback_detail());
+      c = RecordOf(held_->response()->report());
     } else {
+      c.code = static_cast<int32_t>(status.code());
       c.server_seconds = elapsed();
       CopyText(c.message, sizeof(c.message), status.message());
     }
