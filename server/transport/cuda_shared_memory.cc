@@ -5,14 +5,18 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "prometheus/family.h"
-#include "transport/region_map.h"
 #include "transport/shared_memory.h"
 
 namespace fusedlayer::server::transport {
 
 CudaSharedMemoryRegistry::CudaSharedMemoryRegistry(CudaSharedMemoryLimits limits, prometheus::Registry& metrics,
                                                    Backend* importer)
-    : limits_(limits), importer_(importer), metrics_(CudaSharedMemoryMetrics::Register(metrics)) {
+    : limits_(limits),
+      importer_(importer),
+      metrics_(CudaSharedMemoryMetrics::Register(metrics)),
+      regions_(RegionTableSpec{"CUDA shared-memory", "--cuda_shared_memory_max_regions",
+                               "--cuda_shared_memory_idle_seconds", limits.max_regions, limits.idle_seconds},
+               RegionTableMetrics{metrics_.regions, metrics_.registered_bytes, metrics_.expired}) {
   // Last: the reaper may run as soon as it exists.
   if (limits_.enabled && limits_.idle_seconds > 0) {
     reaper_.emplace(ReaperPeriod(limits_.idle_seconds), [this] { ExpireIdle(std::chrono::steady_clock::now()); });
@@ -33,30 +37,17 @@ absl::Status CudaSharedMemoryRegistry::CheckEnabled() const {
   return absl::OkStatus();
 }
 
-void CudaSharedMemoryRegistry::UpdateGaugesLocked() {
-  metrics_.regions->Set(static_cast<double>(regions_.size()));
-  metrics_.registered_bytes->Set(static_cast<double>(total_bytes_));
-}
-
 absl::Status CudaSharedMemoryRegistry::CheckRegisterLocked(const std::string& identity,
                                                            const v1::RegisterCudaSharedMemoryRequest& req,
                                                            uint64_t allocation_bytes) {
-  if (regions_.count({identity, req.name()}) != 0) {
-    return absl::AlreadyExistsError(absl::StrCat("a CUDA shared-memory region named '", req.name(),
-                                                 "' is already registered; unregister it first"));
-  }
+  if (absl::Status s = regions_.CheckNameFree(identity, req.name()); !s.ok()) return s;
   auto opened = handles_.find(req.raw_handle());
   if (opened != handles_.end() && opened->second.regions > 0 && opened->second.identity != identity) {
     // Says nothing about who: only that the allocation is taken.
     return absl::PermissionDeniedError("this CUDA IPC handle is registered by another identity");
   }
-  auto u = usage_.find(identity);
-  const Usage have = u != usage_.end() ? u->second : Usage{};
-  if (have.regions + 1 > limits_.max_regions) {
-    return absl::ResourceExhaustedError(absl::StrCat("this identity already has ", have.regions,
-                                                     " CUDA shared-memory regions, the most allowed "
-                                                     "(--cuda_shared_memory_max_regions); unregister some first"));
-  }
+  if (absl::Status s = regions_.CheckRoomForOneMore(identity); !s.ok()) return s;
+  const Regions::Usage have = regions_.usage(identity);
   // An opened handle keeps its whole allocation alive, whatever part of it the regions name (a
   // client that exits leaves it to the server until the last region goes): the identity is charged
   // the allocation, once per handle, when its first region on it is registered.
@@ -125,49 +116,39 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& identity,
   // Unregisters may have run meanwhile (they only free); checked again all the same.
   if (absl::Status s = CheckRegisterLocked(identity, req, allocation->bytes()); !s.ok()) return s;
   Opened& opened = handles_[req.raw_handle()];
-  Usage& u = usage_[identity];
+  uint64_t charge = 0;  // the allocation, with the identity's first region on this handle
   if (opened.regions == 0) {
     opened.bytes = allocation->bytes();
-    u.bytes += opened.bytes;
+    charge = opened.bytes;
   }
   opened.allocation = allocation;
   opened.identity = identity;
   opened.regions += 1;
-  u.regions += 1;
-  total_bytes_ += req.byte_size();
-  regions_.emplace(RegionKey{identity, req.name()},
-                   RegionEntry<const CudaSharedMemoryRegion>{
-                       std::make_shared<const CudaSharedMemoryRegion>(req.name(), req.raw_handle(), std::move(allocation),
-                                                                      req.device_id(), req.offset(), req.byte_size()),
-                       std::chrono::steady_clock::now()});
+  regions_.Add(identity, req.name(),
+               std::make_shared<const CudaSharedMemoryRegion>(req.name(), req.raw_handle(), std::move(allocation),
+                                                              req.device_id(), req.offset(), req.byte_size()),
+               charge);
   // Handles whose regions are all gone and whose last request completed: forget them.
   for (auto it = handles_.begin(); it != handles_.end();) {
     it = it->second.regions == 0 && it->second.allocation.expired() ? handles_.erase(it) : std::next(it);
   }
-  UpdateGaugesLocked();
   return absl::OkStatus();
 }
 
-void CudaSharedMemoryRegistry::EraseLocked(RegionMap<const CudaSharedMemoryRegion>::iterator it) {
-  const CudaSharedMemoryRegion& r = *it->second.region;
-  Usage& u = usage_[it->first.first];
-  u.regions -= 1;
-  if (auto opened = handles_.find(r.handle()); opened != handles_.end() && --opened->second.regions == 0) {
-    u.bytes -= opened->second.bytes;  // its last region: the allocation is no longer this identity's to hold
+void CudaSharedMemoryRegistry::EraseLocked(Regions::iterator it) {
+  uint64_t uncharge = 0;
+  if (auto opened = handles_.find(it->second.region->handle());
+      opened != handles_.end() && --opened->second.regions == 0) {
+    uncharge = opened->second.bytes;  // its last region: the allocation is no longer this identity's to hold
   }
-  if (u.regions == 0) usage_.erase(it->first.first);
-  total_bytes_ -= r.byte_size();
-  regions_.erase(it);  // the handle closes when its last region and in-flight request let go
-  UpdateGaugesLocked();
+  regions_.Erase(it, uncharge);  // the handle closes when its last region and in-flight request let go
 }
 
 void CudaSharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point now) {
-  if (!(limits_.idle_seconds > 0)) return;
   MutexLock lock(&mu_);
-  ExpireIdleRegions(regions_, now, limits_.idle_seconds, [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  regions_.ExpireIdle(now, [this](Regions::iterator it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     LogInfo("CUDA shared-memory region '", it->second.region->name(), "' unregistered: no request used it for ",
             limits_.idle_seconds, " s (--cuda_shared_memory_idle_seconds)");
-    metrics_.expired->Increment();
     EraseLocked(it);  // the handle closes once no region and no request in flight holds it
   });
 }
@@ -179,8 +160,8 @@ absl::StatusOr<v1::CudaSharedMemoryStatusResponse> CudaSharedMemoryRegistry::Sta
     if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
   }
   MutexLock lock(&mu_);
-  return ListRegions<v1::CudaSharedMemoryStatusResponse>(
-      regions_, identity, name, "CUDA shared-memory", [](const CudaSharedMemoryRegion& r, v1::CudaSharedMemoryRegion* info) {
+  return regions_.List<v1::CudaSharedMemoryStatusResponse>(
+      identity, name, [](const CudaSharedMemoryRegion& r, v1::CudaSharedMemoryRegion* info) {
         info->set_name(r.name());
         info->set_device_id(r.device_id());
         info->set_offset(r.offset());
@@ -192,8 +173,8 @@ absl::StatusOr<v1::UnregisterCudaSharedMemoryResponse> CudaSharedMemoryRegistry:
     const std::string& identity, const std::string& name) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   MutexLock lock(&mu_);
-  return UnregisterRegions<v1::UnregisterCudaSharedMemoryResponse>(
-      regions_, identity, name, "CUDA shared-memory", [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS { EraseLocked(it); });
+  return regions_.Unregister<v1::UnregisterCudaSharedMemoryResponse>(
+      identity, name, [this](Regions::iterator it) ABSL_NO_THREAD_SAFETY_ANALYSIS { EraseLocked(it); });
 }
 
 absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> CudaSharedMemoryRegistry::Lookup(
@@ -205,14 +186,9 @@ absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> CudaSharedMemoryRe
     return absl::InvalidArgumentError(absl::StrCat("tensor '", tensor, "': ", s.message()));
   }
   MutexLock lock(&mu_);
-  auto it = regions_.find({identity, name});
-  if (it == regions_.end()) {
-    return absl::NotFoundError(absl::StrCat("tensor '", tensor, "': no CUDA shared-memory region named '", name,
-                                            "' is registered (by this identity)",
-                                            ExpiryNote(limits_.idle_seconds, "--cuda_shared_memory_idle_seconds")));
-  }
-  it->second.last_used = std::chrono::steady_clock::now();
-  return it->second.region;
+  absl::StatusOr<Regions::iterator> it = regions_.FindForRequest(identity, name, tensor);
+  if (!it.ok()) return it.status();
+  return (*it)->second.region;
 }
 
 }  // namespace fusedlayer::server::transport

@@ -42,7 +42,7 @@
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "metrics/component_metrics.h"
 #include "prometheus/registry.h"
-#include "transport/region_map.h"
+#include "transport/region_table.h"
 
 namespace fusedlayer::server::transport {
 
@@ -108,10 +108,6 @@ class CudaSharedMemoryRegistry {
   void ExpireIdle(std::chrono::steady_clock::time_point now);
 
  private:
-  struct Usage {
-    int64_t regions = 0;
-    uint64_t bytes = 0;  // of the allocations its regions keep open, each handle's counted once
-  };
   // One opened handle: shared by the regions registered on it, kept (weakly) after its last region
   // went while a request still holds it, so the handle is never opened twice in this process.
   struct Opened {
@@ -126,9 +122,8 @@ class CudaSharedMemoryRegistry {
   // least it can be).
   absl::Status CheckRegisterLocked(const std::string& identity, const v1::RegisterCudaSharedMemoryRequest& req,
                                    uint64_t allocation_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EraseLocked(RegionMap<const CudaSharedMemoryRegion>::iterator it)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  using Regions = RegionTable<const CudaSharedMemoryRegion>;
+  void EraseLocked(Regions::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CudaSharedMemoryLimits limits_;
   Backend* const importer_;
@@ -137,10 +132,9 @@ class CudaSharedMemoryRegistry {
   // compute requests' lookups never wait for it).
   Mutex register_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   Mutex mu_;
-  RegionMap<const CudaSharedMemoryRegion> regions_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
+  // The regions; each identity is charged the allocations its regions keep open, each handle once.
+  Regions regions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Opened> handles_ ABSL_GUARDED_BY(mu_);  // by the handle's bytes
-  uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Runs ExpireIdle (idle_seconds > 0); declared last, so it stops before anything it uses goes.
   std::optional<PeriodicTask> reaper_;
 };

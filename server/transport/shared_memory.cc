@@ -16,7 +16,6 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "prometheus/family.h"
-#include "transport/region_map.h"
 
 namespace fusedlayer::server::transport {
 namespace {
@@ -200,6 +199,9 @@ SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryLimits limits, prometheus
     : limits_(limits),
       locker_(locker),
       metrics_(SharedMemoryMetrics::Register(metrics)),
+      regions_(RegionTableSpec{"shared-memory", "--shared_memory_max_regions", "--shared_memory_idle_seconds",
+                               limits.max_regions, limits.idle_seconds},
+               RegionTableMetrics{metrics_.regions, metrics_.registered_bytes, metrics_.expired}),
       pinned_(std::make_shared<PinnedBytes>(metrics_.locked_bytes)) {
   metrics_.region_budget->Set(static_cast<double>(limits_.max_total_regions));
   // Last: the reaper may run as soon as it exists.
@@ -220,37 +222,23 @@ absl::Status SharedMemoryRegistry::CheckEnabled() const {
       "tensors inline");
 }
 
-void SharedMemoryRegistry::UpdateGaugesLocked() {
-  metrics_.regions->Set(static_cast<double>(total_regions_));
-  metrics_.registered_bytes->Set(static_cast<double>(total_bytes_));
-}
-
-void SharedMemoryRegistry::EraseLocked(RegionMap<SharedMemoryRegion>::iterator it) {
+void SharedMemoryRegistry::EraseLocked(Regions::iterator it) {
   const SharedMemoryRegion& r = *it->second.region;
-  Usage& u = usage_[it->first.first];
-  u.regions -= 1;
-  u.bytes -= r.byte_size();
-  if (u.regions == 0) usage_.erase(it->first.first);
   auto owner = object_owners_.find(r.object());
   if (owner != object_owners_.end() && --owner->second.second == 0) object_owners_.erase(owner);
-  total_regions_ -= 1;
-  total_bytes_ -= r.byte_size();
   // The descriptor closes, and a locked region is unlocked and its pinned bytes given back, when
   // the last in-flight request lets go (~SharedMemoryRegion).
-  regions_.erase(it);
-  UpdateGaugesLocked();
+  regions_.Erase(it, r.byte_size());
 }
 
 void SharedMemoryRegistry::PruneVanishedLocked(const std::string& identity) {
-  for (auto it = regions_.lower_bound({identity, ""}); it != regions_.end() && it->first.first == identity;) {
-    auto next = std::next(it);
+  regions_.ForEachOf(identity, [this](Regions::iterator it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (!it->second.region->CheckStillNamed().ok()) {
       LogInfo("shared-memory region '", it->second.region->name(), "' (", it->second.region->key(),
               ") unregistered: its object was removed");
       EraseLocked(it);
     }
-    it = next;
-  }
+  });
 }
 
 absl::Status SharedMemoryRegistry::Register(const std::string& identity,
@@ -338,40 +326,25 @@ absl::Status SharedMemoryRegistry::Register(const std::string& identity,
   }
   if (reserved && !locked) pinned_->GiveBack(req.byte_size());  // not lockable: read with pread
   if (locked) region->GiveBackWhenFreed(pinned_);
-  const RegionKey key{identity, req.name()};
-  Usage& u = usage_[identity];
-  u.regions += 1;
-  u.bytes += req.byte_size();
   auto& held = object_owners_[region->object()];
   held.first = identity;
   held.second += 1;
-  total_regions_ += 1;
-  total_bytes_ += req.byte_size();
-  regions_.emplace(key, RegionEntry<SharedMemoryRegion>{std::move(region), std::chrono::steady_clock::now()});
-  UpdateGaugesLocked();
+  regions_.Add(identity, req.name(), std::move(region), req.byte_size());
   return absl::OkStatus();
 }
 
 absl::Status SharedMemoryRegistry::CheckRegistrableLocked(const std::string& identity,
                                                           const v1::RegisterSystemSharedMemoryRequest& req,
                                                           const SharedMemoryRegion& region) const {
-  if (regions_.count(RegionKey{identity, req.name()}) != 0) {
-    return absl::AlreadyExistsError(absl::StrCat("a shared-memory region named '", req.name(),
-                                                 "' is already registered; unregister it first"));
-  }
+  if (absl::Status s = regions_.CheckNameFree(identity, req.name()); !s.ok()) return s;
   auto owner = object_owners_.find(region.object());
   if (owner != object_owners_.end() && owner->second.first != identity) {
     // Says nothing about who: only that the object is taken.
     return absl::PermissionDeniedError(
         absl::StrCat("shared-memory object ", req.key(), " is registered by another identity"));
   }
-  auto found = usage_.find(identity);
-  const Usage u = found != usage_.end() ? found->second : Usage{};
-  if (u.regions + 1 > limits_.max_regions) {
-    return absl::ResourceExhaustedError(absl::StrCat("this identity already has ", u.regions,
-                                                     " shared-memory regions, the most allowed "
-                                                     "(--shared_memory_max_regions); unregister some first"));
-  }
+  if (absl::Status s = regions_.CheckRoomForOneMore(identity); !s.ok()) return s;
+  const Regions::Usage u = regions_.usage(identity);
   if (req.byte_size() > limits_.max_bytes - u.bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "registering ", req.byte_size(), " bytes would bring this identity to more than ", limits_.max_bytes,
@@ -381,21 +354,19 @@ absl::Status SharedMemoryRegistry::CheckRegistrableLocked(const std::string& ide
 }
 
 absl::Status SharedMemoryRegistry::CheckDescriptorBudgetLocked() const {
-  if (limits_.max_total_regions <= 0 || total_regions_ < limits_.max_total_regions) return absl::OkStatus();
+  if (limits_.max_total_regions <= 0 || regions_.regions() < limits_.max_total_regions) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "the server holds ", total_regions_, " shared-memory regions (all identities), its descriptor budget of ",
+      "the server holds ", regions_.regions(), " shared-memory regions (all identities), its descriptor budget of ",
       limits_.max_total_regions, " (", limits_.total_regions_origin,
       "): each region keeps a descriptor open; unregister regions first (or the operator raises RLIMIT_NOFILE or "
       "lowers --descriptor_reserve)"));
 }
 
 void SharedMemoryRegistry::ExpireIdle(std::chrono::steady_clock::time_point now) {
-  if (!(limits_.idle_seconds > 0)) return;
   MutexLock lock(&mu_);
-  ExpireIdleRegions(regions_, now, limits_.idle_seconds, [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  regions_.ExpireIdle(now, [this](Regions::iterator it) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     LogInfo("shared-memory region '", it->second.region->name(), "' (", it->second.region->key(),
             ") unregistered: no request used it for ", limits_.idle_seconds, " s (--shared_memory_idle_seconds)");
-    metrics_.expired->Increment();
     EraseLocked(it);  // a request still holding it keeps its descriptor (and mapping) until done
   });
 }
@@ -408,8 +379,8 @@ absl::StatusOr<v1::SystemSharedMemoryStatusResponse> SharedMemoryRegistry::Statu
   }
   MutexLock lock(&mu_);
   PruneVanishedLocked(identity);
-  return ListRegions<v1::SystemSharedMemoryStatusResponse>(
-      regions_, identity, name, "shared-memory", [](const SharedMemoryRegion& r, v1::SystemSharedMemoryRegion* info) {
+  return regions_.List<v1::SystemSharedMemoryStatusResponse>(
+      identity, name, [](const SharedMemoryRegion& r, v1::SystemSharedMemoryRegion* info) {
         info->set_name(r.name());
         info->set_key(r.key());
         info->set_offset(r.offset());
@@ -421,8 +392,8 @@ absl::StatusOr<v1::UnregisterSystemSharedMemoryResponse> SharedMemoryRegistry::U
                                                                                          const std::string& name) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
   MutexLock lock(&mu_);
-  return UnregisterRegions<v1::UnregisterSystemSharedMemoryResponse>(
-      regions_, identity, name, "shared-memory", [this](auto it) ABSL_NO_THREAD_SAFETY_ANALYSIS { EraseLocked(it); });
+  return regions_.Unregister<v1::UnregisterSystemSharedMemoryResponse>(
+      identity, name, [this](Regions::iterator it) ABSL_NO_THREAD_SAFETY_ANALYSIS { EraseLocked(it); });
 }
 
 absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::Lookup(const std::string& identity,
@@ -435,18 +406,13 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> SharedMemoryRegistry::
   std::shared_ptr<const SharedMemoryRegion> region;
   {
     MutexLock lock(&mu_);
-    auto it = regions_.find({identity, name});
-    if (it == regions_.end()) {
-      return absl::NotFoundError(absl::StrCat("tensor '", tensor, "': no shared-memory region named '", name,
-                                              "' is registered (by this identity)",
-                                              ExpiryNote(limits_.idle_seconds, "--shared_memory_idle_seconds")));
-    }
-    if (absl::Status s = it->second.region->CheckStillNamed(); !s.ok()) {
-      EraseLocked(it);
+    absl::StatusOr<Regions::iterator> it = regions_.FindForRequest(identity, name, tensor);
+    if (!it.ok()) return it.status();
+    if (absl::Status s = (*it)->second.region->CheckStillNamed(); !s.ok()) {
+      EraseLocked(*it);
       return absl::FailedPreconditionError(absl::StrCat("tensor '", tensor, "': ", s.message()));
     }
-    it->second.last_used = std::chrono::steady_clock::now();
-    region = it->second.region;
+    region = (*it)->second.region;
   }
   if (absl::Status s = region->CheckSize(); !s.ok()) {
     return absl::FailedPreconditionError(absl::StrCat("tensor '", tensor, "': ", s.message()));

@@ -56,7 +56,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "transport/cuda_shared_memory.h"
-#include "transport/region_map.h"
+#include "transport/region_table.h"
 
 namespace fusedlayer::server::transport {
 
@@ -65,9 +65,6 @@ namespace fusedlayer::server::transport {
 // kernels read, a page-locked region a GPU copies from) needs no new rule.
 inline constexpr uint64_t kSharedMemoryAlignment = 64;
 
-// A region name: 1 to 128 characters of [A-Za-z0-9._-] (INVALID_ARGUMENT otherwise). System and
-// CUDA shared memory alike.
-absl::Status CheckRegionName(const std::string& name);
 // `ref` against a region that starts `region_offset` bytes into its object (or allocation) and is
 // `region_bytes` long: INVALID_ARGUMENT when [offset, offset + byte_size) is not inside the region
 // (overflow included) or the object offset is not a multiple of kSharedMemoryAlignment. `kind`
@@ -205,32 +202,26 @@ class SharedMemoryRegistry {
   void ExpireIdle(std::chrono::steady_clock::time_point now);
 
  private:
-  struct Usage {
-    int64_t regions = 0;
-    uint64_t bytes = 0;
-  };
+  using Regions = RegionTable<SharedMemoryRegion>;
   absl::Status CheckEnabled() const;
   // RESOURCE_EXHAUSTED when the regions of all identities hold the descriptor budget; OK otherwise.
   absl::Status CheckDescriptorBudgetLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EraseLocked(RegionMap<SharedMemoryRegion>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseLocked(Regions::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why `identity` may not register `region` under req.name() now (name taken, object another
   // identity's, its limits), or OK.
   absl::Status CheckRegistrableLocked(const std::string& identity, const v1::RegisterSystemSharedMemoryRequest& req,
                                       const SharedMemoryRegion& region) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the identity's regions whose objects were removed (a client that died, then cleanup).
   void PruneVanishedLocked(const std::string& identity) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SharedMemoryLimits limits_;
   Backend* const locker_;
   const SharedMemoryMetrics metrics_;  // metrics/component_metrics.h
   Mutex mu_;
-  RegionMap<SharedMemoryRegion> regions_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
+  // The regions; each identity is charged its regions' bytes.
+  Regions regions_ ABSL_GUARDED_BY(mu_);
   // Which identity holds each registered object, and in how many regions.
   std::map<std::pair<dev_t, ino_t>, std::pair<std::string, int>> object_owners_ ABSL_GUARDED_BY(mu_);
-  int64_t total_regions_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Page-locked bytes against --shared_memory_locked_bytes: reserved before a region is locked,
   // given back when its registration fails, or when the region is freed (not when it is
   // unregistered: an in-flight request may hold its pinned pages longer).
