@@ -30,22 +30,14 @@ absl::Status FusedLayerService::CheckCallRingBindings(const std::string& identit
 grpc::ServerUnaryReactor* FusedLayerService::OpenCallRing(grpc::CallbackServerContext* ctx,
                                                           const v1::OpenCallRingRequest* request,
                                                           v1::OpenCallRingResponse* response) {
-  auto* call = new UnaryCall(metrics_, Method::kOpenCallRing, config_.max_message_bytes, ctx, request, response);
-  absl::Status s = AdmitDuringDrain();
-  if (s.ok() && call_rings_ == nullptr) {
-    s = absl::FailedPreconditionError("call rings are off on this server (--allow_call_rings)");
-  }
-  if (s.ok()) {
-    const std::string identity = CallerIdentity(*ctx);
-    s = CheckCallRingBindings(identity, *request);
-    if (s.ok()) {
-      absl::StatusOr<v1::OpenCallRingResponse> opened = call_rings_->Open(identity, *request);
-      if (opened.ok()) *response = std::move(*opened);
-      s = opened.status();
+  return AnswerInline(Method::kOpenCallRing, WhileDraining::kRefuse, ctx, request, response, [&] {
+    if (call_rings_ == nullptr) {
+      return absl::FailedPreconditionError("call rings are off on this server (--allow_call_rings)");
     }
-  }
-  call->Complete(std::move(s));
-  return call;
+    const std::string identity = CallerIdentity(*ctx);
+    if (absl::Status s = CheckCallRingBindings(identity, *request); !s.ok()) return s;
+    return Into(call_rings_->Open(identity, *request), response);
+  });
 }
 
 }  // namespace fusedlayer::server

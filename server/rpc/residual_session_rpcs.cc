@@ -10,57 +10,47 @@ namespace fusedlayer::server {
 grpc::ServerUnaryReactor* FusedLayerService::OpenResidualSession(grpc::CallbackServerContext* ctx,
                                                                  const v1::OpenResidualSessionRequest* request,
                                                                  v1::OpenResidualSessionResponse* response) {
-  auto* call =
-      new UnaryCall(metrics_, Method::kOpenResidualSession, config_.max_message_bytes, ctx, request, response);
-  absl::Status s = AdmitDuringDrain();
-  if (s.ok()) {
+  return AnswerInline(Method::kOpenResidualSession, WhileDraining::kRefuse, ctx, request, response, [&] {
     absl::StatusOr<uint64_t> bytes =
         sessions_.Open(CallerIdentity(*ctx), request->name(),
                        transport::ResidualSessionShape{request->tokens(), request->hc_mult(), request->hidden()});
     if (bytes.ok()) response->set_bytes(*bytes);
-    s = bytes.status();
-  }
-  call->Complete(std::move(s));
-  return call;
+    return bytes.status();
+  });
 }
 
 grpc::ServerUnaryReactor* FusedLayerService::ListResidualSessions(grpc::CallbackServerContext* ctx,
                                                                   const v1::ListResidualSessionsRequest* request,
                                                                   v1::ListResidualSessionsResponse* response) {
-  auto* call =
-      new UnaryCall(metrics_, Method::kListResidualSessions, config_.max_message_bytes, ctx, request, response);
-  for (const transport::ResidualSessionInfo& info :
-       sessions_.List(CallerIdentity(*ctx))) {
-    v1::ResidualSessionInfo* out = response->add_sessions();
-    out->set_name(info.name);
-    out->set_tokens(info.shape.tokens);
-    out->set_hc_mult(info.shape.hc_mult);
-    out->set_hidden(info.shape.hidden);
-    out->set_bytes(info.bytes);
-    out->set_has_residual(info.has_residual);
-    out->set_has_mixes(info.has_mixes);
-    out->set_calls(info.calls);
-    out->set_idle_seconds(info.idle_seconds);
-    out->set_last_weight_set(info.last_weight_set);
-  }
-  call->Complete(absl::OkStatus());
-  return call;
+  return AnswerInline(Method::kListResidualSessions, WhileDraining::kAnswer, ctx, request, response, [&] {
+    for (const transport::ResidualSessionInfo& info : sessions_.List(CallerIdentity(*ctx))) {
+      v1::ResidualSessionInfo* out = response->add_sessions();
+      out->set_name(info.name);
+      out->set_tokens(info.shape.tokens);
+      out->set_hc_mult(info.shape.hc_mult);
+      out->set_hidden(info.shape.hidden);
+      out->set_bytes(info.bytes);
+      out->set_has_residual(info.has_residual);
+      out->set_has_mixes(info.has_mixes);
+      out->set_calls(info.calls);
+      out->set_idle_seconds(info.idle_seconds);
+      out->set_last_weight_set(info.last_weight_set);
+    }
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* FusedLayerService::CloseResidualSession(grpc::CallbackServerContext* ctx,
                                                                   const v1::CloseResidualSessionRequest* request,
                                                                   v1::CloseResidualSessionResponse* response) {
-  auto* call =
-      new UnaryCall(metrics_, Method::kCloseResidualSession, config_.max_message_bytes, ctx, request, response);
-  // Allowed while draining: a client cleaning up on its way out must be able to.
-  absl::StatusOr<std::pair<uint32_t, uint64_t>> closed =
-      sessions_.Close(CallerIdentity(*ctx), request->name());
-  if (closed.ok()) {
-    response->set_closed(closed->first);
-    response->set_freed_bytes(closed->second);
-  }
-  call->Complete(closed.status());
-  return call;
+  return AnswerInline(Method::kCloseResidualSession, WhileDraining::kAnswer, ctx, request, response, [&] {
+    absl::StatusOr<std::pair<uint32_t, uint64_t>> closed = sessions_.Close(CallerIdentity(*ctx), request->name());
+    if (closed.ok()) {
+      response->set_closed(closed->first);
+      response->set_freed_bytes(closed->second);
+    }
+    return closed.status();
+  });
 }
 
 }  // namespace fusedlayer::server

@@ -52,82 +52,64 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
 grpc::ServerUnaryReactor* FusedLayerService::ListWeightSets(grpc::CallbackServerContext* ctx,
                                                             const v1::ListWeightSetsRequest* request,
                                                             v1::ListWeightSetsResponse* response) {
-  auto* call = new UnaryCall(metrics_, Method::kListWeightSets, config_.max_message_bytes, ctx, request, response);
-  for (v1::WeightSetInfo& info : weights_.Infos()) *response->add_weight_sets() = std::move(info);
-  call->Complete(absl::OkStatus());
-  return call;
+  return AnswerInline(Method::kListWeightSets, WhileDraining::kAnswer, ctx, request, response, [&] {
+    for (v1::WeightSetInfo& info : weights_.Infos()) *response->add_weight_sets() = std::move(info);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* FusedLayerService::UnloadWeightSet(grpc::CallbackServerContext* ctx,
                                                              const v1::UnloadWeightSetRequest* request,
                                                              v1::UnloadWeightSetResponse* response) {
-  auto* call = new UnaryCall(metrics_, Method::kUnloadWeightSet, config_.max_message_bytes, ctx, request, response);
-  if (absl::Status s = AdmitDuringDrain(); !s.ok()) {
-    call->Complete(std::move(s));
-    return call;
-  }
   // On the executor: the last reference to the prepared weights may be dropped there, and the
   // capability refresh asks the backend.
-  absl::Status submitted = executor_.SubmitControl([this, call, request, response](double queue_seconds) {
-    metrics_.ObserveQueue(queue_seconds);
+  return AnswerOnExecutor(Method::kUnloadWeightSet, WhileDraining::kRefuse, ctx, request, response, [this, request,
+                                                                                                     response] {
     absl::StatusOr<uint64_t> freed = weights_.UnloadOnWorker(request->name());
     if (freed.ok()) {
       response->set_freed_bytes(*freed);
       // A session's next call through this set would fail anyway; its memory goes now.
       sessions_.CloseUsing(request->name());
     }
-    call->Complete(freed.status());
+    return freed.status();
   });
-  if (!submitted.ok()) call->Complete(std::move(submitted));
-  return call;
 }
 
 grpc::ServerUnaryReactor* FusedLayerService::CommitWeightSets(grpc::CallbackServerContext* ctx,
                                                               const v1::CommitWeightSetsRequest* request,
                                                               v1::CommitWeightSetsResponse* response) {
-  auto* call = new UnaryCall(metrics_, Method::kCommitWeightSets, config_.max_message_bytes, ctx, request, response);
-  // A discard is let through while draining: it only frees memory.
-  if (!request->discard()) {
-    if (absl::Status s = AdmitDuringDrain(); !s.ok()) {
-      call->Complete(std::move(s));
-      return call;
-    }
-  }
   // On the executor, like every change of the loaded sets: the staged sets live there, and the
-  // replaced ones are freed there.
-  absl::Status submitted = executor_.SubmitControl([this, call, request, response](double queue_seconds) {
-    metrics_.ObserveQueue(queue_seconds);
+  // replaced ones are freed there. A discard only frees memory: answered while draining.
+  const WhileDraining drain = request->discard() ? WhileDraining::kAnswer : WhileDraining::kRefuse;
+  return AnswerOnExecutor(Method::kCommitWeightSets, drain, ctx, request, response, [this, request, response] {
     absl::StatusOr<std::vector<v1::WeightSetInfo>> infos =
         weights_.CommitStagedOnWorker(request->stage(), request->discard());
     if (infos.ok()) {
       for (v1::WeightSetInfo& info : *infos) *response->add_weight_sets() = std::move(info);
     }
-    call->Complete(infos.status());
+    return infos.status();
   });
-  if (!submitted.ok()) call->Complete(std::move(submitted));
-  return call;
 }
 
 grpc::ServerUnaryReactor* FusedLayerService::GetServerInfo(grpc::CallbackServerContext* ctx,
                                                            const v1::GetServerInfoRequest* request,
                                                            v1::GetServerInfoResponse* response) {
-  auto* call = new UnaryCall(metrics_, Method::kGetServerInfo, config_.max_message_bytes, ctx, request, response);
-  response->set_version(identity_.version);
-  response->set_backend(identity_.backend);
-  response->set_device(identity_.device);
-  response->set_arch(identity_.arch);
-  for (v1::OpCapability& cap : weights_.Capabilities()) *response->add_ops() = std::move(cap);
-  response->set_max_receive_message_bytes(config_.max_message_bytes);
-  response->set_max_send_message_bytes(config_.max_message_bytes);
-  response->set_fused_max_tokens(config_.fused_max_tokens);
-  response->set_max_tokens(config_.max_tokens);
-  response->set_queue_capacity(config_.queue_capacity);
-  response->set_shared_memory_enabled(shared_memory_.enabled());
-  response->set_cuda_shared_memory_enabled(cuda_shared_memory_.enabled());
-  response->set_device_id(cuda_shared_memory_.device_id());
-  call->Complete(absl::OkStatus());
-  return call;
+  return AnswerInline(Method::kGetServerInfo, WhileDraining::kAnswer, ctx, request, response, [&] {
+    response->set_version(identity_.version);
+    response->set_backend(identity_.backend);
+    response->set_device(identity_.device);
+    response->set_arch(identity_.arch);
+    for (v1::OpCapability& cap : weights_.Capabilities()) *response->add_ops() = std::move(cap);
+    response->set_max_receive_message_bytes(config_.max_message_bytes);
+    response->set_max_send_message_bytes(config_.max_message_bytes);
+    response->set_fused_max_tokens(config_.fused_max_tokens);
+    response->set_max_tokens(config_.max_tokens);
+    response->set_queue_capacity(config_.queue_capacity);
+    response->set_shared_memory_enabled(shared_memory_.enabled());
+    response->set_cuda_shared_memory_enabled(cuda_shared_memory_.enabled());
+    response->set_device_id(cuda_shared_memory_.device_id());
+    return absl::OkStatus();
+  });
 }
-
 
 }  // namespace fusedlayer::server

@@ -26,6 +26,7 @@
 #include "exec/weight_manager.h"
 #include "rpc/idle_watch.h"
 #include "rpc/proto_convert.h"
+#include "rpc/unary_call.h"
 #include "rpc/wire_messages.h"
 
 namespace fusedlayer::server::ring {
@@ -127,6 +128,44 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   std::string CallerIdentity(const grpc::ServerContextBase& ctx) const { return CallerOf(ctx).identity; }
   // UNAVAILABLE while draining, OK otherwise.
   absl::Status AdmitDuringDrain() const { return engine_.AdmitDuringDrain(); }
+
+  // Whether an admin RPC is answered while the server drains: what only frees (unregister, close,
+  // a discard) is, so that a client cleaning up on its way out can; the rest is UNAVAILABLE.
+  enum class WhileDraining { kRefuse, kAnswer };
+  // An admin RPC: its call (metrics, send limit) and the drain check, then `answer()`, which fills
+  // `response` and returns the status: inline on the gRPC thread (a lookup or a registration under
+  // a registry's mutex).
+  template <typename Request, typename Response, typename Answer>
+  grpc::ServerUnaryReactor* AnswerInline(Method method, WhileDraining drain, grpc::CallbackServerContext* ctx,
+                                         const Request* request, Response* response, Answer answer) {
+    auto* call = new UnaryCall(metrics_, method, config_.max_message_bytes, ctx, request, response);
+    absl::Status s = drain == WhileDraining::kRefuse ? AdmitDuringDrain() : absl::OkStatus();
+    if (s.ok()) s = answer();
+    call->Complete(std::move(s));
+    return call;
+  }
+  // The same with `answer(queue_seconds)` run on the executor, as every change of the loaded
+  // weight sets is (the backend's prepared weights are made and freed there).
+  template <typename Request, typename Response, typename Answer>
+  grpc::ServerUnaryReactor* AnswerOnExecutor(Method method, WhileDraining drain, grpc::CallbackServerContext* ctx,
+                                             const Request* request, Response* response, Answer answer) {
+    auto* call = new UnaryCall(metrics_, method, config_.max_message_bytes, ctx, request, response);
+    absl::Status s = drain == WhileDraining::kRefuse ? AdmitDuringDrain() : absl::OkStatus();
+    if (s.ok()) {
+      s = executor_.SubmitControl([this, call, answer = std::move(answer)](double queue_seconds) mutable {
+        metrics_.ObserveQueue(queue_seconds);
+        call->Complete(answer());
+      });
+    }
+    if (!s.ok()) call->Complete(std::move(s));
+    return call;
+  }
+  // A registry's answer as the response: moved into `response` when OK.
+  template <typename Response>
+  static absl::Status Into(absl::StatusOr<Response> got, Response* response) {
+    if (got.ok()) *response = std::move(*got);
+    return got.status();
+  }
   class LoadWeightsReactor;
   // OpenCallRing's bindings, for `identity`: each weight set loaded, each region registered.
   absl::Status CheckCallRingBindings(const std::string& identity, const v1::OpenCallRingRequest& request);
@@ -160,8 +199,8 @@ class FusedLayerService final : public FusedLayerCallbackBase {
   // Admission, batching, path choice, the run and the report of every compute call (after the
   // registries and sessions it uses).
   ComputeEngine engine_;
-  IdleWatch upload_idle_;
-  ring::CallRingService* call_rings_ = nullptr;             // ends LoadWeights streams idle for --upload_idle_timeout_seconds
+  IdleWatch upload_idle_;  // ends LoadWeights streams idle for --upload_idle_timeout_seconds
+  ring::CallRingService* call_rings_ = nullptr;  // null when call rings are off (--allow_call_rings)
 };
 
 }  // namespace fusedlayer::server
