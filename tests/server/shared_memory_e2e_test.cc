@@ -105,6 +105,15 @@ void PoisonOutputs(const ClientSharedMemory& shm, const google::protobuf::Repeat
   }
 }
 
+// A page-locked region is unlocked when the last in-flight reference lets go: the call's end, just
+// after its response reached the client, so possibly a moment after the client unregistered it.
+void ExpectPageLocksGo(const LaneTestBackend::Control& control) {
+  for (int i = 0; i < 500 && control.page_locks.load() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(control.page_locks.load(), 0);
+}
+
 v1::SharedMemoryRef Ref(const std::string& region, uint64_t offset, uint64_t bytes) {
   v1::SharedMemoryRef r;
   r.set_region(region);
@@ -287,11 +296,7 @@ TEST(SharedMemory, OnLanesInputsInAPageLockedRegionAreCopiedWhereTheyLie) {
       ExpectMhcEqual(*got, *tcp);
       ExpectSameOutputsPresent(*got, *tcp);
     }  // unregistered and removed
-    // Unlocked when the last in-flight reference lets go (the call's end, just after its response).
-    for (int i = 0; i < 500 && control->page_locks.load() != 0; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-    EXPECT_EQ(control->page_locks.load(), 0);
+    ExpectPageLocksGo(*control);
   }
   EXPECT_EQ(MetricValue(ScrapeWhenIdle(*server.ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
 }
@@ -354,6 +359,7 @@ TEST(SharedMemory, OnLanesPageLockedRegionsRefuseShrunkObjectsAndOtherLayoutsAre
   }
   {  // Beyond the locked budget (1 MiB here): registered, not locked, read with pread.
     SCOPED_TRACE("Beyond the locked budget");
+    ExpectPageLocksGo(*control);  // the regions above, once their calls let go
     const uint64_t bytes = uint64_t{2} << 20;
     TestObject obj(bytes);
     ASSERT_TRUE(c->RegisterSystemSharedMemory("big", obj.key(), 0, bytes).ok());
@@ -467,10 +473,7 @@ TEST(SharedMemory, OnLanesAnUnregisteredRegionInUseKeepsItsPinnedBytesUntilTheRe
     ASSERT_TRUE((*second)->Prepare(by_ref, MhcConfigOf(spec)).ok());
     ExpectSameAsTcp(*c, by_ref, *tcp, second->get());
   }
-  for (int i = 0; i < 500 && control->page_locks.load() != 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  EXPECT_EQ(control->page_locks.load(), 0);
+  ExpectPageLocksGo(*control);
   EXPECT_EQ(MetricValue(ScrapeWhenIdle(*server.ts), "fusedlayer_shared_memory_locked_bytes"), 0.0);
   absl::StatusOr<std::unique_ptr<ClientSharedMemory>> third = ClientSharedMemory::Create(*c, bytes);
   ASSERT_TRUE(third.ok()) << third.status();
