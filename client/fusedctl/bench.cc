@@ -185,15 +185,11 @@ class RingCaller : public Caller {
     std::unique_ptr<RingCaller> caller(new RingCaller());
     const size_t rings = std::min(slots.size(), kMaxRings);
     for (size_t ring_index = 0; ring_index < rings; ++ring_index) {
-      CallRing::Options o;
-      o.weight_sets = {slots.front().request.weight_set()};
+      std::vector<std::string> regions;
       for (size_t k = ring_index; k < slots.size(); k += rings) {
-        v1::CallRingRegion r;
-        r.set_name(static_cast<const ClientRegion*>(slots[k].held.get())->region_name());
-        r.set_cuda(cuda);
-        o.regions.push_back(std::move(r));
+        regions.push_back(static_cast<const ClientRegion*>(slots[k].held.get())->region_name());
       }
-      o.slots = static_cast<uint32_t>(o.regions.size());
+      CallRing::Options o = CallRing::Options::ForRegions(slots.front().request.weight_set(), regions, cuda);
       absl::StatusOr<std::unique_ptr<CallRing>> ring = CallRing::Open(client, o);
       if (!ring.ok()) {
         return absl::Status(ring.status().code(), absl::StrCat("opening call ring ", ring_index + 1, " of ", rings,
@@ -225,14 +221,7 @@ class RingCaller : public Caller {
     const RingCallResult r = rings_[mine % rings_.size()]->Call(mine / rings_.size(), calls_[mine]);
     o.round_trip_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     o.status = r.status;
-    o.report.set_path(r.path);
-    o.report.set_fallback_reason(r.fallback_reason);
-    o.report.set_fallback_detail(r.fallback_detail);
-    o.report.set_server_seconds(r.server_seconds);
-    o.report.set_queue_seconds(r.queue_seconds);
-    o.report.set_kernel_seconds(r.kernel_seconds);
-    o.report.set_batch_requests(r.batch_requests);
-    if (r.status.ok()) *o.report.mutable_stages() = r.stages;
+    o.report = ReportOf(r);
     o.completed_by_device = r.completed_by_device;
     return o;
   }

@@ -113,13 +113,8 @@ std::string RegionLine(const CommandLine& cl, const ClientRegion& region) {
 template <typename Response, typename Request>
 absl::StatusOr<Response> CallThroughRing(const FusedLayerClient& client, const CommandLine& cl, const Request& req,
                                          const ClientRegion& region, double* round_trip_seconds) {
-  CallRing::Options options;
-  options.weight_sets = {req.weight_set()};
-  v1::CallRingRegion bound;
-  bound.set_name(region.region_name());
-  bound.set_cuda(cl.transport == "ring_cuda_ipc");
-  options.regions = {bound};
-  options.slots = 1;
+  const CallRing::Options options =
+      CallRing::Options::ForRegions(req.weight_set(), {region.region_name()}, cl.transport == "ring_cuda_ipc");
   absl::StatusOr<std::unique_ptr<CallRing>> ring = CallRing::Open(client, options);
   if (!ring.ok()) return ring.status();
   absl::StatusOr<wire::RingCallDescriptor> call = RingCallOf(req, options.weight_sets, options.regions);
@@ -129,16 +124,8 @@ absl::StatusOr<Response> CallThroughRing(const FusedLayerClient& client, const C
   *round_trip_seconds = Since(t0);
   if (!r.status.ok()) return r.status;
   Response resp;
-  v1::ExecutionReport* report = resp.mutable_report();
-  report->set_path(r.path);
-  report->set_fallback_reason(r.fallback_reason);
-  report->set_fallback_detail(r.fallback_detail);
-  report->set_weight_set(req.weight_set());
-  report->set_server_seconds(r.server_seconds);
-  report->set_queue_seconds(r.queue_seconds);
-  report->set_kernel_seconds(r.kernel_seconds);
-  report->set_batch_requests(r.batch_requests);
-  *report->mutable_stages() = r.stages;
+  *resp.mutable_report() = ReportOf(r);
+  resp.mutable_report()->set_weight_set(req.weight_set());
   if (absl::Status s = region.FetchPlaced(resp); !s.ok()) return s;
   return resp;
 }

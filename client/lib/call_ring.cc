@@ -161,6 +161,33 @@ absl::Status AddOutputs(wire::RingCallDescriptor* call, wire::RingOp op,
 
 }  // namespace
 
+v1::ExecutionReport ReportOf(const RingCallResult& r) {
+  v1::ExecutionReport report;
+  report.set_path(r.path);
+  report.set_fallback_reason(r.fallback_reason);
+  report.set_fallback_detail(r.fallback_detail);
+  report.set_server_seconds(r.server_seconds);
+  report.set_queue_seconds(r.queue_seconds);
+  report.set_kernel_seconds(r.kernel_seconds);
+  report.set_batch_requests(r.batch_requests);
+  if (r.status.ok()) *report.mutable_stages() = r.stages;
+  return report;
+}
+
+CallRing::Options CallRing::Options::ForRegions(const std::string& weight_set,
+                                                const std::vector<std::string>& region_names, bool cuda) {
+  Options o;
+  o.weight_sets = {weight_set};
+  for (const std::string& name : region_names) {
+    v1::CallRingRegion r;
+    r.set_name(name);
+    r.set_cuda(cuda);
+    o.regions.push_back(std::move(r));
+  }
+  o.slots = static_cast<uint32_t>(o.regions.size());
+  return o;
+}
+
 absl::StatusOr<wire::RingCallDescriptor> RingCallOf(const v1::MhcSeamRequest& request,
                                                     const std::vector<std::string>& weight_sets,
                                                     const std::vector<v1::CallRingRegion>& regions,

@@ -48,6 +48,10 @@ struct RingCallResult {
   bool completed_by_device = false;
 };
 
+// The execution report a completion stands for (the fields an RPC's report would have; the stages
+// only for an OK call), for code that handles ring calls and RPCs alike.
+v1::ExecutionReport ReportOf(const RingCallResult& result);
+
 // An input tensor at [offset, offset + bytes of dtype x shape) of bound region `region`.
 wire::RingTensorRef RingInput(wire::RingRole role, uint32_t region, v1::DataType dtype,
                               std::initializer_list<int64_t> shape, uint64_t offset);
@@ -88,6 +92,10 @@ class CallRing {
     // How long a waiting call spins on its completion word before it sleeps on the futex: a
     // completion within it is seen within a microsecond, a later one costs a wake-up.
     absl::Duration spin = absl::Microseconds(50);
+
+    // A ring of `weight_set` with one slot per region of `region_names` (system shared memory, or
+    // CUDA shared memory with `cuda`), bound in that order: slot k's call uses region k.
+    static Options ForRegions(const std::string& weight_set, const std::vector<std::string>& region_names, bool cuda);
   };
 
   // OpenCallRing, then the handover on the ring socket (the token, then the ring's memfd and
