@@ -162,11 +162,8 @@ class RingCall final : public TransportCall {
     if (!target_.ring->device_visible()) return std::nullopt;
     wire::RingCompletion c = RecordOf(so_far);  // no kernel or device time yet: 0
     c.flags = wire::kRingCompletedByDevice;
-    RingSlot* slot = target_.ring->slot(target_.slot);
-    // As Publish: the slot is free for the poller before the client can see the seq.
-    target_.ring->busy(target_.slot).store(false, std::memory_order_seq_cst);
-    std::memcpy(&slot->completion, &c, sizeof(c));
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    RingSlot* slot = WriteRecord(target_, c);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // all of it before the stream's store of the seq
     answered_on_device_ = true;
     return DeviceAnswer{reinterpret_cast<uint32_t*>(&slot->control.complete_seq), target_.seq};
   }
@@ -195,15 +192,20 @@ class RingCall final : public TransportCall {
     return Finish(status);
   }
 
-  // Writes `c` into the slot and makes it the answer to the call's seq: the slot is free for the
-  // poller again first (a client that sees its completion may submit its next call at once, and the
-  // poller, if it looked while the slot was still busy, sleeps without a doorbell: the slot must not
-  // be busy any more when the client can see the seq), then the record, then the seq (release: a
-  // client that sees the seq sees the record), then the wake if the client sleeps.
-  static void Publish(const RingCallTarget& target, const wire::RingCompletion& c) {
+  // Everything of the answer but the seq: the slot is free for the poller again first (a client that
+  // sees its completion may submit its next call at once, and the poller, if it looked while the
+  // slot was still busy, sleeps without a doorbell: the slot must not be busy any more when the
+  // client can see the seq), then the record. Returns the slot.
+  static RingSlot* WriteRecord(const RingCallTarget& target, const wire::RingCompletion& c) {
     RingSlot* slot = target.ring->slot(target.slot);
     target.ring->busy(target.slot).store(false, std::memory_order_seq_cst);
     std::memcpy(&slot->completion, &c, sizeof(c));
+    return slot;
+  }
+  // Writes `c` and makes it the answer to the call's seq: WriteRecord, then the seq (release: a
+  // client that sees the seq sees the record), then the wake if the client sleeps.
+  static void Publish(const RingCallTarget& target, const wire::RingCompletion& c) {
+    RingSlot* slot = WriteRecord(target, c);
     slot->control.complete_seq.store(target.seq, std::memory_order_seq_cst);
     if (slot->control.client_waiting.load(std::memory_order_seq_cst) != 0) {
       wire::FutexWakeAll(&slot->control.complete_seq);
