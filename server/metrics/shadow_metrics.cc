@@ -114,9 +114,9 @@ int ShadowMetrics::OutputIndex(Op op, std::string_view output) {
   return -1;
 }
 
-void ShadowMetrics::RecordComparison(Op op, const Comparison& comparison) {
+void ShadowMetrics::RecordComparison(Op op, std::span<const ComparedOutput> outputs) {
   const int o = static_cast<int>(op);
-  for (const OutputComparison& c : comparison.outputs) {
+  for (const ComparedOutput& c : outputs) {
     const int i = OutputIndex(op, c.output);
     if (i < 0) continue;
     if (c.mismatch) mismatches_[o][i]->Increment();

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <string_view>
 
 #include "config.h"
@@ -13,7 +14,6 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "shadow/compare.h"
 
 namespace fusedlayer::server::shadow {
 
@@ -28,13 +28,21 @@ enum class DumpResult : uint8_t { kWritten = 0, kLimitReached = 1, kError = 2 };
 inline constexpr int kNumDumpResults = 3;
 const char* DumpResultName(DumpResult r);  // "written", "limit_reached", "error"
 
+// One output's comparison as the metrics count it (shadow/compare.h judges it).
+struct ComparedOutput {
+  std::string_view output;  // the response field, as the "output" label
+  bool mismatch = false;
+  double max_abs_diff = 0;
+  int64_t max_ulp_distance = 0;
+};
+
 class ShadowMetrics {
  public:
   explicit ShadowMetrics(prometheus::Registry& registry);
 
   // One comparison (sampled or verify): comparisons_total, and per output the two histograms and,
   // on a mismatch, mismatches_total.
-  void RecordComparison(Op op, const Comparison& comparison);
+  void RecordComparison(Op op, std::span<const ComparedOutput> outputs);
   void RecordDropped(Op op) { dropped_[static_cast<int>(op)]->Increment(); }
   void RecordError(Op op) { errors_[static_cast<int>(op)]->Increment(); }
   void RecordDump(Op op, DumpResult r) { dumps_[static_cast<int>(op)][static_cast<int>(r)]->Increment(); }

@@ -253,7 +253,12 @@ absl::StatusOr<Comparison> ShadowVerifier::CompareSwaOnWorker(const WeightSet& s
 void ShadowVerifier::Record(Op op, const WeightSet& set, const std::string& request_id, const Comparison& comparison,
                             const google::protobuf::Message& request, const google::protobuf::Message& fused,
                             const google::protobuf::Message& unfused, std::map<std::string, std::string> metadata) {
-  metrics_.RecordComparison(op, comparison);
+  std::vector<ComparedOutput> counted;
+  counted.reserve(comparison.outputs.size());
+  for (const OutputComparison& c : comparison.outputs) {
+    counted.push_back(ComparedOutput{c.output, c.mismatch, c.max_abs_diff, c.max_ulp_distance});
+  }
+  metrics_.RecordComparison(op, counted);
   if (!comparison.mismatch()) return;
   std::string dumped;
   auto source = metadata.find("source");
