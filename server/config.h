@@ -43,26 +43,26 @@ struct ServerConfig {
   int64_t max_tokens = int64_t{1} << 20;
   int64_t max_message_bytes = int64_t{1} << 30;
   int queue_capacity = 64;
-  // Dynamic batching (server/exec/executor.h): token budget of one launch (0: off, the default, as
+  // Dynamic batching (server/runtime/executor.h): token budget of one launch (0: off, the default, as
   // Triton's dynamic batcher is off until configured; 64 is a decode-sized budget) and how long the
   // first request of a batch may wait for compatible ones (0: only those already queued).
   int64_t max_batch_tokens = 0;
   int64_t max_queue_delay_us = 0;
-  // Idle spinning of the executor's workers (server/exec/executor.h, SpinOptions): microseconds a
+  // Idle spinning of the executor's workers (server/runtime/executor.h, SpinOptions): microseconds a
   // worker polls its empty queue before sleeping, one worker at a time. 0: never; -1 (default):
   // kAutoExecutorSpinUs on a device backend with lanes, 0 on a host-accessible backend (the CPU
   // backend's kernels need every core).
   int64_t executor_spin_us = -1;
-  // Device lanes (server/exec/device_lanes.h): streams per GPU, each with its own executor worker,
+  // Device lanes (server/runtime/device_lanes.h): streams per GPU, each with its own executor worker,
   // so one request's copies overlap another's kernel. 0 = auto (4 on a GPU); a host-accessible
   // backend (CPU) always has one worker. At most 16.
   int device_lanes = 0;
   // The bound on page-locked host staging memory the lanes hold (in use + kept for reuse); a
   // request whose tensors need more is RESOURCE_EXHAUSTED. GPU backends only.
   uint64_t host_staging_bytes = uint64_t{1} << 30;
-  // Helper threads that split the host copies into and out of staging (exec/parallel_copy.h):
+  // Helper threads that split the host copies into and out of staging (runtime/parallel_copy.h):
   // -1 = auto (half the cores, at most 7, none below 4 cores; the default), 0 = each copy on
-  // its caller alone. One call is split at a time (exec/parallel_copy.h), so under load the helpers
+  // its caller alone. One call is split at a time (runtime/parallel_copy.h), so under load the helpers
   // idle rather than take cores from gRPC's threads (docs/operations.md). GPU backends only. At most 64.
   int host_copy_threads = -1;
   // The bound on page-locked host memory that compute requests' tensor data is read into straight

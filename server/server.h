@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "config.h"
-#include "exec/executor.h"
+#include "runtime/executor.h"
 #include "fusedlayer/backend.h"
 #include "grpcpp/server.h"
 #include "rpc/health.h"

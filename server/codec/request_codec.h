@@ -2,9 +2,9 @@
 //   - tensors: proto Tensor <-> TensorView. Decoding validates dtype, rank, every dimension and the
 //     byte length against what the op expects and returns INVALID_ARGUMENT naming the tensor; a
 //     decoded view points into the request's bytes (no copy). Output tensors are sized in the
-//     response message and viewed in place, or kept outside it (exec/output_buffers.h, sent after
+//     response message and viewed in place, or kept outside it (runtime/output_buffers.h, sent after
 //     it: rpc/wire_messages.h), so a host-accessible backend writes the response bytes directly;
-//   - requests: MhcSeamRequest / SwaNormQuantRequest -> the op's call (exec/op_calls.h), validated
+//   - requests: MhcSeamRequest / SwaNormQuantRequest -> the op's call (runtime/op_calls.h), validated
 //     against the weight set and --max_tokens, with the response tensors sized (reactor thread,
 //     cheap);
 //   - enums (dtype, stage, mode, path, fallback reason).
@@ -18,8 +18,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "exec/op_calls.h"
-#include "exec/output_buffers.h"
+#include "runtime/op_calls.h"
+#include "runtime/output_buffers.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/fallback.h"
 #include "fusedlayer/tensor.h"
@@ -74,7 +74,7 @@ absl::StatusOr<ResponseSize> SwaResponseBytes(const v1::SwaNormQuantRequest& req
 // memory (transport/residual_sessions.h); with return_state the response also gets them, copied
 // after the run (MhcCall::copies_after_run).
 // With `external`, the output tensors' data is not in the response message but in uninitialised
-// buffers of `external` (exec/output_buffers.h; the message gets their dtype and shape), except for
+// buffers of `external` (runtime/output_buffers.h; the message gets their dtype and shape), except for
 // a verify request or one with output placements, whose outputs are read back from the message.
 absl::StatusOr<MhcCall> DecodeMhcRequest(const v1::MhcSeamRequest& request, const PreparedMhcWeights& weights,
                                          int64_t max_tokens, v1::MhcSeamResponse* response,

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "exec/host_staging_pool.h"
+#include "runtime/host_staging_pool.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "google/protobuf/message.h"
 

@@ -1,6 +1,6 @@
 // Dynamic batching's data movement: the host views of several compatible calls (each token-major,
 // [T_i, ...]) gathered into one batch of sum T_i tokens, and the batch's outputs scattered back into
-// each call's response bytes. The batch is then run like any single call (exec/op_calls.h), so the
+// each call's response bytes. The batch is then run like any single call (runtime/op_calls.h), so the
 // device staging is the same. Our kernels are batch-invariant (docs/spec/: every output of a token
 // depends only on that token's inputs and the weights), so each call's outputs are bitwise those of
 // the call alone; tests assert it on every backend.
@@ -14,7 +14,7 @@
 #include <memory>
 #include <vector>
 
-#include "exec/op_calls.h"
+#include "runtime/op_calls.h"
 
 namespace fusedlayer::server {
 

@@ -15,7 +15,7 @@
 #include "exec/batch_assembly.h"
 #include "exec/dispatcher.h"
 #include "exec/op_traits.h"
-#include "exec/stage_times.h"
+#include "runtime/stage_times.h"
 
 namespace fusedlayer::server {
 
@@ -134,7 +134,7 @@ class ComputeEngine::QueuedCall final : public BatchableTask {
   // The residual session this call holds (transport/residual_sessions.h), or none. Released before
   // the response is sent, so that the client's next call of the session finds it free.
   transport::ResidualSessionStore::Lease session_;
-  // Where the request's output views point when not into the response message (exec/output_buffers.h):
+  // Where the request's output views point when not into the response message (runtime/output_buffers.h):
   // run alone on a lane, they may take over its staging block instead of a copy. Null otherwise.
   OutputBuffers* const outputs_;
   // Drawn before decoding (ShadowVerifier::Sample): a sampled request keeps its outputs in the

@@ -6,7 +6,7 @@
 //     admission: path preference, verify slots, the weight set and its part, the response's size
 //       and the bytes in flight (--max_inflight_bytes), shared-memory staging, the residual session
 //     decode (codec/request_codec.h) into the op's call, then queued on the executor
-//   on an executor worker (exec/executor.h)
+//   on an executor worker (runtime/executor.h)
 //     the launch check, dynamic batching with compatible queued requests (exec/batch_assembly.h),
 //     path choice and run with fallback (exec/dispatcher.h) on the worker's lane
 //     session commit, outputs written to their shared-memory regions, the execution report,
@@ -26,8 +26,8 @@
 #include "codec/wire_tensor_data.h"
 #include "common/byte_budget.h"
 #include "config.h"
-#include "exec/device_lanes.h"
-#include "exec/executor.h"
+#include "runtime/device_lanes.h"
+#include "runtime/executor.h"
 #include "exec/transport_call.h"
 #include "exec/weight_manager.h"
 #include "fusedlayer/backend.h"
@@ -81,7 +81,7 @@ class ComputeEngine {
   absl::Status AdmitDuringDrain() const;
 
   // Where a transport reads request tensors into page-locked memory (null: nowhere), and its
-  // copier; the lanes' staging (exec/device_lanes.h).
+  // copier; the lanes' staging (runtime/device_lanes.h).
   HostStagingPool* request_staging() const { return lanes_.request_staging(); }
   ParallelCopy* request_copier() const {
     return lanes_.request_staging() == nullptr ? nullptr : &lanes_.staging()->copier();

@@ -1,7 +1,7 @@
 // One traits table per compute op: what differs between MhcSeam and SwaNormQuant for the compute
 // engine's one lifecycle (exec/compute_engine.h): the messages, the weight-set part, decoding
 // (codec/request_codec.h) and the response size it is admitted by, the fused-support query, the
-// run (exec/op_calls.h), dynamic batching, residual sessions, and the shadow verifier's synchronous
+// run (runtime/op_calls.h), dynamic batching, residual sessions, and the shadow verifier's synchronous
 // verify and zero-copy capture (server/shadow/).
 #pragma once
 
@@ -13,7 +13,7 @@
 #include "codec/request_codec.h"
 #include "config.h"
 #include "exec/batch_assembly.h"
-#include "exec/op_calls.h"
+#include "runtime/op_calls.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "metrics/metrics.h"

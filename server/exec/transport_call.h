@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "common/byte_budget.h"
-#include "exec/output_buffers.h"
+#include "runtime/output_buffers.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 
 namespace fusedlayer::server {
@@ -26,7 +26,7 @@ class TransportCall {
   virtual double elapsed() const = 0;
   // The request's size as received, admitted with the outputs (--max_inflight_bytes).
   virtual uint64_t request_bytes() const = 0;
-  // The output tensors the response carries outside its message (exec/output_buffers.h); the
+  // The output tensors the response carries outside its message (runtime/output_buffers.h); the
   // transport sends them after the message.
   virtual OutputBuffers* outputs() = 0;
   // What admission granted the call: its bytes, held until the call is over; a verify call's slot,

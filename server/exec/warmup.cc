@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "fusedlayer/numeric.h"
-#include "exec/op_calls.h"
+#include "runtime/op_calls.h"
 
 namespace fusedlayer::server {
 namespace {

@@ -18,7 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "config.h"
-#include "exec/executor.h"
+#include "runtime/executor.h"
 #include "exec/op_serving.h"
 #include "exec/weight_store.h"
 #include "fusedlayer/backend.h"

@@ -37,7 +37,7 @@ struct ResidualSessionMetrics {
   prometheus::Gauge* bytes;     // fusedlayer_residual_session_bytes
 };
 
-// A bounded pool of page-locked staging memory (exec/host_staging_pool.h): one set of series per
+// A bounded pool of page-locked staging memory (runtime/host_staging_pool.h): one set of series per
 // pool, named `<metric>_bytes{state}`, `<metric>_waits_total`, `<metric>_misses_total`; `what` and
 // `flag` (the flag that bounds it) go into the help texts.
 struct StagingPoolMetrics {

@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "common/byte_budget.h"
-#include "exec/output_buffers.h"
+#include "runtime/output_buffers.h"
 #include "exec/transport_call.h"
 #include "fusedlayer/wire/tsan_annotations.h"
 #include "google/protobuf/message.h"
@@ -79,7 +79,7 @@ class UnaryCall : public grpc::ServerUnaryReactor {
 };
 
 // A compute call (MhcSeam, SwaNormQuant: raw methods, rpc/wire_messages.h): it owns the memory of
-// its output tensors that are not in the response message (outputs(), exec/output_buffers.h) and
+// its output tensors that are not in the response message (outputs(), runtime/output_buffers.h) and
 // its reference to its messages (shadow/shared_messages.h, dropped in OnDone); Complete() encodes
 // the response message and those outputs into gRPC's response ByteBuffer before Finish(). It holds
 // its admitted bytes (HoldBytes) until OnDone. To the compute engine it is the call's transport
@@ -93,7 +93,7 @@ class ComputeCall final : public UnaryCall, public TransportCall {
               shadow::SharedMessagesCount* messages)
       : UnaryCall(metrics, method, max_send_bytes, ctx, request_bytes, response), wire_(wire), messages_(messages) {}
 
-  // The output tensors that are not in the response message (exec/output_buffers.h).
+  // The output tensors that are not in the response message (runtime/output_buffers.h).
   OutputBuffers* outputs() override { return &outputs_; }
   // The call's admitted bytes (exec/compute_engine.h AdmitComputeBytes): given back in OnDone, once the
   // response has been sent or the call has failed, when its messages are no longer needed.

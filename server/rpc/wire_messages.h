@@ -4,12 +4,12 @@
 //   - the request is parsed here from gRPC's slices (what gRPC's generated handler would do, now
 //     on the call's own clock: it is part of the decode stage), and its slices are freed at once;
 //   - the response is the message (without the tensor data the call keeps outside it,
-//     exec/output_buffers.h) followed by one more occurrence of each such output's Tensor field
+//     runtime/output_buffers.h) followed by one more occurrence of each such output's Tensor field
 //     holding only its `data` (proto/fusedlayer/wire/tensor_patch.h: every parser reads one message
 //     with dtype, shape and data). The data goes to gRPC as slices over the outputs' own memory: no copy.
 //   - on a device backend the request is read instead (ReadWireRequest): the data of its tensors
 //     goes from gRPC's slices straight into one block of page-locked memory, which the lane copies
-//     to the device from as it is (exec/device_staging.h), and only the rest is parsed by protobuf.
+//     to the device from as it is (runtime/device_staging.h), and only the rest is parsed by protobuf.
 //     One host pass over the tensor bytes instead of two (the parse into the message, then the
 //     copy into staging): on the H200 each pass over an mHC seam C = 7168 T = 64 (4.4 MiB) cost
 //     ~0.5 ms of its ~1.3 ms server time.
@@ -22,8 +22,8 @@
 
 #include "absl/status/status.h"
 #include "codec/wire_tensor_data.h"
-#include "exec/host_staging_pool.h"
-#include "exec/output_buffers.h"
+#include "runtime/host_staging_pool.h"
+#include "runtime/output_buffers.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "google/protobuf/message.h"
 #include "grpcpp/support/byte_buffer.h"

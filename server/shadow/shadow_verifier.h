@@ -34,7 +34,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "exec/executor.h"
+#include "runtime/executor.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "prometheus/registry.h"

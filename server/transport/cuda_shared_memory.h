@@ -2,7 +2,7 @@
 // from their own process with cudaIpcGetMemHandle, which the kernels then read and write in place.
 // A request that references them moves no tensor byte through the socket or the host: its views
 // point into the client's allocation and the lanes hand them to the kernels untouched
-// (exec/device_range.h, ExecTarget::resident).
+// (runtime/device_range.h, ExecTarget::resident).
 //
 // What the server trusts and what it does not:
 //   - The bounds come from the driver, never the client: an opened handle is the whole allocation
@@ -37,7 +37,7 @@
 #include "absl/status/statusor.h"
 #include "common/annotated_mutex.h"
 #include "common/periodic_task.h"
-#include "exec/device_range.h"
+#include "runtime/device_range.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "metrics/component_metrics.h"

@@ -6,7 +6,7 @@
 // host memory on the CPU backend), allocated at open. A call reads the current copy and writes the
 // other; only a call that succeeded makes its copy current (Lease::Commit), so a failed call (or a
 // fused launch re-run unfused) leaves the state as it was. The views of both copies lie in the
-// block, which the lanes pass to the kernels untouched (exec/device_range.h): no tensor byte of
+// block, which the lanes pass to the kernels untouched (runtime/device_range.h): no tensor byte of
 // the state crosses PCIe or the socket.
 //
 // Calls of one session are serial: a call holds the session (Acquire) from decode to its response,
@@ -36,7 +36,7 @@
 #include "absl/status/statusor.h"
 #include "common/annotated_mutex.h"
 #include "common/periodic_task.h"
-#include "exec/device_range.h"
+#include "runtime/device_range.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/tensor.h"
 #include "metrics/component_metrics.h"

@@ -556,7 +556,7 @@ bool TensorTransfer::UseInputsInPlace(const std::vector<std::pair<const char*, c
     bytes += r->byte_size;
   }
   if (region == nullptr || bytes == 0) return false;
-  // As the lane lays out inputs it copies in one piece (exec/device_staging.h), and no span
+  // As the lane lays out inputs it copies in one piece (runtime/device_staging.h), and no span
   // that is mostly gaps between the inputs (the device block is the span's size).
   const HostRange span = OneCopySpan(std::span<const HostPiece>(pieces, n));
   if (span.begin == nullptr || static_cast<uint64_t>(span.end - span.begin) > 2 * bytes + 4096) return false;
@@ -660,7 +660,7 @@ absl::Status TensorTransfer::WriteOutputs(OutputBuffers* external) {
   }
   for (const Output& o : outputs_) {
     if (o.in_place != nullptr) continue;  // the device wrote it there (its region checked above)
-    // On a GPU lane the call's buffer is the lane's lent page-locked block (exec/output_buffers.h):
+    // On a GPU lane the call's buffer is the lane's lent page-locked block (runtime/output_buffers.h):
     // the output goes from there to the object with no copy in between.
     const OutputBuffers::Buffer* buffer = external != nullptr ? external->Find(o.field) : nullptr;
     const char* data = buffer != nullptr ? buffer->data : o.tensor->data().data();

@@ -47,9 +47,9 @@
 #include "auth/unix_peers.h"
 #include "common/annotated_mutex.h"
 #include "common/periodic_task.h"
-#include "exec/device_range.h"
-#include "exec/host_staging_pool.h"
-#include "exec/output_buffers.h"
+#include "runtime/device_range.h"
+#include "runtime/host_staging_pool.h"
+#include "runtime/output_buffers.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "metrics/component_metrics.h"
 #include "prometheus/counter.h"
@@ -261,7 +261,7 @@ class TensorTransfer {
 
   // On a device backend: read the inputs (at most `input_bytes` in all, SharedMemoryInputBytes)
   // into one page-locked block of `pool` instead of ordinary memory, so that the lane copies them
-  // to the device from where they were read, with no staging memcpy (exec/device_staging.h). Never
+  // to the device from where they were read, with no staging memcpy (runtime/device_staging.h). Never
   // waits: when the pool has no block free, the inputs go to ordinary memory as before.
   void ReadInputsIntoPinned(HostStagingPool* pool, uint64_t input_bytes);
   // On a device backend, before decode, in place of ReadInputsIntoPinned: when every input of the

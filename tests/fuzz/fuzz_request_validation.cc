@@ -25,7 +25,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "fuzz_weights_fixture.h"
 #include "prometheus/registry.h"
-#include "exec/output_buffers.h"
+#include "runtime/output_buffers.h"
 #include "rpc/proto_convert.h"
 #include "transport/cuda_shared_memory.h"
 #include "transport/shared_memory.h"

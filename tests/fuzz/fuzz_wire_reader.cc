@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "exec/host_staging_pool.h"
-#include "exec/parallel_copy.h"
+#include "runtime/host_staging_pool.h"
+#include "runtime/parallel_copy.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/support/byte_buffer.h"

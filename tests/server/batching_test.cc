@@ -1,4 +1,4 @@
-// Dynamic batching (server/exec/executor.h, server/exec/batch_assembly.h): the executor's batch
+// Dynamic batching (server/runtime/executor.h, server/exec/batch_assembly.h): the executor's batch
 // forming with fake tasks (deterministic: the worker is held while the queue fills), and end to end
 // over gRPC: requests that shared a launch get outputs bitwise equal to the library run on each
 // request alone, reports that say so, and the batching metrics; the same on the machine's default
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "exec/executor.h"
+#include "runtime/executor.h"
 #include "gtest/gtest.h"
 #include "server_test_env.h"
 #include "test_util.h"

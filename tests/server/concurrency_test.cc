@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "exec/executor.h"
+#include "runtime/executor.h"
 #include "gtest/gtest.h"
 #include "thread_pool.h"
 #include "exec/weight_store.h"

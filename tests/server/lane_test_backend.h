@@ -1,5 +1,5 @@
 // A test-only backend that is NOT host-accessible and has real lanes (backend.h), so the server's
-// pipelined data path (exec/op_calls.h: pinned staging, stream-ordered copies, one wait per
+// pipelined data path (runtime/op_calls.h: pinned staging, stream-ordered copies, one wait per
 // request, several lanes per device) runs in CI without a GPU.
 //
 //   - "Device" memory is its own heap blocks, filled with a poison pattern when allocated; the

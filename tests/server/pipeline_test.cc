@@ -1,4 +1,4 @@
-// The pipelined data path (server/exec/op_calls.h, device_lanes.h, host_staging_pool.h) on the
+// The pipelined data path (server/runtime/op_calls.h, device_lanes.h, host_staging_pool.h) on the
 // lane test backend (lane_test_backend.h): a backend whose memory is apart from the host's and
 // whose lanes execute their queues asynchronously on their own threads, so a missing wait, an
 // early free or a copy from pageable memory shows up as a wrong result or a failed request.
@@ -18,14 +18,14 @@
 
 #include "client/lib/fusedlayer_client.h"
 #include "client/lib/wire_request.h"
-#include "exec/device_lanes.h"
-#include "exec/device_staging.h"
-#include "exec/executor.h"
-#include "exec/host_staging_pool.h"
-#include "exec/parallel_copy.h"
-#include "exec/streaming_copy.h"
-#include "exec/op_calls.h"
-#include "exec/output_buffers.h"
+#include "runtime/device_lanes.h"
+#include "runtime/device_staging.h"
+#include "runtime/executor.h"
+#include "runtime/host_staging_pool.h"
+#include "runtime/parallel_copy.h"
+#include "runtime/streaming_copy.h"
+#include "runtime/op_calls.h"
+#include "runtime/output_buffers.h"
 #include "gtest/gtest.h"
 #include "lane_test_backend.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -981,7 +981,7 @@ TEST(Pipeline, IdleSpinIsAutoOnLanesAndOffOnTheCpu) {
   }
 }
 
-// A request whose outputs are outside its response message (exec/output_buffers.h) run alone on
+// A request whose outputs are outside its response message (runtime/output_buffers.h) run alone on
 // a lane: the staging block is lent to its outputs instead of being copied into them, the outputs
 // are bitwise those of the CPU run, and the block goes back to the pool when the last owner of the
 // outputs (a response slice, here the test) lets go. At most half of the bound is ever lent: past

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "config.h"
-#include "exec/executor.h"
+#include "runtime/executor.h"
 #include "fusedlayer/numeric.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"

@@ -1,11 +1,11 @@
-// Wake-ups per task of the executor (server/exec/executor.h) as a concurrency-1 caller of a GPU
+// Wake-ups per task of the executor (server/runtime/executor.h) as a concurrency-1 caller of a GPU
 // server with 4 lanes uses it: 4 workers with idle spinning (--executor_spin_us=500), one thread
 // submitting a trivial task, waiting for it to run, then spending ~100 us elsewhere (its round
 // trip) before the next. Prints wall and CPU time per task, the process's context switches per
 // task (getrusage) and the queue wait. Measurement only: never linked into fusedlayer.
 //
 //   g++ -O2 -std=c++20 -Iserver bench/experiments/executor_wakeups/executor_wakeups.cc \
-//       server/exec/executor.cc -labsl_status -labsl_strings -lpthread -o /tmp/executor_wakeups
+//       server/runtime/executor.cc -labsl_status -labsl_strings -lpthread -o /tmp/executor_wakeups
 //   /tmp/executor_wakeups 4     (workers; 1 for the one-lane baseline)
 #include <sys/resource.h>
 
@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "exec/executor.h"
+#include "runtime/executor.h"
 
 using fusedlayer::server::Executor;
 using fusedlayer::server::SpinOptions;

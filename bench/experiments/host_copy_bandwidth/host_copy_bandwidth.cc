@@ -1,10 +1,10 @@
 // How fast one host thread (and 2 or 4) gathers a request's data into pinned staging: memcpy
-// (what the server did before exec/streaming_copy.h) against StreamingCopy, the source warm (just
+// (what the server did before runtime/streaming_copy.h) against StreamingCopy, the source warm (just
 // written by the copying thread, as gRPC's read leaves a request's slices) or cold (evicted), cut
 // into pieces of 8 KiB or 1 MiB (gRPC's slices), into page-locked (cudaHostAlloc) or pageable memory.
 // Medians of 21 copies, GB/s. Not part of the build:
 //   g++ -O2 -std=c++20 -I server -I /usr/local/cuda/include \
-//     bench/experiments/host_copy_bandwidth/host_copy_bandwidth.cc server/exec/streaming_copy.cc \
+//     bench/experiments/host_copy_bandwidth/host_copy_bandwidth.cc server/runtime/streaming_copy.cc \
 //     -L /usr/local/cuda/lib64 -lcudart -lpthread -o /tmp/host_copy_bandwidth
 #include <cuda_runtime.h>
 
@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "exec/streaming_copy.h"
+#include "runtime/streaming_copy.h"
 
 namespace {
 using fusedlayer::server::StreamingCopy;

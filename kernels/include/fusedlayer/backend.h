@@ -110,7 +110,7 @@ class Backend {
   // Memory for request tensors. ResourceExhausted when the device is out of memory.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
   // Page-locked host memory the device copies from and to asynchronously (a lane's staging;
-  // the server pools and bounds it, server/exec/host_staging_pool.h). ResourceExhausted when the
+  // the server pools and bounds it, server/runtime/host_staging_pool.h). ResourceExhausted when the
   // system refuses it. A host-accessible backend needs none: Unimplemented.
   virtual absl::StatusOr<DeviceBuffer> AllocateHostStaging(size_t bytes);
   // Page-locks `bytes` of host memory the caller already has at `p` (a mapping of a client's

@@ -1,6 +1,6 @@
 // Wall time of the executor-side stages of one compute call (ExecutionReport.stages in the proto
-// says what each covers). Filled by the code at the real boundaries (exec/op_calls.cc,
-// exec/device_staging.cc) with the steady clock; a call that runs twice (a fused failure re-run
+// says what each covers). Filled by the code at the real boundaries (runtime/op_calls.cc,
+// runtime/device_staging.cc) with the steady clock; a call that runs twice (a fused failure re-run
 // unfused) adds both runs up.
 #pragma once
 

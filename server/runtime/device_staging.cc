@@ -1,4 +1,4 @@
-#include "exec/device_staging.h"
+#include "runtime/device_staging.h"
 
 #include <algorithm>
 #include <cstring>

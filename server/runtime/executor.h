@@ -1,4 +1,4 @@
-// The per-device executor: one worker thread per device lane (--device_lanes, exec/device_lanes.h;
+// The per-device executor: one worker thread per device lane (--device_lanes, runtime/device_lanes.h;
 // one on the CPU backend), all taking device-touching tasks from ONE queue in FIFO order: compute
 // requests, weight uploads (Prepare*), warm-ups. gRPC reactors never block: they validate inline,
 // Submit a task, and the task finishes the RPC from the worker. A compute task runs on its

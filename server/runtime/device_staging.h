@@ -9,17 +9,17 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "exec/device_range.h"
-#include "exec/host_staging_pool.h"
-#include "exec/output_buffers.h"
-#include "exec/stage_times.h"
+#include "runtime/device_range.h"
+#include "runtime/host_staging_pool.h"
+#include "runtime/output_buffers.h"
+#include "runtime/stage_times.h"
 #include "fusedlayer/backend.h"
 
 namespace fusedlayer::server {
 
 class DeviceStaging {
  public:
-  // Views inside `resident` (backend memory the server keeps, exec/device_range.h) pass through.
+  // Views inside `resident` (backend memory the server keeps, runtime/device_range.h) pass through.
   explicit DeviceStaging(Backend& backend, DeviceRanges resident = {})
       : backend_(backend), direct_(backend.host_accessible()), resident_(resident) {}
 
@@ -39,7 +39,7 @@ class DeviceStaging {
   std::vector<std::pair<TensorView, TensorView>> outputs_;  // (host, device)
 };
 
-// A call's tensors on a lane (see exec/op_calls.h for the stages): Input/Output record where each
+// A call's tensors on a lane (see runtime/op_calls.h for the stages): Input/Output record where each
 // host view's device copy goes, Stage() takes one staging block for all of them (inputs first,
 // then outputs), memcpy's the inputs in and enqueues their copy to the device (one copy per ~1 MiB
 // chunk of the inputs' range, not per tensor); after the op is enqueued, EnqueueCopiesBack()
@@ -57,7 +57,7 @@ class DeviceStaging {
 // Outputs that lie in `pinned_outputs` (page-locked memory that outlives the call) are copied back
 // by the device each where it lies, one copy per output, and never pass through staging.
 // Views that lie in `resident` (device memory the server keeps between calls: a residual session,
-// exec/device_range.h) are the kernels' as they are: neither staged nor copied.
+// runtime/device_range.h) are the kernels' as they are: neither staged nor copied.
 class LaneStaging {
  public:
   LaneStaging(Lane& lane, HostStagingPool& pool, HostRange pinned = {}, HostRange pinned_outputs = {},

@@ -2,7 +2,7 @@
 // residual session's state the server keeps between calls (transport/residual_sessions.h), or the
 // client's own device buffers a request references in CUDA shared memory (transport/
 // cuda_shared_memory.h). Views inside it are handed to the kernels as they are, never staged or
-// copied (exec/device_staging.h).
+// copied (runtime/device_staging.h).
 #pragma once
 
 #include <array>

@@ -3,8 +3,8 @@
 //
 // Where it runs (ExecTarget):
 //   - host-accessible backend (CPU): the host views are handed to the kernels as they are, no copy;
-//   - a lane (exec/device_lanes.h), the serving path of a GPU: the request's tensors are memcpy'd
-//     into ONE block of pinned staging (exec/host_staging_pool.h), copied to the device with
+//   - a lane (runtime/device_lanes.h), the serving path of a GPU: the request's tensors are memcpy'd
+//     into ONE block of pinned staging (runtime/host_staging_pool.h), copied to the device with
 //     stream-ordered copies, the op runs, the outputs are copied back into the staging block, and
 //     the call waits once on its lane (an event, never a device-wide sync) before memcpy'ing the
 //     outputs into the response bytes:
@@ -13,11 +13,11 @@
 //                                                                       --memcpy--> response bytes
 //       (host, the lane's worker)  (async on the lane's stream ..................)  (after Wait)
 //
-//     where the response's outputs are outside its message (exec/output_buffers.h), the last
+//     where the response's outputs are outside its message (runtime/output_buffers.h), the last
 //     memcpy is replaced by lending the staging block to the response, which gRPC then sends
 //     from as it is;
 //
-//   - otherwise the backend's default context, synchronously (exec/device_staging.h): warm-up and
+//   - otherwise the backend's default context, synchronously (runtime/device_staging.h): warm-up and
 //     shadow verification, which are rare and serialised by the executor.
 #pragma once
 
@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "exec/device_range.h"
-#include "exec/host_staging_pool.h"
-#include "exec/stage_times.h"
+#include "runtime/device_range.h"
+#include "runtime/host_staging_pool.h"
+#include "runtime/stage_times.h"
 #include "fusedlayer/backend.h"
 
 namespace fusedlayer::server {
@@ -58,7 +58,7 @@ struct ExecTarget {
   HostStagingPool* staging = nullptr;  // set with `lane`
   StageTimes* times = nullptr;         // when set, the run's stage times are added to it
   // The buffers the call's host output views point into (one request's response outside its
-  // message, exec/output_buffers.h), or null: on a lane they may take over the staging block
+  // message, runtime/output_buffers.h), or null: on a lane they may take over the staging block
   // instead of having the outputs copied into them.
   OutputBuffers* outputs = nullptr;
   // Page-locked host memory that outlives the run, or empty: inputs viewed inside it are copied to

@@ -1,6 +1,6 @@
 // memcpy for destinations the CPU does not read again: the pinned blocks that the device copies
 // from by DMA (a request's data gathered from gRPC's slices, rpc/wire_messages.h; inputs staged by
-// exec/device_staging.h). On x86-64 with AVX2, StreamingCopy writes its destination with
+// runtime/device_staging.h). On x86-64 with AVX2, StreamingCopy writes its destination with
 // non-temporal (streaming) stores; elsewhere it is a plain memcpy. Why: an ordinary store first
 // reads each destination line into the cache (a read for ownership) and leaves it dirty there, so
 // the copy moves its bytes three times and the device's DMA then has to take the lines from the

@@ -1,10 +1,10 @@
-#include "exec/op_calls.h"
+#include "runtime/op_calls.h"
 
 #include <utility>
 
 #include "common/status_macros.h"
-#include "exec/device_staging.h"
-#include "exec/host_staging_pool.h"
+#include "runtime/device_staging.h"
+#include "runtime/host_staging_pool.h"
 
 namespace fusedlayer::server {
 namespace {

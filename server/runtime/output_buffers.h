@@ -6,9 +6,9 @@
 //   CPU backend   the kernels write into uninitialised heap buffers, which the response's slices
 //                 reference (no zero-fill, no serialization copy);
 //   GPU lane      the outputs' copies back from the device land in the lane's pinned staging
-//                 block, and the block itself is lent to the response (exec/host_staging_pool.h
+//                 block, and the block itself is lent to the response (runtime/host_staging_pool.h
 //                 Lend) instead of being memcpy'd into the heap buffers: the heap buffers are then
-//                 dropped (exec/device_staging.h LaneStaging::Finish).
+//                 dropped (runtime/device_staging.h LaneStaging::Finish).
 //
 // Each buffer is kept alive by a shared owner: the call holds one reference, and each slice of
 // the response another, so the memory lives until gRPC has written it to the socket, whichever

@@ -1,4 +1,4 @@
-#include "exec/executor.h"
+#include "runtime/executor.h"
 
 #include <thread>
 #include <utility>

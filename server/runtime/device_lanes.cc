@@ -1,4 +1,4 @@
-#include "exec/device_lanes.h"
+#include "runtime/device_lanes.h"
 
 #include <algorithm>
 #include <thread>

@@ -1,9 +1,9 @@
-#include "exec/parallel_copy.h"
+#include "runtime/parallel_copy.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "exec/streaming_copy.h"
+#include "runtime/streaming_copy.h"
 
 namespace fusedlayer::server {
 

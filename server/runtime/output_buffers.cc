@@ -1,4 +1,4 @@
-#include "exec/output_buffers.h"
+#include "runtime/output_buffers.h"
 
 #include <algorithm>
 #include <utility>

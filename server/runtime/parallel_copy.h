@@ -1,5 +1,5 @@
 // Large host memcpys split over a few helper threads: the copies into and out of the pinned
-// staging blocks (exec/device_staging.h, LaneStaging) on a backend whose memory the host cannot
+// staging blocks (runtime/device_staging.h, LaneStaging) on a backend whose memory the host cannot
 // touch. Why: one core moves ~6-8 GB/s here, and on the H200 host staging the 4.4 MiB of an mHC
 // seam C = 7168 T = 64 took 792 us of its 2.18 ms server time and copying its outputs back 567 us
 // (ExecutionReport.stages), against 167 us
@@ -15,7 +15,7 @@
 // for another request's work. Thread-safe.
 //
 // A call into pinned staging (Destination::kPinnedStaging: the device reads it, the CPU does not)
-// of kMinStreamingBytes or more is copied with streaming stores (exec/streaming_copy.h): on the
+// of kMinStreamingBytes or more is copied with streaming stores (runtime/streaming_copy.h): on the
 // H200 host 1.2-1.6x memcpy's rate into pinned memory, but 0.5-0.9x into pageable memory
 // (bench/experiments/host_copy_bandwidth).
 #pragma once

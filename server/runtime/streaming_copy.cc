@@ -1,4 +1,4 @@
-#include "exec/streaming_copy.h"
+#include "runtime/streaming_copy.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "exec/host_staging_pool.h"
-#include "exec/op_calls.h"
+#include "runtime/host_staging_pool.h"
+#include "runtime/op_calls.h"
 #include "fusedlayer/backend.h"
 
 namespace fusedlayer::server {

@@ -1,4 +1,4 @@
-#include "exec/host_staging_pool.h"
+#include "runtime/host_staging_pool.h"
 
 #include <chrono>
 #include <utility>

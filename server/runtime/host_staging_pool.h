@@ -1,4 +1,4 @@
-// The bounded pool of page-locked host staging memory that lanes copy through (exec/op_calls.h).
+// The bounded pool of page-locked host staging memory that lanes copy through (runtime/op_calls.h).
 // Pinned memory is expensive to allocate (cudaHostAlloc maps and locks pages: ~ms per MiB) and
 // takes physical memory from the whole machine, so blocks are kept for reuse in power-of-two size
 // classes and everything the pool holds (in use + kept) stays under --host_staging_bytes.
@@ -10,7 +10,7 @@
 // When the bound is taken by other lanes' requests, Acquire waits for one of them to finish.
 //
 // A block may outlive its request: Lend() hands it to the request's response, whose slices gRPC
-// is still writing to the socket (exec/output_buffers.h), and it comes back when gRPC lets go of
+// is still writing to the socket (runtime/output_buffers.h), and it comes back when gRPC lets go of
 // them. Lent blocks count as in use, and at most half of the bound may be lent, so responses that a
 // slow client does not read never take the staging the lanes need to run.
 // Thread-safe.
@@ -24,7 +24,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "exec/parallel_copy.h"
+#include "runtime/parallel_copy.h"
 #include "fusedlayer/backend.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
@@ -61,7 +61,7 @@ struct HostPiece {
 // The span from the lowest to the end of the highest of `pieces` (those of 0 bytes ignored) when
 // they can go to the device in one copy at their offsets in it, i.e. each lies a multiple of
 // kOneCopyAlignment from the lowest; empty when not, or when there are no bytes. The one rule
-// both LaneStaging (exec/device_staging.h) and the shared-memory transport's in-place check
+// both LaneStaging (runtime/device_staging.h) and the shared-memory transport's in-place check
 // (transport/shared_memory.h, UseInputsInPlace) apply, so the transport never admits a layout
 // the lane would refuse.
 template <typename Pieces>
