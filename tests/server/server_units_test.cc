@@ -793,11 +793,13 @@ TEST(Config, DisableFusedAndLimits) {
   }
   c.residual_session_idle_seconds = 1;
   EXPECT_TRUE(c.Validate().ok());
-  // Call rings: rings [1, 4096] in all and per identity, slots [1, 1024], spin [0, 100000] us.
+  // Call rings: rings [1, 4096] in all and per identity, slots [1, 1024], spin [0, 100000] us,
+  // pollers [0, 64] (0: one per 8 cores, 1 to 4).
   for (auto [field, lo, hi] : {std::tuple{&server::ServerConfig::call_ring_max_rings, int64_t{1}, int64_t{4096}},
                                {&server::ServerConfig::call_ring_max_per_identity, int64_t{1}, int64_t{4096}},
                                {&server::ServerConfig::call_ring_max_slots, int64_t{1}, int64_t{1024}},
-                               {&server::ServerConfig::call_ring_spin_us, int64_t{0}, int64_t{100000}}}) {
+                               {&server::ServerConfig::call_ring_spin_us, int64_t{0}, int64_t{100000}},
+                               {&server::ServerConfig::call_ring_pollers, int64_t{0}, int64_t{64}}}) {
     const int64_t kept = c.*field;
     for (const int64_t bad : {lo - 1, hi + 1}) {
       c.*field = bad;
