@@ -144,7 +144,7 @@ class FusedLayerService final : public FusedLayerCallbackBase {
     call->Complete(std::move(s));
     return call;
   }
-  // The same with `answer(queue_seconds)` run on the executor, as every change of the loaded
+  // The same with `answer()` run on the executor, as every change of the loaded
   // weight sets is (the backend's prepared weights are made and freed there).
   template <typename Request, typename Response, typename Answer>
   grpc::ServerUnaryReactor* AnswerOnExecutor(Method method, WhileDraining drain, grpc::CallbackServerContext* ctx,
