@@ -310,18 +310,20 @@ if want cudaipc; then
   stop_server "$OUT/cudaipc.log"
 fi
 # serversan: the server process itself under compute-sanitizer memcheck (its lanes, staging, the
-# kernels it launches, the IPC openings) while fusedctl drives every transport and both paths;
+# kernels it launches, the IPC openings, the stream's stores of ring completions) while fusedctl
+# drives every transport (call rings included) and both paths;
 # passes with 0 errors in the report written when the server exits (SIGTERM: drain, then exit).
 if want serversan; then
   echo "== server under compute-sanitizer memcheck"
   log="$OUT/sanitizer-server-memcheck.log"
   compute-sanitizer --tool memcheck --error-exitcode 9 ./fusedlayer_server --demo_weights --backend=cuda \
     --address=127.0.0.1:50201 --metrics_address=127.0.0.1:50202 --allow_shared_memory --allow_cuda_shared_memory \
-    > "$log" 2>&1 &
+    --allow_call_rings > "$log" 2>&1 &
   pid=$!
   for _ in $(seq 1 240); do ./fusedctl health --target=127.0.0.1:50201 --service=fusedlayer.mhc >/dev/null 2>&1 && break; sleep 1; done
   { C="--target=127.0.0.1:50201"
-    for transport in tcp shm cuda_ipc; do
+    # ring_cuda_ipc: completions stored by the lane's stream after the kernels (cuStreamWriteValue32).
+    for transport in tcp shm cuda_ipc ring ring_cuda_ipc; do
       must ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64 --transport=$transport
       must ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=3 --transport=$transport --path=force_unfused
       must ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=64 --transport=$transport
