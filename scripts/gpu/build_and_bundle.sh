@@ -52,7 +52,8 @@ done
 strip_flag=-s; [ "${PROFILE_TOOLS:-0}" = 1 ] && strip_flag=--strip-debug
 for e in "${exes[@]}"; do strip $strip_flag "$stage/$(basename "$e")"; done
 rm -rf "$base_dir"
-cp "$root/bench/gpu/torch_peers.py" "$root/bench/gpu/torch_mhc_peer.py" "$root/scripts/gpu/run_device.sh" "$stage/"
+cp "$root/bench/gpu/torch_peers.py" "$root/bench/gpu/torch_mhc_peer.py" "$root/bench/gpu/torch_seam_copy_floor.py" \
+  "$root/scripts/gpu/run_device.sh" "$stage/"
 mkdir -p "$pack"
 # xz -9: its 64 MiB dictionary spans several executables, so the kernels' fatbins that each of them
 # carries are stored about once (147 MB -> 14 MB; at xz's default -6, an 8 MiB dictionary, 60 MB).

@@ -201,7 +201,9 @@ if want mhcncu; then
   done > "$OUT/mhc-ncu.log" 2>&1; cat "$OUT/mhc-ncu.log"
 fi
 if want torch; then
-  { PYTHONUNBUFFERED=1 timeout 150 python3 torch_mhc_peer.py --quick; PYTHONUNBUFFERED=1 timeout 120 python3 torch_peers.py --quick; } > "$OUT/torch.log" 2>&1; tail -30 "$OUT/torch.log"
+  # The peers, then the mHC seam's practical floor on this card (a copy of the same bytes).
+  { PYTHONUNBUFFERED=1 timeout 150 python3 torch_mhc_peer.py --quick; PYTHONUNBUFFERED=1 timeout 120 python3 torch_peers.py --quick
+    PYTHONUNBUFFERED=1 timeout 120 python3 torch_seam_copy_floor.py; } > "$OUT/torch.log" 2>&1; tail -50 "$OUT/torch.log"
 fi
 if want smoke; then
   echo "== server smoke (CUDA backend, demo weights)"
