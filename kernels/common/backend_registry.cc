@@ -53,6 +53,14 @@ absl::StatusOr<std::unique_ptr<Lane>> Backend::CreateLane() {
   return absl::UnimplementedError(absl::StrCat("the ", std::string(kind()), " backend has no lanes"));
 }
 
+int VisibleGpuCount() {
+#if FUSEDLAYER_HAS_GPU
+  return GpuDeviceCount();
+#else
+  return 0;
+#endif
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view kind, const BackendOptions& options) {
   if (kind == "cpu") return CreateCpuBackend(options);
 #if FUSEDLAYER_HAS_GPU

@@ -471,6 +471,15 @@ std::string_view GpuBackendKind() {
 #endif
 }
 
+int GpuDeviceCount() {
+  int count = 0;
+  if (gpuGetDeviceCount(&count) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return 0;
+  }
+  return count;
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateGpuBackend(const BackendOptions& options) {
   auto ctx = GpuContext::Create(options.device_index);
   if (!ctx.ok()) return ctx.status();

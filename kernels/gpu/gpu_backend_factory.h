@@ -13,6 +13,9 @@ namespace fusedlayer {
 // device is present, so CreateBackend("auto") falls back to the CPU.
 absl::StatusOr<std::unique_ptr<Backend>> CreateGpuBackend(const BackendOptions& options);
 
+// GPUs the runtime reports (0 when it reports an error: no driver, no device).
+int GpuDeviceCount();
+
 // "cuda" or "hip": the GPU backend compiled into this build.
 std::string_view GpuBackendKind();
 

@@ -64,7 +64,9 @@ using gpuMemPool_t = hipMemPool_t;
 #define gpuMemPoolTrimTo hipMemPoolTrimTo
 #define gpuMemPoolAttrReleaseThreshold hipMemPoolAttrReleaseThreshold
 #define gpuFreeHost hipHostFree
-inline hipError_t gpuHostAlloc(void** p, size_t bytes) { return hipHostMalloc(p, bytes, hipHostMallocDefault); }
+// Portable: page-locked for every device of the process (a server serving several GPUs stages
+// every device's requests in one pool).
+inline hipError_t gpuHostAlloc(void** p, size_t bytes) { return hipHostMalloc(p, bytes, hipHostMallocPortable); }
 // Mapped: the device can address the memory (gpuStreamWriteValue32 stores into it); portable: for
 // every device of the process.
 inline hipError_t gpuHostRegister(void* p, size_t bytes) {
@@ -142,7 +144,9 @@ using gpuMemPool_t = cudaMemPool_t;
 #define gpuMemPoolTrimTo cudaMemPoolTrimTo
 #define gpuMemPoolAttrReleaseThreshold cudaMemPoolAttrReleaseThreshold
 #define gpuFreeHost cudaFreeHost
-inline cudaError_t gpuHostAlloc(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, cudaHostAllocDefault); }
+// Portable: page-locked for every device of the process (a server serving several GPUs stages
+// every device's requests in one pool).
+inline cudaError_t gpuHostAlloc(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, cudaHostAllocPortable); }
 // Mapped: the device can address the memory (gpuStreamWriteValue32 stores into it); portable: for
 // every device of the process.
 inline cudaError_t gpuHostRegister(void* p, size_t bytes) {

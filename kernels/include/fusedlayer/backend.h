@@ -197,6 +197,10 @@ class Lane {
 // The CPU backend, always available (kernels/cpu).
 std::unique_ptr<Backend> CreateCpuBackend(const BackendOptions& options = {});
 
+// The GPUs of the compiled-in GPU backend this process can see (CUDA_VISIBLE_DEVICES and the like
+// apply); 0 without a GPU backend or a driver.
+int VisibleGpuCount();
+
 // "cpu", "cuda", "hip", or "auto" (a GPU backend when one was compiled in and a device is present,
 // else the CPU). NotFound / Unavailable with a clear message when the kind cannot be had.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view kind,
