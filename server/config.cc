@@ -1,8 +1,10 @@
 #include "config.h"
 
+#include <algorithm>
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -60,7 +62,33 @@ uint64_t ServerConfig::EffectiveResidualSessionTotalBytes() const {
   return residual_session_total_bytes > 0 ? residual_session_total_bytes : MemoryForDefaults() / 4;
 }
 
+absl::StatusOr<std::vector<int>> ParseDeviceList(const std::string& spec, int visible_gpus) {
+  constexpr int kMaxDevices = 64;
+  std::vector<int> ids;
+  if (spec.empty()) return std::vector<int>{0};
+  if (spec == "all") {
+    for (int i = 0; i < std::max(visible_gpus, 1); ++i) ids.push_back(i);
+    return ids;
+  }
+  for (absl::string_view part : absl::StrSplit(spec, ',')) {
+    int id = -1;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &id) || id < 0 || id >= 1024) {
+      return absl::InvalidArgumentError(absl::StrCat("--devices=", spec, ": \"", part,
+                                                     "\" is not a device index (want all, or a list like 0,1)"));
+    }
+    if (std::find(ids.begin(), ids.end(), id) != ids.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("--devices=", spec, ": device ", id, " is listed twice"));
+    }
+    ids.push_back(id);
+  }
+  if (ids.size() > kMaxDevices) {
+    return absl::InvalidArgumentError(absl::StrCat("--devices=", spec, ": at most ", kMaxDevices, " devices"));
+  }
+  return ids;
+}
+
 absl::Status ServerConfig::Validate() const {
+  if (absl::StatusOr<std::vector<int>> ids = ParseDeviceList(devices, 0); !ids.ok()) return ids.status();
   if (address.empty()) return absl::InvalidArgumentError("--address must not be empty");
   if (const ListenKind kind = ListenKindOf(address); kind != ListenKind::kTcp) {
     const bool abstract = kind == ListenKind::kUnixAbstract;

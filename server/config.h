@@ -30,11 +30,19 @@ std::string UnixAbstractName(std::string_view address);
 // caller's next request finds a worker awake.
 inline constexpr int64_t kAutoExecutorSpinUs = 500;
 
+// The device indices --devices names: "" = {0}; "all" = 0 .. visible_gpus-1 (at least {0}: a CPU
+// server, or none visible, whose start-up check then reports it); otherwise distinct non-negative
+// integers, at most 64. INVALID_ARGUMENT naming what is wrong.
+absl::StatusOr<std::vector<int>> ParseDeviceList(const std::string& spec, int visible_gpus);
+
 struct ServerConfig {
   // host:port, unix:PATH or unix-abstract:NAME (see ListenKind).
   std::string address = "0.0.0.0:50051";
   std::string metrics_address = "0.0.0.0:9464";  // empty: no Exposer (metrics still collected)
   std::string backend = "auto";
+  // --devices: "" (the first device), "all", or a comma-separated list of device indices
+  // (ParseDeviceList).
+  std::string devices;
   bool demo_weights = false;
   std::string weights_manifest;
   bool disable_fused_mhc = false;  // --disable_fused=mhc

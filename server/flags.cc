@@ -20,6 +20,11 @@ ABSL_FLAG(std::string, address, "0.0.0.0:50051",
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9464",
           "Prometheus /metrics listen address (host:port); empty disables the HTTP endpoint");
 ABSL_FLAG(std::string, backend, "auto", "compute backend: auto (a GPU when present, else cpu), cpu, cuda, hip");
+ABSL_FLAG(std::string, devices, "",
+          "the devices one server serves on: empty = the first (GPU 0, or one CPU device), all = every GPU this "
+          "process sees, or a list of GPU indices 0,1,...; on the CPU backend a list of N numbers splits the cores "
+          "into N devices. Weight sets are resident on every device; a call runs on the device of its CUDA "
+          "shared-memory tensors or session, on the one it names (device_id), else on the least-loaded");
 ABSL_FLAG(bool, demo_weights, false,
           "load the seeded random demo weight sets v41-flash/demo and v4-pro/demo at startup");
 ABSL_FLAG(std::string, weights_manifest, "", "JSON manifest of weight sets (safetensors) to load at startup");
@@ -198,6 +203,7 @@ absl::StatusOr<ServerConfig> ConfigFromFlags() {
   c.address = absl::GetFlag(FLAGS_address);
   c.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   c.backend = absl::GetFlag(FLAGS_backend);
+  c.devices = absl::GetFlag(FLAGS_devices);
   c.demo_weights = absl::GetFlag(FLAGS_demo_weights);
   c.weights_manifest = absl::GetFlag(FLAGS_weights_manifest);
   if (absl::Status s = ParseDisableFused(absl::GetFlag(FLAGS_disable_fused), c); !s.ok()) return s;
@@ -285,7 +291,7 @@ struct FlagGroup {
 // which has none, so it printed "No flags matched". The groups follow docs/operations.md.
 const std::vector<FlagGroup>& FlagGroups() {
   static const auto* groups = new std::vector<FlagGroup>{
-      {"Serving", {"address", "metrics_address", "backend", "demo_weights", "weights_manifest", "drain_seconds",
+      {"Serving", {"address", "metrics_address", "backend", "devices", "demo_weights", "weights_manifest", "drain_seconds",
                    "max_connection_age_seconds"}},
       {"Compute requests and admission",
        {"disable_fused", "fused_max_tokens", "max_tokens", "max_message_bytes", "queue_capacity",

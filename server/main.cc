@@ -10,8 +10,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -107,18 +109,38 @@ int main(int argc, char** argv) {
     fs::LogInfo("--malloc_trim_threshold_bytes=", config->malloc_trim_threshold_bytes, " not applied");
   }
 
-  fusedlayer::BackendOptions options;
-  options.num_threads = config->cpu_threads;
-  options.fused_max_tokens = config->fused_max_tokens;
-  absl::StatusOr<std::unique_ptr<fusedlayer::Backend>> backend = fusedlayer::CreateBackend(config->backend, options);
-  if (!backend.ok()) {
-    return Fail(absl::StrCat("--backend=", config->backend, ": ", backend.status().message()));
-  }
 #if FUSEDLAYER_FAULT_INJECTION
   fs::FaultInjectingBackend* faults = nullptr;
-  backend = fs::WrapWithFaultInjectionFromFlag(*std::move(backend), &faults);
-  if (!backend.ok()) return Fail(std::string(backend.status().message()));
 #endif
+  // --devices: one backend per listed device. The first decides the kind (auto: a GPU when one
+  // is present); a later device whose backend cannot be made is left out by the server, reported.
+  absl::StatusOr<std::vector<int>> device_ids = fs::ParseDeviceList(config->devices, fusedlayer::VisibleGpuCount());
+  if (!device_ids.ok()) return Fail(std::string(device_ids.status().message()));
+  fusedlayer::BackendOptions options;
+  options.fused_max_tokens = config->fused_max_tokens;
+  // CPU devices split the cores between them unless --cpu_threads says how many each gets.
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  options.num_threads = config->cpu_threads > 0 ? config->cpu_threads
+                        : device_ids->size() > 1 ? std::max(1, cores / static_cast<int>(device_ids->size()))
+                                                 : 0;
+  std::vector<fs::DeviceCandidate> devices;
+  std::string kind = config->backend;
+  for (int id : *device_ids) {
+    options.device_index = id;
+    absl::StatusOr<std::unique_ptr<fusedlayer::Backend>> backend = fusedlayer::CreateBackend(kind, options);
+    if (devices.empty()) {
+      // The first device fails the start: the operator asked for a backend this host cannot give.
+      if (!backend.ok()) return Fail(absl::StrCat("--backend=", config->backend, ": ", backend.status().message()));
+      kind = std::string((*backend)->kind());  // every device of a server is of one kind
+#if FUSEDLAYER_FAULT_INJECTION
+      fs::FaultInjectingBackend* injecting = nullptr;
+      backend = fs::WrapWithFaultInjectionFromFlag(*std::move(backend), &injecting);
+      if (!backend.ok()) return Fail(std::string(backend.status().message()));
+      faults = injecting;
+#endif
+    }
+    devices.push_back(fs::DeviceCandidate{id, absl::StrCat(kind, ":", id), std::move(backend)});
+  }
 
   std::vector<std::pair<fs::PackedWeightSet, std::string>> initial;
   if (config->demo_weights) {
@@ -142,7 +164,7 @@ int main(int argc, char** argv) {
 
   const double drain_seconds = config->drain_seconds;
   absl::StatusOr<std::unique_ptr<fs::FusedLayerServer>> server =
-      fs::FusedLayerServer::Start(*std::move(config), *std::move(backend), std::move(initial));
+      fs::FusedLayerServer::Start(*std::move(config), std::move(devices), std::move(initial));
   if (!server.ok()) return Fail(server.status().ToString());
 #if FUSEDLAYER_FAULT_INJECTION
   // Armed only now: startup uploads and warm-ups ran clean. Tests wait for this line.

@@ -77,10 +77,26 @@ absl::Status PrepareUnixSocketPath(const std::string& address, const std::string
   return absl::OkStatus();
 }
 
+std::vector<shadow::ShadowDevice> ShadowDevicesOf(const ServingDevices& devices) {
+  std::vector<shadow::ShadowDevice> out;
+  for (size_t d = 0; d < devices.size(); ++d) out.push_back({devices[d].backend.get(), devices[d].executor.get()});
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     ServerConfig config, std::unique_ptr<Backend> backend,
+    std::vector<std::pair<PackedWeightSet, std::string>> initial_sets) {
+  std::vector<DeviceCandidate> devices;
+  const int id = backend->device_index() >= 0 ? backend->device_index() : 0;
+  std::string label = absl::StrCat(std::string(backend->kind()), ":", id);
+  devices.push_back(DeviceCandidate{id, std::move(label), std::move(backend)});
+  return Start(std::move(config), std::move(devices), std::move(initial_sets));
+}
+
+absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
+    ServerConfig config, std::vector<DeviceCandidate> candidates,
     std::vector<std::pair<PackedWeightSet, std::string>> initial_sets) {
   if (absl::Status s = config.Validate(); !s.ok()) return s;
   const ListenKind listen_kind = ListenKindOf(config.address);
@@ -104,9 +120,30 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   }
   std::unique_ptr<FusedLayerServer> srv(new FusedLayerServer(std::move(config)));
   const ServerConfig& cfg = srv->config_;
-  srv->backend_ = std::move(backend);
-  Backend& be = *srv->backend_;
-  const ServerIdentity identity{ServerVersion(), std::string(be.kind()), be.device_name(), be.arch()};
+  BatchingOptions batching;
+  batching.max_batch_tokens = cfg.max_batch_tokens;
+  batching.max_queue_delay = std::chrono::microseconds(cfg.max_queue_delay_us);
+
+  // Each device's start-up check: its backend was made, its lanes can be created. One that fails
+  // is reported and left out; the server serves on the others.
+  srv->devices_ = std::make_unique<ServingDevices>();
+  ServingDevices& devices = *srv->devices_;
+  std::vector<std::pair<std::unique_ptr<Backend>, DeviceCandidate*>> usable;
+  for (DeviceCandidate& c : candidates) {
+    if (!c.backend.ok()) {
+      LogError("device ", c.label, " left out: ", c.backend.status().message());
+      devices.AddLeftOut(LeftOutDevice{c.device_id, c.label, std::string(c.backend.status().message())});
+      continue;
+    }
+    usable.emplace_back(*std::move(c.backend), &c);
+  }
+  if (usable.empty()) {
+    std::string why;
+    for (const LeftOutDevice& d : devices.left_out()) absl::StrAppend(&why, why.empty() ? "" : "; ", d.label, ": ", d.error);
+    return absl::UnavailableError(absl::StrCat("no device passed its start-up check (", why, ")"));
+  }
+  Backend& first = *usable.front().first;
+  const ServerIdentity identity{ServerVersion(), std::string(first.kind()), first.device_name(), first.arch()};
   LogInfo("fusedlayer ", identity.version, ": backend ", identity.backend, ", device ", identity.device, ", arch ",
           identity.arch);
 
@@ -116,8 +153,50 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
           "); defaults from it: --max_inflight_bytes ", cfg.EffectiveMaxInflightBytes(), ", --grpc_memory_quota_bytes ",
           cfg.EffectiveGrpcMemoryQuotaBytes(), ", --max_upload_buffer_bytes ", cfg.EffectiveMaxUploadBufferBytes(),
           ", --residual_session_total_bytes ", cfg.EffectiveResidualSessionTotalBytes());
-  srv->metrics_ = std::make_unique<Metrics>(identity.version, identity.backend, identity.arch,
-                                            absl::StrCat(identity.backend, ":0"));
+  // Each serving device gets its series as it joins (Metrics::AddDevice: the same ordinal).
+  srv->metrics_ = std::make_unique<Metrics>(identity.version, identity.backend, identity.arch);
+  for (auto& [backend, candidate] : usable) {
+    // One staging pool for every device (page-locked for all of them): the primary's.
+    HostStagingPool* shared = devices.empty() ? nullptr : devices.primary().lanes->staging();
+    absl::StatusOr<std::unique_ptr<DeviceLanes>> lanes =
+        DeviceLanes::Create(*backend, cfg.device_lanes, static_cast<size_t>(cfg.host_staging_bytes),
+                            devices.empty() ? srv->metrics_->registry().get() : nullptr, cfg.host_copy_threads,
+                            devices.empty() ? static_cast<size_t>(cfg.request_staging_bytes) : 0, shared);
+    if (!lanes.ok()) {
+      LogError("device ", candidate->label, " left out: ", lanes.status().message());
+      devices.AddLeftOut(LeftOutDevice{candidate->device_id, candidate->label, std::string(lanes.status().message())});
+      continue;
+    }
+    auto device = std::make_unique<ServingDevice>();
+    device->device_id = candidate->device_id;
+    device->label = candidate->label;
+    device->backend = std::move(backend);
+    device->lanes = std::move(*lanes);
+    // Auto: spin on a GPU; on the CPU backend, whose kernels want every core, only where call rings
+    // are on (a ring client asked for latency), as long as the ring poller spins.
+    const int64_t spin_us = cfg.executor_spin_us >= 0 ? cfg.executor_spin_us
+                            : device->lanes->lanes() > 0 ? kAutoExecutorSpinUs
+                            : cfg.allow_call_rings       ? cfg.call_ring_spin_us
+                                                         : 0;
+    device->executor = std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching,
+                                                  device->lanes->workers(),
+                                                  SpinOptions{std::chrono::microseconds(spin_us)});
+    LogInfo("device ", device->label, " (", device->backend->device_name(), "): ", device->lanes->lanes(),
+            " lane(s) (--device_lanes), executor ", device->executor->workers(), " worker(s), idle spin ", spin_us,
+            " us (--executor_spin_us)");
+    srv->metrics_->AddDevice(device->label);
+    devices.Add(std::move(device));
+  }
+  if (devices.empty()) {
+    return absl::UnavailableError(absl::StrCat("no device passed its start-up check (", devices.left_out().front().label,
+                                               ": ", devices.left_out().front().error, ")"));
+  }
+  if (devices.primary().lanes->lanes() > 0) {
+    LogInfo("pinned staging up to ", cfg.host_staging_bytes, " bytes (--host_staging_bytes, shared by the ",
+            devices.size(), " device(s)), ", devices.primary().lanes->staging()->copier().helper_threads(),
+            " host copy helper threads (--host_copy_threads), requests read into pinned memory up to ",
+            cfg.request_staging_bytes, " bytes (--request_staging_bytes)");
+  }
   if (!cfg.metrics_address.empty()) {
     try {
       srv->exposer_ = std::make_unique<prometheus::Exposer>(cfg.metrics_address);
@@ -130,31 +209,8 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     srv->metrics_port_ = ports.empty() ? 0 : ports.front();
     LogInfo("metrics on http://", cfg.metrics_address, "/metrics (port ", srv->metrics_port_, ")");
   }
+  Backend& be = *devices.primary().backend;
 
-  BatchingOptions batching;
-  batching.max_batch_tokens = cfg.max_batch_tokens;
-  batching.max_queue_delay = std::chrono::microseconds(cfg.max_queue_delay_us);
-  absl::StatusOr<std::unique_ptr<DeviceLanes>> lanes =
-      DeviceLanes::Create(be, cfg.device_lanes, static_cast<size_t>(cfg.host_staging_bytes), srv->metrics_->registry().get(),
-                          cfg.host_copy_threads, static_cast<size_t>(cfg.request_staging_bytes));
-  if (!lanes.ok()) return lanes.status();
-  srv->lanes_ = std::move(*lanes);
-  if (srv->lanes_->lanes() > 0) {
-    LogInfo("device lanes: ", srv->lanes_->lanes(), " (--device_lanes), pinned staging up to ", cfg.host_staging_bytes,
-            " bytes (--host_staging_bytes), ", srv->lanes_->staging()->copier().helper_threads(),
-            " host copy helper threads (--host_copy_threads), requests read into pinned memory up to ",
-            cfg.request_staging_bytes, " bytes (--request_staging_bytes)");
-  }
-  // Auto: spin on a GPU; on the CPU backend, whose kernels want every core, only where call rings
-  // are on (a ring client asked for latency), as long as the ring poller spins.
-  const int64_t spin_us = cfg.executor_spin_us >= 0 ? cfg.executor_spin_us
-                          : srv->lanes_->lanes() > 0 ? kAutoExecutorSpinUs
-                          : cfg.allow_call_rings     ? cfg.call_ring_spin_us
-                                                     : 0;
-  LogInfo("executor: ", srv->lanes_->workers(), " worker(s), idle spin ", spin_us, " us (--executor_spin_us)");
-  srv->executor_ =
-      std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching, srv->lanes_->workers(),
-                                 SpinOptions{std::chrono::microseconds(spin_us)});
   shadow::ShadowOptions shadow_options;
   shadow_options.sample_rate = cfg.shadow_sample_rate;
   shadow_options.queue_size = cfg.shadow_queue_size;
@@ -167,10 +223,10 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   shadow_options.backend = identity.backend;
   shadow_options.device = identity.device;
   absl::StatusOr<std::unique_ptr<shadow::ShadowVerifier>> verifier =
-      shadow::ShadowVerifier::Create(std::move(shadow_options), be, *srv->executor_, *srv->metrics_->registry());
+      shadow::ShadowVerifier::Create(std::move(shadow_options), ShadowDevicesOf(devices), *srv->metrics_->registry());
   if (!verifier.ok()) return verifier.status();
   srv->shadow_ = std::move(*verifier);
-  srv->weights_ = std::make_unique<WeightManager>(cfg, be, *srv->executor_, *srv->metrics_, srv->health_);
+  srv->weights_ = std::make_unique<WeightManager>(cfg, devices, *srv->metrics_, srv->health_);
   for (auto& [packed, source] : initial_sets) {
     const std::string name = packed.first.name();
     absl::StatusOr<v1::WeightSetInfo> info =
@@ -196,7 +252,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   }
   const bool unix_peers = srv->plaintext_listener_ && listen_kind != ListenKind::kTcp;
   srv->service_ = std::make_unique<FusedLayerService>(
-      cfg, identity, be, *srv->executor_, *srv->weights_, *srv->metrics_, *srv->shadow_, *srv->lanes_,
+      cfg, identity, devices, *srv->weights_, *srv->metrics_, *srv->shadow_,
       unix_peers ? &srv->plaintext_listener_->peers() : nullptr);
   if (cfg.allow_call_rings) {
     ring::CallRingOptions rings;
@@ -213,7 +269,8 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     rings.pollers = cfg.call_ring_pollers > 0
                         ? static_cast<int>(cfg.call_ring_pollers)
                         : std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 8, 1, 4);
-    if (!srv->backend_->host_accessible()) rings.device = srv->backend_.get();
+    // The primary's backend page-locks ring memory for every device of the process.
+    if (!be.host_accessible()) rings.device = &be;
     absl::StatusOr<std::unique_ptr<ring::CallRingService>> started =
         ring::CallRingService::Start(std::move(rings), srv->service_->engine(), *srv->metrics_);
     if (!started.ok()) return started.status();
@@ -290,7 +347,9 @@ void FusedLayerServer::Shutdown(std::chrono::system_clock::time_point deadline) 
   if (service_) service_->StartDraining();  // calls that race gRPC's GOAWAY: UNAVAILABLE, no new work
   // No request will come to join a batch being formed: it launches now, not after its queue delay
   // (which may be longer than the drain deadline, --max_queue_delay_us up to 60 s).
-  if (executor_) executor_->EndQueueDelays();
+  if (devices_) {
+    for (size_t d = 0; d < devices_->size(); ++d) (*devices_)[d].executor->EndQueueDelays();
+  }
   LogInfo("draining: health NOT_SERVING, new calls refused with UNAVAILABLE");
   // Waits for in-flight RPCs (their executor tasks finish them) until the deadline, then cancels
   // what is left; queued tasks of cancelled calls are dropped at their launch check.
@@ -303,7 +362,7 @@ void FusedLayerServer::Shutdown(std::chrono::system_clock::time_point deadline) 
                       std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                           std::max(deadline - std::chrono::system_clock::now(), std::chrono::system_clock::duration{0})));
   }
-  if (executor_) executor_->Stop();
+  if (devices_) devices_->StopExecutors();
   if (server_) server_->Wait();
   // Every call's OnDone has returned (UnaryCall::OnDone releases this key; tsan_annotations.h).
   if (metrics_) wire::TsanAcquireFrom(metrics_.get());

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "config.h"
 #include "runtime/executor.h"
+#include "runtime/serving_devices.h"
 #include "fusedlayer/backend.h"
 #include "grpcpp/server.h"
 #include "rpc/health.h"
@@ -27,6 +28,14 @@ class Exposer;
 
 namespace fusedlayer::server {
 
+// One device named in --devices, as its backend was made for it (main.cc, tests): a backend that
+// could not be made keeps the device out of serving, reported with its error (GetServerInfo).
+struct DeviceCandidate {
+  int device_id = 0;
+  std::string label;  // "cuda:1", "cpu:0"
+  absl::StatusOr<std::unique_ptr<Backend>> backend;
+};
+
 class FusedLayerServer {
  public:
   // Starts a server on `backend`: loads `initial_sets` (each built, warmed up and published; the
@@ -35,6 +44,12 @@ class FusedLayerServer {
   // either address picks a free port (see port() / metrics_port()). A unix: address replaces a
   // stale socket file at its path (one nobody accepts on) and refuses a live socket or another
   // file; gRPC removes the socket file again at shutdown.
+  // Each device of `devices` that passes its start-up check (its backend was made and its lanes
+  // can be created) serves; the others are logged and reported. UNAVAILABLE when none serves.
+  static absl::StatusOr<std::unique_ptr<FusedLayerServer>> Start(
+      ServerConfig config, std::vector<DeviceCandidate> devices,
+      std::vector<std::pair<PackedWeightSet, std::string /*source*/>> initial_sets);
+  // One device.
   static absl::StatusOr<std::unique_ptr<FusedLayerServer>> Start(
       ServerConfig config, std::unique_ptr<Backend> backend,
       std::vector<std::pair<PackedWeightSet, std::string /*source*/>> initial_sets);
@@ -46,13 +61,15 @@ class FusedLayerServer {
   // Where call rings are handed over (empty when --allow_call_rings is off).
   std::string call_ring_socket() const { return call_rings_ ? call_rings_->socket_path() : std::string(); }
   Metrics& metrics() { return *metrics_; }
-  Backend& backend() { return *backend_; }
+  // The primary (first serving) device's backend, and all the serving devices.
+  Backend& backend() { return *devices_->primary().backend; }
+  ServingDevices& devices() { return *devices_; }
   const ServerConfig& config() const { return config_; }
   // Tasks waiting in the device executor's queue (tests use it to sequence back-pressure cases).
-  size_t queued_tasks() const { return executor_->queued(); }
-  // The device executor and the shadow verifier (tests: the background lane's pause hook and
-  // counters, the shadow queue).
-  Executor& executor() { return *executor_; }
+  size_t queued_tasks() const { return devices_->primary().executor->queued(); }
+  // The primary device's executor and the shadow verifier (tests: the background lane's pause hook
+  // and counters, the shadow queue).
+  Executor& executor() { return *devices_->primary().executor; }
   shadow::ShadowVerifier& shadow() { return *shadow_; }
 
   // Health NOT_SERVING, then gRPC shutdown: in-flight calls may finish until `deadline`, after
@@ -63,13 +80,11 @@ class FusedLayerServer {
   explicit FusedLayerServer(ServerConfig config);
 
   ServerConfig config_;
-  std::unique_ptr<Backend> backend_;
   std::unique_ptr<Metrics> metrics_;
-  // Declared before the executor so it outlives the background tasks the executor drops at Stop.
+  // Declared before the devices so it outlives the background tasks their executors drop at Stop.
   std::unique_ptr<shadow::ShadowVerifier> shadow_;
-  // The device's lanes: outlive the executor's workers that run on them, die before the backend.
-  std::unique_ptr<DeviceLanes> lanes_;
-  std::unique_ptr<Executor> executor_;
+  // The serving devices: each one's backend, lanes and executor (runtime/serving_devices.h).
+  std::unique_ptr<ServingDevices> devices_;
   Health health_;
   std::unique_ptr<WeightManager> weights_;
   // A plaintext address's own listener (rpc/plaintext_listener.h); before the service, which reads

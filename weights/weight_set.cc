@@ -251,6 +251,50 @@ SwaHyperParams SwaParamsFromProto(const v1::SwaConfig& c, int64_t wq_b_rows) {
 absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend, const v1::WeightSetHeader& header,
                                                                 std::string_view payload, std::string source,
                                                                 std::optional<std::string> payload_sha256) {
+  return BuildWeightSetOn({PrepareTarget{&backend, nullptr, nullptr}}, header, payload, std::move(source),
+                          std::move(payload_sha256));
+}
+
+namespace {
+
+// Prepares one part on every target (each where its backend may be driven) into set->devices[i];
+// the first failure is returned with the part's name and, with several devices, the device's.
+template <typename Part, typename PrepareFn>
+absl::Status PrepareOnEach(const std::vector<PrepareTarget>& targets, WeightSet& set, const std::string& name,
+                           const char* part_name, std::shared_ptr<const Part> WeightSet::DeviceParts::*slot,
+                           PrepareFn prepare) {
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const PrepareTarget& t = targets[i];
+    std::unique_ptr<Part> made;
+    auto work = [&]() -> absl::Status {
+      absl::StatusOr<std::unique_ptr<Part>> prepared = prepare(*t.backend);
+      if (!prepared.ok()) return prepared.status();
+      made = std::move(*prepared);
+      return absl::OkStatus();
+    };
+    absl::Status s = t.run ? t.run(std::move(work)) : work();
+    if (!s.ok()) {
+      const std::string where =
+          targets.size() > 1 ? absl::StrCat(" on ", std::string(t.backend->kind()), " device ", t.backend->device_index() >= 0
+                                                                                       ? t.backend->device_index()
+                                                                                       : static_cast<int>(i))
+                             : std::string();
+      return absl::Status(s.code(), absl::StrCat("weight set \"", name, "\": ", part_name, where, ": ", s.message()));
+    }
+    const Part* raw = made.get();
+    std::shared_ptr<const Part> owned(std::move(made));
+    set.devices[i].*slot = t.hold ? std::shared_ptr<const Part>(t.hold(std::move(owned)), raw) : std::move(owned);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSetOn(const std::vector<PrepareTarget>& targets,
+                                                                  const v1::WeightSetHeader& header,
+                                                                  std::string_view payload, std::string source,
+                                                                  std::optional<std::string> payload_sha256) {
+  if (targets.empty()) return absl::InvalidArgumentError("a weight set needs at least one device to be prepared on");
   if (!IsValidWeightSetName(header.name())) {
     return absl::InvalidArgumentError(absl::StrCat("weight set name \"", absl::CHexEscape(header.name().substr(0, 160)),
                                                    "\" is invalid: it must match [A-Za-z0-9._/-]{1,128}"));
@@ -282,6 +326,7 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend
   set->header = header;
   set->header.set_sha256(*sha);
   set->header.set_replace(false);
+  set->devices.resize(targets.size());
 
   if (header.has_mhc()) {
     const MhcHyperParams p = MhcParamsFromProto(header.mhc());
@@ -304,12 +349,12 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend
       const auto* g = static_cast<const uint16_t*>(w.norm_weight.data);
       set->mhc_norm_weight.assign(g, g + C);
     }
-    absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> prepared = backend.PrepareMhc(p, w);
-    if (!prepared.ok()) {
-      return absl::Status(prepared.status().code(),
-                          absl::StrCat("weight set \"", header.name(), "\": mhc: ", prepared.status().message()));
+    if (absl::Status s = PrepareOnEach<PreparedMhcWeights>(targets, *set, header.name(), "mhc",
+                                                            &WeightSet::DeviceParts::mhc,
+                                                            [&](Backend& backend) { return backend.PrepareMhc(p, w); });
+        !s.ok()) {
+      return s;
     }
-    set->mhc = std::move(*prepared);
     FillMhcConfig(p, set->header.mutable_mhc());
   }
 
@@ -365,22 +410,25 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend
         set->swa_wq_b_row_abs_max[static_cast<size_t>(n)] = m;
       }
     }
-    absl::StatusOr<std::unique_ptr<PreparedSwaWeights>> prepared = backend.PrepareSwa(p, w);
-    if (!prepared.ok()) {
-      return absl::Status(prepared.status().code(),
-                          absl::StrCat("weight set \"", header.name(), "\": swa: ", prepared.status().message()));
+    if (absl::Status s = PrepareOnEach<PreparedSwaWeights>(targets, *set, header.name(), "swa",
+                                                            &WeightSet::DeviceParts::swa,
+                                                            [&](Backend& backend) { return backend.PrepareSwa(p, w); });
+        !s.ok()) {
+      return s;
     }
-    set->swa = std::move(*prepared);
     v1::SwaConfig* out = set->header.mutable_swa();
     out->set_eps(p.eps);
   }
   if (absl::Status s = b.CheckAllUsed(); !s.ok()) return s;
 
-  set->resident_bytes = (set->mhc ? set->mhc->resident_bytes() : 0) + (set->swa ? set->swa->resident_bytes() : 0);
+  for (const WeightSet::DeviceParts& d : set->devices) {
+    set->resident_bytes += (d.mhc ? d.mhc->resident_bytes() : 0) + (d.swa ? d.swa->resident_bytes() : 0);
+  }
   return std::shared_ptr<const WeightSet>(std::move(set));
 }
 
-v1::WeightSetInfo ToInfo(const WeightSet& set, const Backend& backend) {
+v1::WeightSetInfo ToInfo(const WeightSet& set, const Backend& backend, size_t device) {
+  const WeightSet::DeviceParts& parts = set.on(device);
   v1::WeightSetInfo info;
   info.set_name(set.name);
   info.set_resident_bytes(set.resident_bytes);
@@ -393,20 +441,20 @@ v1::WeightSetInfo ToInfo(const WeightSet& set, const Backend& backend) {
     cap->set_reason(s.supported ? v1::FALLBACK_REASON_NONE : ProtoFallbackReason(s.reason));
     cap->set_detail(s.detail);
   };
-  if (set.mhc) {
+  if (parts.mhc) {
     *info.mutable_mhc() = set.header.mhc();
-    info.set_has_norm_weight(set.mhc->has_norm_weight());
+    info.set_has_norm_weight(parts.mhc->has_norm_weight());
     MhcShapeQuery q;
     q.tokens = 1;
-    add_capability("mhc", backend.MhcFusedSupport(*set.mhc, q));
+    add_capability("mhc", backend.MhcFusedSupport(*parts.mhc, q));
   }
-  if (set.swa) {
+  if (parts.swa) {
     *info.mutable_swa() = set.header.swa();
-    info.set_wq_b_rows(set.swa->params().wq_b_rows);
-    info.set_wq_b_implementation(set.swa->wq_b_implementation());
+    info.set_wq_b_rows(parts.swa->params().wq_b_rows);
+    info.set_wq_b_implementation(parts.swa->wq_b_implementation());
     SwaShapeQuery q;
     q.tokens = 1;
-    add_capability("swa", backend.SwaFusedSupport(*set.swa, q));
+    add_capability("swa", backend.SwaFusedSupport(*parts.swa, q));
   }
   return info;
 }

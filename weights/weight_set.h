@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,6 +23,7 @@
 #include <string_view>
 #include <utility>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "fusedlayer/backend.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
@@ -50,9 +52,18 @@ struct WeightSet {
   // The header as loaded, with `mhc` / `swa` normalised to the effective hyper-parameters (absent
   // optional fields filled with their defaults), sha256 set, and replace cleared.
   fusedlayer::v1::WeightSetHeader header;
-  std::shared_ptr<const PreparedMhcWeights> mhc;  // null when the set has no mHC part
-  std::shared_ptr<const PreparedSwaWeights> swa;  // null when the set has no SWA part
-  uint64_t resident_bytes = 0;                    // backend memory held by mhc + swa
+  // The set's parts as one device's backend prepared them; a part is null when the set has none.
+  struct DeviceParts {
+    std::shared_ptr<const PreparedMhcWeights> mhc;
+    std::shared_ptr<const PreparedSwaWeights> swa;
+  };
+  // One entry per device the set is prepared on, in the order of the backends it was built for
+  // (a server's serving devices, runtime/serving_devices.h: entry i on the device of ordinal i).
+  std::vector<DeviceParts> devices;
+  const DeviceParts& on(size_t device) const { return devices[device]; }
+  bool has_mhc() const { return !devices.empty() && devices.front().mhc != nullptr; }
+  bool has_swa() const { return !devices.empty() && devices.front().swa != nullptr; }
+  uint64_t resident_bytes = 0;  // backend memory held by the parts, on all devices together
   // SWA with wq_b: per row n of wq_b, max_k |dequant(wq_b)[n, k]| (from the host payload; the shadow
   // comparator's q_proj bound, server/shadow/compare.h). Empty without wq_b.
   std::vector<float> swa_wq_b_row_abs_max;
@@ -79,14 +90,31 @@ absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSet(Backend& backend
                                                                 std::string_view payload, std::string source,
                                                                 std::optional<std::string> payload_sha256 = std::nullopt);
 
+// One device a set is prepared on (BuildWeightSetOn).
+struct PrepareTarget {
+  Backend* backend = nullptr;
+  // Runs the device's Prepare* calls where its backend may be driven (a server: the device's
+  // executor) and returns their status; null: on the calling thread.
+  std::function<absl::Status(absl::AnyInvocable<absl::Status() &&>)> run;
+  // Takes each prepared part (type-erased) and returns what owns it from then on, so that its
+  // memory is freed where the backend may be driven; null: the part as it is.
+  std::function<std::shared_ptr<const void>(std::shared_ptr<const void>)> hold;
+};
+// BuildWeightSet on several devices: validated once, prepared on each target in order (the first
+// failure is the result, naming the device's backend, and nothing of the set is kept).
+absl::StatusOr<std::shared_ptr<const WeightSet>> BuildWeightSetOn(const std::vector<PrepareTarget>& targets,
+                                                                  const fusedlayer::v1::WeightSetHeader& header,
+                                                                  std::string_view payload, std::string source,
+                                                                  std::optional<std::string> payload_sha256 = std::nullopt);
+
 // Hyper-parameters of a config message, with defaults for absent optional fields (not validated).
 MhcHyperParams MhcParamsFromProto(const fusedlayer::v1::MhcConfig& config);
 SwaHyperParams SwaParamsFromProto(const fusedlayer::v1::SwaConfig& config, int64_t wq_b_rows);
 
 // The wire description of a loaded set, including whether each op's fused path is available for
 // it on `backend` (asked for a one-token shifted seam / a one-token SWA call, i.e. the shape
-// independent part of the answer).
-fusedlayer::v1::WeightSetInfo ToInfo(const WeightSet& set, const Backend& backend);
+// independent part of the answer), with the parts prepared on it (`device`: the set's entry).
+fusedlayer::v1::WeightSetInfo ToInfo(const WeightSet& set, const Backend& backend, size_t device = 0);
 
 // The proto enum value of a library fallback reason (names match one to one; shared with the
 // dispatcher's ExecutionReport).

@@ -49,12 +49,13 @@ bool SameAnswer(const FusedSupport& a, const FusedSupport& b) {
 template <typename Op>
 class ComputeEngine::QueuedCall final : public BatchableTask {
  public:
-  QueuedCall(ComputeEngine& engine, TransportCall* call, typename Op::Messages* held,
+  QueuedCall(ComputeEngine& engine, ServingDevice& device, TransportCall* call, typename Op::Messages* held,
              const typename Op::Request* request, typename Op::Response* response,
              std::shared_ptr<const WeightSet> set, typename Op::Call decoded,
              std::unique_ptr<transport::TensorTransfer> transfer, std::unique_ptr<WireTensorData> wire,
              transport::ResidualSessionStore::Lease session, bool shadow_sampled, double decode_seconds)
       : engine_(engine),
+        device_(device),
         call_(call),
         held_(held),
         request_(request),
@@ -66,7 +67,11 @@ class ComputeEngine::QueuedCall final : public BatchableTask {
         session_(std::move(session)),
         outputs_(call->outputs()->empty() ? nullptr : call->outputs()),
         shadow_sampled_(shadow_sampled),
-        decode_seconds_(decode_seconds) {}
+        decode_seconds_(decode_seconds) {
+    device_.calls_in_flight.fetch_add(1, std::memory_order_relaxed);
+  }
+  // After its answer (or, refused by a full queue, before any): the device's load drops.
+  ~QueuedCall() override { device_.calls_in_flight.fetch_sub(1, std::memory_order_relaxed); }
 
   int64_t tokens() const override { return decoded_.args.tokens; }
   bool launchable() const override { return call_->LaunchCheck().ok(); }
@@ -99,7 +104,7 @@ class ComputeEngine::QueuedCall final : public BatchableTask {
   // memory (nothing for the server to write after the wait), no session state to copy back, no
   // verify run to compare. Whether the transport takes the offer is its own.
   bool AnswersOnDevice() const {
-    return engine_.lanes_.lanes() > 0 && transfer_ != nullptr && transfer_->outputs_all_on_device() &&
+    return device_.lanes->lanes() > 0 && transfer_ != nullptr && transfer_->outputs_all_on_device() &&
            !session_.held() && !request_->verify();
   }
   // Metrics, report, verify or shadow sampling, response: this request's part after the launch.
@@ -119,6 +124,7 @@ class ComputeEngine::QueuedCall final : public BatchableTask {
   }
 
   ComputeEngine& engine_;
+  ServingDevice& device_;  // where it runs: its executor's queue, its lanes, its prepared weights
   TransportCall* const call_;
   typename Op::Messages* const held_;
   const typename Op::Request* const request_;
@@ -153,14 +159,14 @@ absl::StatusOr<DispatchOutcome> ComputeEngine::QueuedCall<Op>::Execute(const typ
                                                                      HostRange pinned_inputs,
                                                                      HostRange pinned_outputs,
                                                                      bool answer_on_device) const {
-  const typename Op::Prepared& part = *Op::Part(*set_);
-  Backend& backend = engine_.backend_;
+  const typename Op::Prepared& part = *Op::Part(*set_, device_.ordinal);
+  Backend& backend = *device_.backend;
   const v1::PathPreference preference = request_->path_preference();
   absl::StatusOr<PathDecision> decision = ChoosePath(Op::kOp, preference, engine_.config_.fused_disabled(Op::kOp),
                                                      [&] { return Op::Support(backend, part, call); });
   if (!decision.ok()) return decision.status();
   // This worker's lane (or the backend itself on a host-accessible backend).
-  ExecTarget target = engine_.lanes_.For(engine_.executor_.worker_index());
+  ExecTarget target = device_.lanes->For(device_.executor->worker_index());
   target.times = times;
   target.outputs = outputs;
   target.pinned_inputs = pinned_inputs;
@@ -211,7 +217,7 @@ void ComputeEngine::QueuedCall<Op>::RunBatch(std::vector<std::unique_ptr<Batchab
   for (size_t i = 0; i < batch.size(); ++i) {
     auto* task = static_cast<QueuedCall*>(batch[i].get());
     task->queue_seconds_ = queue_seconds[i];
-    metrics.ObserveQueue(queue_seconds[i]);
+    metrics.ObserveQueue(device_.ordinal, queue_seconds[i]);
     if (absl::Status s = task->call_->LaunchCheck(); !s.ok()) {
       task->session_ = {};
       task->call_->Complete(std::move(s));  // expired or cancelled while queued: not launched
@@ -220,18 +226,18 @@ void ComputeEngine::QueuedCall<Op>::RunBatch(std::vector<std::unique_ptr<Batchab
     live.push_back(task);
   }
   if (live.size() > 1) {
-    const typename Op::Prepared& part = *Op::Part(*set_);
+    const typename Op::Prepared& part = *Op::Part(*set_, device_.ordinal);
     BatchAssembly assembly;
     std::vector<const typename Op::Call*> calls;
     for (const QueuedCall* task : live) calls.push_back(&task->decoded_);
     const typename Op::Call batched = Op::Gather(assembly, calls, part);
     // A batch must not change any request's path: the batched shape has to get the same
     // fused-support answer as every request alone (e.g. --fused_max_tokens, workspace limits).
-    const FusedSupport batched_support = Op::Support(engine_.backend_, part, batched);
+    const FusedSupport batched_support = Op::Support(*device_.backend, part, batched);
     bool same_path = true;
     std::vector<FusedSupport> alone;  // each request's own answer
     for (const QueuedCall* task : live) {
-      alone.push_back(Op::Support(engine_.backend_, part, task->decoded_));
+      alone.push_back(Op::Support(*device_.backend, part, task->decoded_));
       same_path = same_path && SameAnswer(batched_support, alone.back());
     }
     if (same_path) {
@@ -247,7 +253,7 @@ void ComputeEngine::QueuedCall<Op>::RunBatch(std::vector<std::unique_ptr<Batchab
         // server_seconds but in no stage.)
         for (QueuedCall* task : live) task->stages_ = times;
         assembly.Scatter();
-        metrics.RecordBatch(Op::kOp, live.size(), batched.args.tokens);
+        metrics.RecordBatch(device_.ordinal, Op::kOp, live.size(), batched.args.tokens);
         for (size_t i = 0; i < live.size(); ++i) {
           absl::StatusOr<DispatchOutcome> mine = ran;
           // A fallback that the batched shape's answer decided is each request's own (same_path), but
@@ -269,7 +275,7 @@ void ComputeEngine::QueuedCall<Op>::RunBatch(std::vector<std::unique_ptr<Batchab
     absl::StatusOr<DispatchOutcome> ran =
         task->Execute(task->decoded_, task->What(), &task->stages_, task->outputs_, task->PinnedInputs(),
                       task->PinnedOutputs(), task->AnswersOnDevice());
-    metrics.RecordBatch(Op::kOp, 1, task->decoded_.args.tokens);
+    metrics.RecordBatch(device_.ordinal, Op::kOp, 1, task->decoded_.args.tokens);
     task->Finish(ran, 1, task->decoded_.args.tokens);
   }
 }
@@ -285,7 +291,7 @@ void ComputeEngine::QueuedCall<Op>::Finish(const absl::StatusOr<DispatchOutcome>
     // The new state is in the session's other copy: copies for the response (return_state), then
     // it becomes the session's state. A failed call leaves the session as it was.
     for (const MhcCall::CopyBack& c : Op::CopiesAfterRun(decoded_)) {
-      if (absl::Status s = engine_.backend_.CopyToHost(c.host, c.device, c.bytes); !s.ok()) {
+      if (absl::Status s = device_.backend->CopyToHost(c.host, c.device, c.bytes); !s.ok()) {
         session_ = {};
         call_->Complete(std::move(s));
         return;
@@ -304,8 +310,8 @@ void ComputeEngine::QueuedCall<Op>::Finish(const absl::StatusOr<DispatchOutcome>
   }
   if (ran.ok()) {
     const PathDecision& d = ran->decision;
-    metrics.RecordExecution(Op::kOp, d.path, ran->stats.kernel_seconds);
-    if (d.reason.has_value()) metrics.RecordFallback(Op::kOp, *d.reason);
+    metrics.RecordExecution(device_.ordinal, Op::kOp, d.path, ran->stats.kernel_seconds);
+    if (d.reason.has_value()) metrics.RecordFallback(device_.ordinal, Op::kOp, *d.reason);
     v1::ExecutionReport* report = response_->mutable_report();
     report->set_path(ToProto(d.path));
     report->set_fallback_reason(d.reason.has_value() ? ToProto(*d.reason) : v1::FALLBACK_REASON_NONE);
@@ -317,13 +323,14 @@ void ComputeEngine::QueuedCall<Op>::Finish(const absl::StatusOr<DispatchOutcome>
     if (request_->verify()) {
       // Synchronous: the unfused run and the comparison happen in this job, before the response.
       *response_->mutable_verification() =
-          d.path == Path::kFused ? Op::Verify(shadow, *set_, *request_, *response_) : NotComparedUnfused(d);
+          d.path == Path::kFused ? Op::Verify(shadow, *set_, *request_, *response_, device_.ordinal)
+                                 : NotComparedUnfused(d);
     } else if (d.path == Path::kFused && decoded_.args.tokens > 0 && shadow_sampled_) {
       // No copy: the job takes a reference to this call's messages (shadow/shared_messages.h).
       // Only the report is written after this, before the response is sent; the job never reads it.
-      shadow_job = Op::Capture(shadow, set_, held_);
+      shadow_job = Op::Capture(shadow, set_, held_, device_.ordinal);
     }
-    engine_.FillReport(report, set_->name);
+    engine_.FillReport(report, set_->name, device_);
     v1::StageSeconds* stages = report->mutable_stages();
     stages->set_decode(decode_seconds_);
     stages->set_copy_in(stages_.copy_in);
@@ -332,7 +339,7 @@ void ComputeEngine::QueuedCall<Op>::Finish(const absl::StatusOr<DispatchOutcome>
     // Last: every stage ends before server_seconds is read, so they add up to at most it.
     stages->set_response(SecondsBetween(response_start, std::chrono::steady_clock::now()));
     report->set_server_seconds(call_->elapsed());
-    metrics.RecordStages(Op::kOp, RequestStages{decode_seconds_, queue_seconds_, stages_.copy_in, stages_.device,
+    metrics.RecordStages(device_.ordinal, Op::kOp, RequestStages{decode_seconds_, queue_seconds_, stages_.copy_in, stages_.device,
                                                  stages_.copy_out, stages->response()});
   }
   // A response over the send limit is cleared and not sent: nothing to shadow-verify.
@@ -341,16 +348,14 @@ void ComputeEngine::QueuedCall<Op>::Finish(const absl::StatusOr<DispatchOutcome>
   shadow.Submit(std::move(shadow_job));
 }
 
-ComputeEngine::ComputeEngine(const ServerConfig& config, ReportIdentity identity, Backend& backend, Executor& executor,
-                             const DeviceLanes& lanes, WeightManager& weights, Metrics& metrics,
-                             shadow::ShadowVerifier& shadow, transport::SharedMemoryRegistry& shared_memory,
+ComputeEngine::ComputeEngine(const ServerConfig& config, ServingDevices& devices, WeightManager& weights,
+                             Metrics& metrics, shadow::ShadowVerifier& shadow,
+                             transport::SharedMemoryRegistry& shared_memory,
                              transport::CudaSharedMemoryRegistry& cuda_shared_memory,
                              transport::ResidualSessionStore& sessions)
     : config_(config),
-      identity_(std::move(identity)),
-      backend_(backend),
-      executor_(executor),
-      lanes_(lanes),
+      devices_(devices),
+      primary_lanes_(*devices.primary().lanes),
       weights_(weights),
       metrics_(metrics),
       shadow_(shadow),
@@ -367,10 +372,43 @@ std::string ComputeEngine::RequestId(const std::string& given) {
   return absl::StrFormat("srv-%06x-%d", request_id_salt_, next_request_id_.fetch_add(1, std::memory_order_relaxed));
 }
 
-void ComputeEngine::FillReport(v1::ExecutionReport* report, const std::string& weight_set) const {
-  report->set_backend(identity_.backend);
-  report->set_device(identity_.device);
+void ComputeEngine::FillReport(v1::ExecutionReport* report, const std::string& weight_set,
+                               const ServingDevice& device) const {
+  report->set_backend(std::string(device.backend->kind()));
+  report->set_device(device.backend->device_name());
+  report->set_device_id(device.device_id);
   report->set_weight_set(weight_set);
+}
+
+absl::StatusOr<ServingDevice*> ComputeEngine::ChooseDevice(std::optional<int> named,
+                                                           const transport::TensorTransfer* transfer,
+                                                           const transport::ResidualSessionStore::Lease& session) {
+  // Where the call's data already is decides; a name must agree with it.
+  ServingDevice* bound = nullptr;
+  const char* bound_by = "";
+  if (transfer != nullptr && transfer->uses_device_memory()) {
+    bound = devices_.FindById(transfer->device_id());
+    bound_by = "its CUDA shared-memory tensors";
+    if (bound == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("its CUDA shared-memory tensors are on GPU ", transfer->device_id(),
+                                                     ", which this server does not serve on (", devices_.Describe(),
+                                                     ")"));
+    }
+  } else if (session.held()) {
+    bound = &devices_[session.session().device()];
+    bound_by = "its residual session";
+  }
+  if (named.has_value()) {
+    absl::StatusOr<ServingDevice*> d = devices_.Named(*named);
+    if (!d.ok()) return d.status();
+    if (bound != nullptr && *d != bound) {
+      return absl::InvalidArgumentError(absl::StrCat("device_id ", *named, ": ", bound_by, " are on device_id ",
+                                                     bound->device_id, " (", bound->label,
+                                                     "); a call runs where its device data is"));
+    }
+    return *d;
+  }
+  return bound != nullptr ? bound : &devices_.LeastLoaded();
 }
 
 absl::Status ComputeEngine::AdmitDuringDrain() const {
@@ -437,13 +475,14 @@ absl::Status ComputeEngine::AdmitAndQueue(OpCallSubmission<Op>& submission) {
   }
   absl::StatusOr<std::shared_ptr<const WeightSet>> set = weights_.Get(request->weight_set());
   if (!set.ok()) return set.status();
-  if (Op::Part(**set) == nullptr) {
+  // Sizes and decoding read the part's hyper-parameters, the same on every device: the primary's.
+  if (Op::Part(**set, 0) == nullptr) {
     return absl::NotFoundError(
         absl::StrCat("weight set '", request->weight_set(), "' has no ", Op::kPartName, " part"));
   }
   // Memory admission: the response is sized from the request and admitted by bytes before any of
   // it is allocated (docs/operations.md, "Memory admission").
-  absl::StatusOr<ResponseSize> response_bytes = Op::ResponseBytes(*request, *Op::Part(**set), config_.max_tokens);
+  absl::StatusOr<ResponseSize> response_bytes = Op::ResponseBytes(*request, *Op::Part(**set, 0), config_.max_tokens);
   if (!response_bytes.ok()) return response_bytes.status();
   // Shared-memory inputs are staged in server memory: admitted with the response, before reading.
   std::unique_ptr<transport::TensorTransfer> transfer;
@@ -459,7 +498,7 @@ absl::Status ComputeEngine::AdmitAndQueue(OpCallSubmission<Op>& submission) {
   // On a device backend, inputs in a page-locked region are used where they lie; others are read
   // into page-locked memory (when a block is free).
   if (transfer != nullptr && !transfer->UseInputsInPlace(transport::InputTensors(*request))) {
-    transfer->ReadInputsIntoPinned(lanes_.request_staging(), staged_bytes);
+    transfer->ReadInputsIntoPinned(primary_lanes_.request_staging(), staged_bytes);
   }
   // A residual session call holds its session from here to its response (one call at a time).
   transport::ResidualSessionStore::Lease session;
@@ -482,14 +521,17 @@ absl::Status ComputeEngine::AdmitAndQueue(OpCallSubmission<Op>& submission) {
   // Both read the request's tensors from its message.
   if (request->verify() || shadow_sampled) wire->MoveIntoMessages();
   absl::StatusOr<typename Op::Call> decoded =
-      Op::Decode(*request, *Op::Part(**set), config_.max_tokens, response, transfer.get(),
+      Op::Decode(*request, *Op::Part(**set, 0), config_.max_tokens, response, transfer.get(),
                   shadow_sampled ? nullptr : call->outputs(), wire.get(), session.held() ? &session : nullptr);
   if (!decoded.ok()) return decoded.status();
+  absl::StatusOr<ServingDevice*> device = ChooseDevice(
+      request->has_device_id() ? std::optional<int>(request->device_id()) : std::nullopt, transfer.get(), session);
+  if (!device.ok()) return device.status();
   response->set_request_id(RequestId(request->request_id()));
   // The decode stage ends here: the queue wait starts inside SubmitBatchable.
   const double decode_seconds = call->elapsed();
-  return executor_.SubmitBatchable(std::make_unique<QueuedCall<Op>>(
-      *this, call, held, request, response, std::move(*set), std::move(*decoded), std::move(transfer), std::move(wire),
+  return (*device)->executor->SubmitBatchable(std::make_unique<QueuedCall<Op>>(
+      *this, **device, call, held, request, response, std::move(*set), std::move(*decoded), std::move(transfer), std::move(wire),
       std::move(session), shadow_sampled, decode_seconds));
 }
 

@@ -5,8 +5,11 @@
 //   Submit (the transport's thread, never blocks)
 //     admission: path preference, verify slots, the weight set and its part, the response's size
 //       and the bytes in flight (--max_inflight_bytes), shared-memory staging, the residual session
-//     decode (codec/request_codec.h) into the op's call, then queued on the executor
-//   on an executor worker (runtime/executor.h)
+//     decode (codec/request_codec.h) into the op's call
+//     the device it runs on (runtime/serving_devices.h): that of its CUDA shared-memory tensors or
+//       of its session, else the one it names (device_id), else the least-loaded; queued on that
+//       device's executor
+//   on an executor worker of that device (runtime/executor.h)
 //     the launch check, dynamic batching with compatible queued requests (exec/batch_assembly.h),
 //     path choice and run with fallback (exec/dispatcher.h) on the worker's lane
 //     session commit, outputs written to their shared-memory regions, the execution report,
@@ -18,6 +21,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/functional/any_invocable.h"
@@ -28,6 +32,7 @@
 #include "config.h"
 #include "runtime/device_lanes.h"
 #include "runtime/executor.h"
+#include "runtime/serving_devices.h"
 #include "exec/transport_call.h"
 #include "exec/weight_manager.h"
 #include "fusedlayer/backend.h"
@@ -55,19 +60,12 @@ struct OpCallSubmission {
   std::unique_ptr<WireTensorData> tensor_data;
 };
 
-// What the engine reports about where it runs (ExecutionReport.backend and .device).
-struct ReportIdentity {
-  std::string backend;
-  std::string device;
-};
-
 class ComputeEngine {
  public:
   // The registries and the session store belong to the server (their own RPCs manage them); the
   // engine uses them for the calls that name them.
-  ComputeEngine(const ServerConfig& config, ReportIdentity identity, Backend& backend, Executor& executor,
-                const DeviceLanes& lanes, WeightManager& weights, Metrics& metrics, shadow::ShadowVerifier& shadow,
-                transport::SharedMemoryRegistry& shared_memory,
+  ComputeEngine(const ServerConfig& config, ServingDevices& devices, WeightManager& weights, Metrics& metrics,
+                shadow::ShadowVerifier& shadow, transport::SharedMemoryRegistry& shared_memory,
                 transport::CudaSharedMemoryRegistry& cuda_shared_memory, transport::ResidualSessionStore& sessions);
 
   // The entry point: admits, decodes and queues the call; its transport is answered exactly once
@@ -81,10 +79,11 @@ class ComputeEngine {
   absl::Status AdmitDuringDrain() const;
 
   // Where a transport reads request tensors into page-locked memory (null: nowhere), and its
-  // copier; the lanes' staging (runtime/device_lanes.h).
-  HostStagingPool* request_staging() const { return lanes_.request_staging(); }
+  // copier; the primary device's lanes' staging (runtime/device_lanes.h), page-locked for every
+  // device (a request is read before its device is chosen).
+  HostStagingPool* request_staging() const { return primary_lanes_.request_staging(); }
   ParallelCopy* request_copier() const {
-    return lanes_.request_staging() == nullptr ? nullptr : &lanes_.staging()->copier();
+    return primary_lanes_.request_staging() == nullptr ? nullptr : &primary_lanes_.staging()->copier();
   }
 
  private:
@@ -105,14 +104,17 @@ class ComputeEngine {
   // RESOURCE_EXHAUSTED when that many verify calls are already admitted; otherwise the call holds
   // a slot until it is done.
   absl::Status AdmitVerify(TransportCall* call);
+  // The device a decoded call runs on: the GPU of its CUDA shared-memory tensors, else its
+  // session's device, else the one it names, else the least-loaded. INVALID_ARGUMENT when what it
+  // names is not served or disagrees with where its tensors or session are.
+  absl::StatusOr<ServingDevice*> ChooseDevice(std::optional<int> named, const transport::TensorTransfer* transfer,
+                                              const transport::ResidualSessionStore::Lease& session);
   std::string RequestId(const std::string& given);
-  void FillReport(v1::ExecutionReport* report, const std::string& weight_set) const;
+  void FillReport(v1::ExecutionReport* report, const std::string& weight_set, const ServingDevice& device) const;
 
   const ServerConfig& config_;
-  const ReportIdentity identity_;
-  Backend& backend_;
-  Executor& executor_;
-  const DeviceLanes& lanes_;  // where each executor worker runs compute
+  ServingDevices& devices_;
+  const DeviceLanes& primary_lanes_;  // where requests are read into page-locked memory
   WeightManager& weights_;
   Metrics& metrics_;
   shadow::ShadowVerifier& shadow_;

@@ -35,7 +35,7 @@ struct MhcOp {
   static constexpr Op kOp = Op::kMhc;
   static constexpr const char* kPartName = "mHC";
   static constexpr const char* kTokensSymbol = "T";
-  static const Prepared* Part(const WeightSet& set) { return set.mhc.get(); }
+  static const Prepared* Part(const WeightSet& set, size_t device) { return set.on(device).mhc.get(); }
   static absl::StatusOr<ResponseSize> ResponseBytes(const Request& request, const Prepared& w, int64_t max_tokens) {
     return MhcResponseBytes(request, w, max_tokens);
   }
@@ -57,12 +57,13 @@ struct MhcOp {
     return RunMhcCall(target, w, c.args, path);
   }
   static v1::Verification Verify(shadow::ShadowVerifier& shadow, const WeightSet& set, const Request& request,
-                                 const Response& response) {
-    return shadow.VerifyMhc(set, request, response);
+                                 const Response& response, size_t device) {
+    return shadow.VerifyMhc(set, request, response, device);
   }
   static std::unique_ptr<shadow::ShadowVerifier::Job> Capture(shadow::ShadowVerifier& shadow,
-                                                              std::shared_ptr<const WeightSet> set, Messages* held) {
-    return shadow.CaptureMhc(std::move(set), held);
+                                                              std::shared_ptr<const WeightSet> set, Messages* held,
+                                                              size_t device) {
+    return shadow.CaptureMhc(std::move(set), held, device);
   }
   // Dynamic batching: requests (of one weight set) that may share a launch. Everything that
   // selects a kernel variant or an optional tensor must match; T may differ.
@@ -91,7 +92,7 @@ struct SwaOp {
   static constexpr Op kOp = Op::kSwa;
   static constexpr const char* kPartName = "SWA";
   static constexpr const char* kTokensSymbol = "M";
-  static const Prepared* Part(const WeightSet& set) { return set.swa.get(); }
+  static const Prepared* Part(const WeightSet& set, size_t device) { return set.on(device).swa.get(); }
   static absl::StatusOr<ResponseSize> ResponseBytes(const Request& request, const Prepared& w, int64_t max_tokens) {
     return SwaResponseBytes(request, w, max_tokens);
   }
@@ -118,12 +119,13 @@ struct SwaOp {
     return RunSwaCall(target, w, c.args, path);
   }
   static v1::Verification Verify(shadow::ShadowVerifier& shadow, const WeightSet& set, const Request& request,
-                                 const Response& response) {
-    return shadow.VerifySwa(set, request, response);
+                                 const Response& response, size_t device) {
+    return shadow.VerifySwa(set, request, response, device);
   }
   static std::unique_ptr<shadow::ShadowVerifier::Job> Capture(shadow::ShadowVerifier& shadow,
-                                                              std::shared_ptr<const WeightSet> set, Messages* held) {
-    return shadow.CaptureSwa(std::move(set), held);
+                                                              std::shared_ptr<const WeightSet> set, Messages* held,
+                                                              size_t device) {
+    return shadow.CaptureSwa(std::move(set), held, device);
   }
   static bool SameBatch(const Request& a, const Request& b) { return a.path_preference() == b.path_preference(); }
   static SwaCall Gather(BatchAssembly& assembly, const std::vector<const SwaCall*>& calls, const Prepared& w) {

@@ -15,7 +15,8 @@
 namespace fusedlayer::server {
 namespace {
 
-v1::OpCapability CapabilityFor(Op op, bool disabled, Backend& backend,
+// The op's fused capability on one device (`device`: its ordinal, the sets' entry for it).
+v1::OpCapability CapabilityFor(Op op, bool disabled, const Backend& backend, size_t device,
                                const std::vector<std::shared_ptr<const WeightSet>>& sets) {
   v1::OpCapability cap;
   cap.set_op(OpName(op));
@@ -29,11 +30,13 @@ v1::OpCapability CapabilityFor(Op op, bool disabled, Backend& backend,
   for (const auto& set : sets) {
     FusedSupport s;
     if (op == Op::kMhc) {
-      if (!set->mhc) continue;
-      s = backend.MhcFusedSupport(*set->mhc, MhcShapeQuery{MhcStage::kSeam, MhcMode::kShifted, false, 1});
+      const PreparedMhcWeights* part = set->on(device).mhc.get();
+      if (part == nullptr) continue;
+      s = backend.MhcFusedSupport(*part, MhcShapeQuery{MhcStage::kSeam, MhcMode::kShifted, false, 1});
     } else {
-      if (!set->swa) continue;
-      s = backend.SwaFusedSupport(*set->swa, SwaShapeQuery{1});
+      const PreparedSwaWeights* part = set->on(device).swa.get();
+      if (part == nullptr) continue;
+      s = backend.SwaFusedSupport(*part, SwaShapeQuery{1});
     }
     if (s.supported) {
       cap.set_fused_available(true);
@@ -60,6 +63,18 @@ v1::OpCapability CapabilityFor(Op op, bool disabled, Backend& backend,
   return cap;
 }
 
+// The server's capability for an op from its devices': available where every device has it; else
+// the first device that does not, named in the detail when there are several.
+v1::OpCapability CombinedCapability(const ServingDevices& devices, const std::vector<v1::OpCapability>& per_device) {
+  for (size_t d = 0; d < per_device.size(); ++d) {
+    if (per_device[d].fused_available()) continue;
+    v1::OpCapability cap = per_device[d];
+    if (devices.size() > 1) cap.set_detail(absl::StrCat(devices[d].label, ": ", cap.detail()));
+    return cap;
+  }
+  return per_device.front();
+}
+
 std::string ReasonName(const v1::OpCapability& cap) {
   // The proto enum names are the metric label values, upper-cased and prefixed.
   std::string s = v1::FallbackReason_Name(cap.reason()).substr(std::string_view("FALLBACK_REASON_").size());
@@ -69,76 +84,95 @@ std::string ReasonName(const v1::OpCapability& cap) {
 
 }  // namespace
 
-// The backend memory (device memory on a GPU) of a set must be freed on the executor, the one
-// thread that drives the backend. A published set's last reference may drop anywhere: on a gRPC
-// thread that got the set and then refused the call, or that asked Contains, while the set was
-// unloaded or replaced. Its deleter then parks the set here and queues a control task that frees
-// it on the executor; if that task cannot be queued (stopping), the next install or unload frees
-// it, or the manager's destructor (shutdown, after the executor stopped).
+// The backend memory (device memory on a GPU) of a set's parts must be freed on the executor of
+// the device that holds them, the one place that drives its backend. A published part's last
+// reference may drop anywhere: on a gRPC thread that got the set and then refused the call, or that
+// asked Contains, while the set was unloaded or replaced; on another device's executor (a set
+// built on several devices, one of which then failed). Its deleter then parks the part here and
+// queues a control task that frees it on the device's executor; if that task cannot be queued
+// (stopping), the next install or unload frees it, or the manager's destructor (shutdown, after the
+// executors stopped).
 struct WeightManager::DeferredRelease {
   std::mutex mu;
   Executor* executor = nullptr;  // null once the manager is gone: free where the reference dropped
-  std::vector<std::shared_ptr<const WeightSet>> parked;
+  std::vector<std::shared_ptr<const void>> parked;
 
-  // Executor thread (or the manager's destructor).
+  // The device's executor thread (or the manager's destructor).
   void FreeParked() {
-    std::vector<std::shared_ptr<const WeightSet>> sets;
+    std::vector<std::shared_ptr<const void>> parts;
     {
       std::lock_guard<std::mutex> lock(mu);
-      sets.swap(parked);
+      parts.swap(parked);
     }
-    sets.clear();  // outside the lock: freeing may take a while on a device
+    parts.clear();  // outside the lock: freeing may take a while on a device
+  }
+
+  // `part` as published: the same part, whose last reference frees it on this device's executor.
+  static std::shared_ptr<const void> Hold(const std::shared_ptr<DeferredRelease>& deferred,
+                                          std::shared_ptr<const void> part) {
+    const void* raw = part.get();
+    // The returned pointer shares ownership through its own control block; its deleter runs when
+    // the last copy of it drops and disposes of `inner`, the only other reference.
+    return std::shared_ptr<const void>(raw, [deferred, inner = std::move(part)](const void*) mutable {
+      std::unique_lock<std::mutex> lock(deferred->mu);
+      if (deferred->executor == nullptr || deferred->executor->OnWorker()) {
+        lock.unlock();
+        inner.reset();
+        return;
+      }
+      deferred->parked.push_back(std::move(inner));
+      // Under the lock: the manager (and so the executor) cannot go away meanwhile. The task holds
+      // only `deferred`; if it cannot be queued it is dropped here, which frees nothing.
+      (void)deferred->executor->SubmitControl([deferred](double) { deferred->FreeParked(); });
+    });
   }
 };
 
-WeightManager::WeightManager(const ServerConfig& config, Backend& backend, Executor& executor, Metrics& metrics,
+WeightManager::WeightManager(const ServerConfig& config, ServingDevices& devices, Metrics& metrics,
                              OpServingListener& health)
     : config_(config),
-      backend_(backend),
-      executor_(executor),
+      devices_(devices),
+      executor_(*devices.primary().executor),
       metrics_(metrics),
       health_(health),
-      deferred_(std::make_shared<DeferredRelease>()) {
-  deferred_->executor = &executor_;
+      device_capabilities_(devices.size()) {
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    deferred_.push_back(std::make_shared<DeferredRelease>());
+    deferred_.back()->executor = devices_[d].executor.get();
+  }
   for (Op op : kAllOps) {
-    capabilities_[static_cast<int>(op)] = CapabilityFor(op, config_.fused_disabled(op), backend_, {});
-    metrics_.SetFusedAvailable(op, capabilities_[static_cast<int>(op)].fused_available());
+    const int o = static_cast<int>(op);
+    std::vector<v1::OpCapability> per_device;
+    for (size_t d = 0; d < devices_.size(); ++d) {
+      device_capabilities_[d][o] = CapabilityFor(op, config_.fused_disabled(op), *devices_[d].backend, d, {});
+      per_device.push_back(device_capabilities_[d][o]);
+      metrics_.SetFusedAvailable(static_cast<int>(d), op, per_device.back().fused_available());
+    }
+    capabilities_[o] = CombinedCapability(devices_, per_device);
   }
 }
 
 WeightManager::~WeightManager() {
-  {
-    std::lock_guard<std::mutex> lock(deferred_->mu);
-    deferred_->executor = nullptr;
+  for (const auto& deferred : deferred_) {
+    {
+      std::lock_guard<std::mutex> lock(deferred->mu);
+      deferred->executor = nullptr;
+    }
+    deferred->FreeParked();
   }
-  deferred_->FreeParked();
 }
 
-std::shared_ptr<const WeightSet> WeightManager::FreedOnExecutor(std::shared_ptr<const WeightSet> set) {
-  const WeightSet* raw = set.get();
-  // The returned pointer shares ownership through its own control block; its deleter runs when the
-  // last copy of it drops and disposes of `inner`, the only other reference (this function's caller
-  // holds none after publishing).
-  return std::shared_ptr<const WeightSet>(
-      raw, [deferred = deferred_, inner = std::move(set)](const WeightSet*) mutable {
-        std::unique_lock<std::mutex> lock(deferred->mu);
-        if (deferred->executor == nullptr || deferred->executor->OnWorker()) {
-          lock.unlock();
-          inner.reset();
-          return;
-        }
-        deferred->parked.push_back(std::move(inner));
-        // Under the lock: the manager (and so the executor) cannot go away meanwhile. The task
-        // holds only `deferred`; if it cannot be queued it is dropped here, which frees nothing.
-        (void)deferred->executor->SubmitControl([deferred](double) { deferred->FreeParked(); });
-      });
+void WeightManager::FreeParkedOnWorker() {
+  // Only the primary's parts may be freed here (this thread drives only its backend); the other
+  // devices' parked parts have their own control task queued.
+  deferred_.front()->FreeParked();
 }
 
 absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallOnWorker(const v1::WeightSetHeader& header,
                                                                  std::string_view payload, std::string source,
                                                                  const std::function<absl::Status()>& may_publish,
                                                                  std::optional<std::string> payload_sha256) {
-  deferred_->FreeParked();  // any a failed SubmitControl left behind
+  FreeParkedOnWorker();  // any a failed SubmitControl left behind
   if (!header.stage().empty() && !IsValidWeightSetName(header.stage())) {
     return absl::InvalidArgumentError(absl::StrCat("weight set '", header.name(), "': stage \"",
                                                    absl::CHexEscape(header.stage().substr(0, 160)),
@@ -149,19 +183,38 @@ absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallOnWorker(const v1::Weigh
     return absl::AlreadyExistsError(
         absl::StrCat("weight set '", header.name(), "' is already loaded (set replace to swap it)"));
   }
-  absl::StatusOr<std::shared_ptr<const WeightSet>> built =
-      BuildWeightSet(backend_, header, payload, std::move(source), std::move(payload_sha256));
-  if (!built.ok()) return built.status();
-  // From here on every reference is one to the published form (and this one drops on the executor).
-  std::shared_ptr<const WeightSet> set = FreedOnExecutor(*std::move(built));
-  if (set->mhc) {
-    if (absl::Status s = WarmUpMhc(backend_, *set->mhc); !s.ok()) {
-      return absl::InternalError(absl::StrCat("weight set '", set->name, "': ", s.message()));
-    }
+  // Prepared on every serving device, each on its own executor, before anything is published: a
+  // set is visible on all devices or on none. Each part is freed on its device's executor.
+  std::vector<PrepareTarget> targets;
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    ServingDevice& device = devices_[d];
+    targets.push_back(PrepareTarget{
+        device.backend.get(),
+        [&device](absl::AnyInvocable<absl::Status() &&> work) {
+          return ServingDevices::RunOnDevice(device, std::move(work));
+        },
+        [deferred = deferred_[d]](std::shared_ptr<const void> part) {
+          return DeferredRelease::Hold(deferred, std::move(part));
+        }});
   }
-  if (set->swa) {
-    if (absl::Status s = WarmUpSwa(backend_, *set->swa); !s.ok()) {
-      return absl::InternalError(absl::StrCat("weight set '", set->name, "': ", s.message()));
+  absl::StatusOr<std::shared_ptr<const WeightSet>> built =
+      BuildWeightSetOn(targets, header, payload, std::move(source), std::move(payload_sha256));
+  if (!built.ok()) return built.status();
+  std::shared_ptr<const WeightSet> set = *std::move(built);
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    ServingDevice& device = devices_[d];
+    const WeightSet::DeviceParts& parts = set->on(d);
+    absl::Status warm = ServingDevices::RunOnDevice(device, [&]() -> absl::Status {
+      if (parts.mhc) {
+        if (absl::Status s = WarmUpMhc(*device.backend, *parts.mhc); !s.ok()) return s;
+      }
+      if (parts.swa) return WarmUpSwa(*device.backend, *parts.swa);
+      return absl::OkStatus();
+    });
+    if (!warm.ok()) {
+      return absl::InternalError(absl::StrCat("weight set '", set->name, "'",
+                                              devices_.size() > 1 ? absl::StrCat(" on ", device.label) : "", ": ",
+                                              warm.message()));
     }
   }
   if (may_publish) {
@@ -176,8 +229,9 @@ absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallOnWorker(const v1::Weigh
     return replaced.status();
   }
   RefreshOnWorker();
-  LogInfo("loaded weight set '", set->name, "' from ", set->source, ": ", set->mhc ? "mhc " : "",
-          set->swa ? "swa " : "", set->resident_bytes, " bytes resident");
+  LogInfo("loaded weight set '", set->name, "' from ", set->source, ": ", set->has_mhc() ? "mhc " : "",
+          set->has_swa() ? "swa " : "", set->resident_bytes, " bytes resident",
+          devices_.size() > 1 ? absl::StrCat(" on ", devices_.size(), " devices") : "");
   return InfoOf(*set);
 }
 
@@ -214,7 +268,7 @@ absl::StatusOr<v1::WeightSetInfo> WeightManager::StageOnWorker(const v1::WeightS
 
 absl::StatusOr<std::vector<v1::WeightSetInfo>> WeightManager::CommitStagedOnWorker(std::string_view stage,
                                                                                    bool discard) {
-  deferred_->FreeParked();
+  FreeParkedOnWorker();
   DropAbandonedStagesOnWorker();
   auto it = stages_.find(stage);
   if (it == stages_.end()) {
@@ -238,14 +292,25 @@ absl::StatusOr<std::vector<v1::WeightSetInfo>> WeightManager::CommitStagedOnWork
   for (const auto& set : published) {
     infos.push_back(InfoOf(*set));
     LogInfo("loaded weight set '", set->name, "' from ", set->source, " (stage '", std::string(stage), "'): ",
-            set->mhc ? "mhc " : "", set->swa ? "swa " : "", set->resident_bytes, " bytes resident");
+            set->has_mhc() ? "mhc " : "", set->has_swa() ? "swa " : "", set->resident_bytes, " bytes resident");
   }
   return infos;
 }
 
 v1::WeightSetInfo WeightManager::InfoOf(const WeightSet& set) const {
-  v1::WeightSetInfo info = ToInfo(set, backend_);
-  // ToInfo answers for the backend; the operator's kill switch overrides it on this server.
+  v1::WeightSetInfo info = ToInfo(set, *devices_.primary().backend, 0);
+  // ToInfo answers for one device's backend: an op is available for the set where it is on every
+  // device; otherwise the first device without it says why.
+  for (size_t d = 1; d < devices_.size(); ++d) {
+    const v1::WeightSetInfo other = ToInfo(set, *devices_[d].backend, d);
+    for (int i = 0; i < info.capabilities_size() && i < other.capabilities_size(); ++i) {
+      v1::OpCapability& cap = *info.mutable_capabilities(i);
+      if (!cap.fused_available() || other.capabilities(i).fused_available()) continue;
+      cap = other.capabilities(i);
+      cap.set_detail(absl::StrCat(devices_[d].label, ": ", cap.detail()));
+    }
+  }
+  // The operator's kill switch overrides the backends on this server.
   for (v1::OpCapability& cap : *info.mutable_capabilities()) {
     if (config_.fused_disabled(cap.op() == "mhc" ? Op::kMhc : Op::kSwa)) {
       cap.set_fused_available(false);
@@ -257,7 +322,7 @@ v1::WeightSetInfo WeightManager::InfoOf(const WeightSet& set) const {
 }
 
 absl::StatusOr<uint64_t> WeightManager::UnloadOnWorker(std::string_view name) {
-  deferred_->FreeParked();
+  FreeParkedOnWorker();
   absl::StatusOr<uint64_t> freed = store_.Unload(name);
   if (!freed.ok()) return freed.status();
   RefreshOnWorker();
@@ -271,7 +336,7 @@ absl::StatusOr<v1::WeightSetInfo> WeightManager::InstallAndWait(const v1::Weight
   std::future<absl::StatusOr<v1::WeightSetInfo>> result = done.get_future();
   absl::Status submitted = executor_.SubmitControl(
       [this, &header, payload = std::move(payload), source = std::move(source), &done](double queue_seconds) mutable {
-        metrics_.ObserveQueue(queue_seconds);
+        metrics_.ObserveQueue(0, queue_seconds);
         done.set_value(InstallOnWorker(header, payload, std::move(source)));
       });
   if (!submitted.ok()) return submitted;
@@ -294,13 +359,23 @@ std::vector<v1::OpCapability> WeightManager::Capabilities() const {
   return {capabilities_.begin(), capabilities_.end()};
 }
 
+std::vector<v1::OpCapability> WeightManager::CapabilitiesOn(size_t device) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {device_capabilities_[device].begin(), device_capabilities_[device].end()};
+}
+
+uint64_t WeightManager::ResidentBytesOn(size_t device) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return device_resident_bytes_.empty() ? 0 : device_resident_bytes_[device];
+}
+
 void WeightManager::FinishStartup() {
   std::lock_guard<std::mutex> lock(mu_);
   started_ = true;
   for (const v1::OpCapability& cap : capabilities_) {
     if (cap.fused_available() && !cap.detail().empty()) LogInfo("fused ", cap.op(), " path: ", cap.detail());
     if (!cap.fused_available()) {
-      LogWarning("fused ", cap.op(), " path UNAVAILABLE on backend ", std::string(backend_.kind()), " (", ReasonName(cap),
+      LogWarning("fused ", cap.op(), " path UNAVAILABLE on backend ", std::string(devices_.primary().backend->kind()), " (", ReasonName(cap),
                  "): ", cap.detail(), "; requests will run unfused");
     }
   }
@@ -309,17 +384,29 @@ void WeightManager::FinishStartup() {
 void WeightManager::RefreshOnWorker() {
   std::vector<std::shared_ptr<const WeightSet>> sets = store_.List();
   std::vector<v1::WeightSetInfo> infos;
-  uint64_t resident = 0;
+  std::vector<uint64_t> resident(devices_.size(), 0);
   std::array<bool, 2> serving{};
   for (const auto& set : sets) {
     infos.push_back(InfoOf(*set));
-    resident += set->resident_bytes;
-    // Every published set was warmed up before Publish, so "loaded" means "warmed".
-    serving[0] = serving[0] || set->mhc != nullptr;
-    serving[1] = serving[1] || set->swa != nullptr;
+    for (size_t d = 0; d < devices_.size(); ++d) {
+      const WeightSet::DeviceParts& parts = set->on(d);
+      resident[d] += (parts.mhc ? parts.mhc->resident_bytes() : 0) + (parts.swa ? parts.swa->resident_bytes() : 0);
+    }
+    // Every published set was warmed up on every device before Publish, so "loaded" means "warmed".
+    serving[0] = serving[0] || set->has_mhc();
+    serving[1] = serving[1] || set->has_swa();
   }
+  std::vector<std::array<v1::OpCapability, 2>> per_device(devices_.size());
   std::array<v1::OpCapability, 2> caps;
-  for (Op op : kAllOps) caps[static_cast<int>(op)] = CapabilityFor(op, config_.fused_disabled(op), backend_, sets);
+  for (Op op : kAllOps) {
+    const int o = static_cast<int>(op);
+    std::vector<v1::OpCapability> of_op;
+    for (size_t d = 0; d < devices_.size(); ++d) {
+      per_device[d][o] = CapabilityFor(op, config_.fused_disabled(op), *devices_[d].backend, d, sets);
+      of_op.push_back(per_device[d][o]);
+    }
+    caps[o] = CombinedCapability(devices_, of_op);
+  }
 
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -336,12 +423,17 @@ void WeightManager::RefreshOnWorker() {
     }
     infos_ = std::move(infos);
     capabilities_ = std::move(caps);
+    device_capabilities_ = std::move(per_device);
+    device_resident_bytes_ = resident;
   }
   for (Op op : kAllOps) {
-    metrics_.SetFusedAvailable(op, capabilities_[static_cast<int>(op)].fused_available());
-    health_.SetOpServing(op, serving[static_cast<int>(op)]);
+    const int o = static_cast<int>(op);
+    for (size_t d = 0; d < devices_.size(); ++d) {
+      metrics_.SetFusedAvailable(static_cast<int>(d), op, device_capabilities_[d][o].fused_available());
+    }
+    health_.SetOpServing(op, serving[o]);
   }
-  metrics_.SetResidentBytes(resident);
+  for (size_t d = 0; d < devices_.size(); ++d) metrics_.SetResidentBytes(static_cast<int>(d), resident[d]);
 }
 
 }  // namespace fusedlayer::server

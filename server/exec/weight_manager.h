@@ -1,7 +1,9 @@
-// The lifecycle of weight sets inside the server: build (validate + prepare on the backend), warm
-// up, publish atomically, unload; and the state derived from the loaded sets: per-op fused
-// capability (gauge, GetServerInfo, startup warnings), per-op health, resident bytes, and the
-// WeightSetInfo list. Everything that drives the backend runs on the executor thread; readers get
+// The lifecycle of weight sets inside the server: build (validate + prepare on every serving
+// device's backend), warm up on each, publish atomically (a set is visible on all devices or on
+// none), unload; and the state derived from the loaded sets: per-op fused capability (per device
+// and combined: gauges, GetServerInfo, startup warnings), per-op health, resident bytes per device,
+// and the WeightSetInfo list. The manager's own work runs on the primary device's executor thread
+// ("the executor" below), each device's backend work on that device's executor; readers get
 // snapshots under a mutex.
 #pragma once
 
@@ -19,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "config.h"
 #include "runtime/executor.h"
+#include "runtime/serving_devices.h"
 #include "exec/op_serving.h"
 #include "exec/weight_store.h"
 #include "fusedlayer/backend.h"
@@ -30,9 +33,8 @@ namespace fusedlayer::server {
 
 class WeightManager {
  public:
-  WeightManager(const ServerConfig& config, Backend& backend, Executor& executor, Metrics& metrics,
-                OpServingListener& health);
-  // Frees, here, the sets whose last reference dropped off the executor and are still waiting.
+  WeightManager(const ServerConfig& config, ServingDevices& devices, Metrics& metrics, OpServingListener& health);
+  // Frees, here, the parts whose last reference dropped off their executor and are still waiting.
   ~WeightManager();
 
   // Executor thread only. Build + warm-up + publish: nothing is visible unless all succeed.
@@ -66,16 +68,18 @@ class WeightManager {
   bool Contains(std::string_view name) const;
   std::vector<v1::WeightSetInfo> Infos() const;
   std::vector<v1::OpCapability> Capabilities() const;
+  // The same for one device (its ordinal), and the weight bytes resident there.
+  std::vector<v1::OpCapability> CapabilitiesOn(size_t device) const;
+  uint64_t ResidentBytesOn(size_t device) const;
   // End of startup: one WARNING line per op whose fused path is unavailable; from now on changes
   // of an op's capability (after a load or unload) are logged.
   void FinishStartup();
 
  private:
-  // The sets whose last reference dropped off the executor, waiting to be freed on it (shared with
-  // the published sets' deleters, which may run after the manager is gone).
+  // Per device: the prepared parts whose last reference dropped off the device's executor, waiting
+  // to be freed on it (shared with the parts' deleters, which may run after the manager is gone).
   struct DeferredRelease;
-  // `set` as published: the same set, whose last reference frees it on the executor.
-  std::shared_ptr<const WeightSet> FreedOnExecutor(std::shared_ptr<const WeightSet> set);
+  void FreeParkedOnWorker();
 
   // Sets uploaded under a stage id, built and warmed up, not yet published (executor thread only).
   struct Stage {
@@ -95,17 +99,19 @@ class WeightManager {
   v1::WeightSetInfo InfoOf(const WeightSet& set) const;
 
   const ServerConfig& config_;
-  Backend& backend_;
-  Executor& executor_;
+  ServingDevices& devices_;
+  Executor& executor_;  // the primary device's
   Metrics& metrics_;
   OpServingListener& health_;
-  std::shared_ptr<DeferredRelease> deferred_;
+  std::vector<std::shared_ptr<DeferredRelease>> deferred_;  // by device ordinal
   WeightStore store_;
   std::map<std::string, Stage, std::less<>> stages_;  // executor thread only
 
   mutable std::mutex mu_;  // guards the snapshots below
   std::vector<v1::WeightSetInfo> infos_;
   std::array<v1::OpCapability, 2> capabilities_;
+  std::vector<std::array<v1::OpCapability, 2>> device_capabilities_;  // by device ordinal
+  std::vector<uint64_t> device_resident_bytes_;                       // by device ordinal
   bool started_ = false;
 };
 

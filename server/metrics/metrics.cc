@@ -85,41 +85,43 @@ const char* StatusCodeName(grpc::StatusCode code) {
   }
 }
 
-Metrics::Metrics(std::string_view version, std::string_view backend, std::string_view arch, std::string device)
+Metrics::Metrics(std::string_view version, std::string_view backend, std::string_view arch,
+                 const std::vector<std::string>& devices)
     : registry_(std::make_shared<prometheus::Registry>()) {
   auto& reg = *registry_;
   executions_family_ = &prometheus::BuildCounter()
-                            .Name("fusedlayer_op_executions_total")
-                            .Help("Op executions by path (fused or unfused); hit rate = fused / all")
-                            .Register(reg);
+                                .Name("fusedlayer_op_executions_total")
+                                .Help("Op executions by path (fused or unfused) and device; hit rate = fused / all")
+                                .Register(reg);
   fallbacks_family_ = &prometheus::BuildCounter()
-                           .Name("fusedlayer_op_fallbacks_total")
-                           .Help("Op executions that ran unfused, by reason")
-                           .Register(reg);
-  available_family_ = &prometheus::BuildGauge()
-                           .Name("fusedlayer_fused_kernel_available")
-                           .Help("1 if the op's fused path is usable on this server for the loaded weight sets")
-                           .Register(reg);
+                               .Name("fusedlayer_op_fallbacks_total")
+                               .Help("Op executions that ran unfused, by reason and device")
+                               .Register(reg);
+  available_family_ =
+      &prometheus::BuildGauge()
+          .Name("fusedlayer_fused_kernel_available")
+          .Help("1 if the op's fused path is usable on this device of the server for the loaded weight sets")
+          .Register(reg);
   op_duration_family_ = &prometheus::BuildHistogram()
-                             .Name("fusedlayer_op_duration_seconds")
-                             .Help("Kernel time of one op execution, by path")
-                             .Register(reg);
+                                 .Name("fusedlayer_op_duration_seconds")
+                                 .Help("Kernel time of one op execution, by path and device")
+                                 .Register(reg);
   requests_family_ = &prometheus::BuildCounter()
                           .Name("fusedlayer_requests_total")
                           .Help("RPCs completed, by method and gRPC status code")
                           .Register(reg);
-  request_duration_family_ = &prometheus::BuildHistogram()
-                                  .Name("fusedlayer_request_duration_seconds")
-                                  .Help("Server time from receipt to response, by method")
-                                  .Register(reg);
-  request_bytes_family_ = &prometheus::BuildCounter()
-                               .Name("fusedlayer_request_bytes_total")
-                               .Help("Serialized request bytes received, by method")
-                               .Register(reg);
-  response_bytes_family_ = &prometheus::BuildCounter()
-                                .Name("fusedlayer_response_bytes_total")
-                                .Help("Serialized response bytes sent, by method")
-                                .Register(reg);
+  auto& request_duration_family = prometheus::BuildHistogram()
+                                      .Name("fusedlayer_request_duration_seconds")
+                                      .Help("Server time from receipt to response, by method")
+                                      .Register(reg);
+  auto& request_bytes_family = prometheus::BuildCounter()
+                                   .Name("fusedlayer_request_bytes_total")
+                                   .Help("Serialized request bytes received, by method")
+                                   .Register(reg);
+  auto& response_bytes_family = prometheus::BuildCounter()
+                                    .Name("fusedlayer_response_bytes_total")
+                                    .Help("Serialized response bytes sent, by method")
+                                    .Register(reg);
   auto& cancelled_family = prometheus::BuildCounter()
                               .Name("fusedlayer_cancelled_calls_total")
                               .Help("Unary calls gRPC reported cancelled while the server held them (the client "
@@ -142,62 +144,34 @@ Metrics::Metrics(std::string_view version, std::string_view backend, std::string
                                       "(--max_upload_buffer_bytes bounds it)")
                                 .Register(reg)
                                 .Add({});
-  queue_duration_ = &prometheus::BuildHistogram()
-                         .Name("fusedlayer_queue_duration_seconds")
-                         .Help("Time a task waited in the device executor's queue")
-                         .Register(reg)
-                         .Add({}, QueueBuckets());
-  resident_bytes_ = &prometheus::BuildGauge()
-                         .Name("fusedlayer_weights_resident_bytes")
-                         .Help("Device memory held by loaded weight sets")
-                         .Register(reg)
-                         .Add({{"device", std::move(device)}});
+  queue_family_ = &prometheus::BuildHistogram()
+                           .Name("fusedlayer_queue_duration_seconds")
+                           .Help("Time a task waited in a device executor's queue, by device")
+                           .Register(reg);
+  resident_family_ = &prometheus::BuildGauge()
+                              .Name("fusedlayer_weights_resident_bytes")
+                              .Help("Device memory held by loaded weight sets, by device")
+                              .Register(reg);
   prometheus::BuildGauge()
       .Name("fusedlayer_build_info")
       .Help("Build and runtime identity; always 1")
       .Register(reg)
       .Add({{"version", std::string(version)}, {"backend", std::string(backend)}, {"arch", std::string(arch)}})
       .Set(1);
-
-  auto& batch_requests_family = prometheus::BuildHistogram()
+  batch_requests_family_ = &prometheus::BuildHistogram()
                                     .Name("fusedlayer_batch_requests")
                                     .Help("Requests served by one op launch (dynamic batching; 1: alone)")
                                     .Register(reg);
-  auto& batch_tokens_family = prometheus::BuildHistogram()
+  batch_tokens_family_ = &prometheus::BuildHistogram()
                                   .Name("fusedlayer_batch_tokens")
                                   .Help("Tokens computed by one op launch (dynamic batching)")
                                   .Register(reg);
   // The stage a request spent its server time in (ExecutionReport.stages), pre-created at 0.
-  auto& stage_family = prometheus::BuildHistogram()
+  stage_family_ = &prometheus::BuildHistogram()
                            .Name("fusedlayer_request_stage_seconds")
                            .Help("Server time of one OK compute request by stage: decode (gRPC thread), queue, "
                                  "copy_in, device, copy_out, response")
                            .Register(reg);
-  static constexpr const char* kStageNames[kNumStages] = {"decode", "queue", "copy_in", "device", "copy_out",
-                                                           "response"};
-  for (Op op : kAllOps) {
-    for (int s = 0; s < kNumStages; ++s) {
-      stage_duration_[static_cast<int>(op)][s] =
-          &stage_family.Add({{"op", OpName(op)}, {"stage", kStageNames[s]}}, QueueBuckets());
-    }
-  }
-  for (Op op : kAllOps) {
-    batch_requests_[static_cast<int>(op)] = &batch_requests_family.Add({{"op", OpName(op)}}, BatchRequestBuckets());
-    batch_tokens_[static_cast<int>(op)] = &batch_tokens_family.Add({{"op", OpName(op)}}, BatchTokenBuckets());
-  }
-  for (Op op : kAllOps) {
-    const int o = static_cast<int>(op);
-    for (Path path : {Path::kFused, Path::kUnfused}) {
-      const int p = static_cast<int>(path);
-      executions_[o][p] = &executions_family_->Add({{"op", OpName(op)}, {"path", PathName(path)}});
-      op_duration_[o][p] = &op_duration_family_->Add({{"op", OpName(op)}, {"path", PathName(path)}}, OpBuckets());
-    }
-    for (FallbackReason r : AllFallbackReasons()) {
-      fallbacks_[o][static_cast<int>(r)] =
-          &fallbacks_family_->Add({{"op", OpName(op)}, {"reason", FallbackReasonName(r)}});
-    }
-    available_[o] = &available_family_->Add({{"op", OpName(op)}});
-  }
   for (int m = 0; m < kNumMethods; ++m) {
     const char* name = MethodName(static_cast<Method>(m));
     for (auto& c : requests_[m]) c.store(nullptr, std::memory_order_relaxed);
@@ -208,11 +182,41 @@ Metrics::Metrics(std::string_view version, std::string_view backend, std::string
       requests_[m][static_cast<int>(code)].store(&requests_family_->Add({{"method", name}, {"code", StatusCodeName(code)}}),
                                                 std::memory_order_release);
     }
-    request_duration_[m] = &request_duration_family_->Add({{"method", name}}, RequestBuckets());
-    request_bytes_[m] = &request_bytes_family_->Add({{"method", name}});
-    response_bytes_[m] = &response_bytes_family_->Add({{"method", name}});
+    request_duration_[m] = &request_duration_family.Add({{"method", name}}, RequestBuckets());
+    request_bytes_[m] = &request_bytes_family.Add({{"method", name}});
+    response_bytes_[m] = &response_bytes_family.Add({{"method", name}});
     cancelled_[m] = &cancelled_family.Add({{"method", name}});
   }
+  for (const std::string& device : devices) AddDevice(device);
+}
+
+int Metrics::AddDevice(const std::string& device) {
+  static constexpr const char* kStageNames[kNumStages] = {"decode", "queue", "copy_in", "device", "copy_out",
+                                                           "response"};
+  DeviceSeries& d = devices_.emplace_back();
+  d.queue_duration = &queue_family_->Add({{"device", device}}, QueueBuckets());
+  d.resident_bytes = &resident_family_->Add({{"device", device}});
+  for (Op op : kAllOps) {
+    const int o = static_cast<int>(op);
+    for (int st = 0; st < kNumStages; ++st) {
+      d.stage_duration[o][st] =
+          &stage_family_->Add({{"op", OpName(op)}, {"stage", kStageNames[st]}, {"device", device}}, QueueBuckets());
+    }
+    d.batch_requests[o] = &batch_requests_family_->Add({{"op", OpName(op)}, {"device", device}}, BatchRequestBuckets());
+    d.batch_tokens[o] = &batch_tokens_family_->Add({{"op", OpName(op)}, {"device", device}}, BatchTokenBuckets());
+    for (Path path : {Path::kFused, Path::kUnfused}) {
+      const int p = static_cast<int>(path);
+      d.executions[o][p] = &executions_family_->Add({{"op", OpName(op)}, {"path", PathName(path)}, {"device", device}});
+      d.op_duration[o][p] =
+          &op_duration_family_->Add({{"op", OpName(op)}, {"path", PathName(path)}, {"device", device}}, OpBuckets());
+    }
+    for (FallbackReason r : AllFallbackReasons()) {
+      d.fallbacks[o][static_cast<int>(r)] =
+          &fallbacks_family_->Add({{"op", OpName(op)}, {"reason", FallbackReasonName(r)}, {"device", device}});
+    }
+    d.available[o] = &available_family_->Add({{"op", OpName(op)}, {"device", device}});
+  }
+  return static_cast<int>(devices_.size()) - 1;
 }
 
 std::string Metrics::Serialize() const {
@@ -221,17 +225,19 @@ std::string Metrics::Serialize() const {
   return out.str();
 }
 
-void Metrics::RecordExecution(Op op, Path path, double kernel_seconds) {
+void Metrics::RecordExecution(int device, Op op, Path path, double kernel_seconds) {
   const int o = static_cast<int>(op), p = static_cast<int>(path);
-  executions_[o][p]->Increment();
-  op_duration_[o][p]->Observe(kernel_seconds);
+  devices_[device].executions[o][p]->Increment();
+  devices_[device].op_duration[o][p]->Observe(kernel_seconds);
 }
 
-void Metrics::RecordFallback(Op op, FallbackReason reason) {
-  fallbacks_[static_cast<int>(op)][static_cast<int>(reason)]->Increment();
+void Metrics::RecordFallback(int device, Op op, FallbackReason reason) {
+  devices_[device].fallbacks[static_cast<int>(op)][static_cast<int>(reason)]->Increment();
 }
 
-void Metrics::SetFusedAvailable(Op op, bool available) { available_[static_cast<int>(op)]->Set(available ? 1 : 0); }
+void Metrics::SetFusedAvailable(int device, Op op, bool available) {
+  devices_[device].available[static_cast<int>(op)]->Set(available ? 1 : 0);
+}
 
 void Metrics::RecordRequest(Method method, grpc::StatusCode code, double seconds, uint64_t request_bytes,
                             uint64_t response_bytes) {
@@ -251,17 +257,17 @@ void Metrics::RecordRequest(Method method, grpc::StatusCode code, double seconds
   response_bytes_[m]->Increment(static_cast<double>(response_bytes));
 }
 
-void Metrics::RecordBatch(Op op, size_t requests, int64_t tokens) {
-  batch_requests_[static_cast<int>(op)]->Observe(static_cast<double>(requests));
-  batch_tokens_[static_cast<int>(op)]->Observe(static_cast<double>(tokens));
+void Metrics::RecordBatch(int device, Op op, size_t requests, int64_t tokens) {
+  devices_[device].batch_requests[static_cast<int>(op)]->Observe(static_cast<double>(requests));
+  devices_[device].batch_tokens[static_cast<int>(op)]->Observe(static_cast<double>(tokens));
 }
 
 }  // namespace fusedlayer::server
 
 namespace fusedlayer::server {
 
-void Metrics::RecordStages(Op op, const RequestStages& st) {
-  const auto& h = stage_duration_[static_cast<int>(op)];
+void Metrics::RecordStages(int device, Op op, const RequestStages& st) {
+  const auto& h = devices_[device].stage_duration[static_cast<int>(op)];
   const double values[kNumStages] = {st.decode, st.queue, st.copy_in, st.device, st.copy_out, st.response};
   for (int s = 0; s < kNumStages; ++s) h[s]->Observe(values[s]);
 }

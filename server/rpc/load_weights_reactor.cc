@@ -174,7 +174,7 @@ class FusedLayerService::LoadWeightsReactor final : public grpc::ServerReadReact
     payload_sha256_ = *std::move(digest);
     LogInfo("LoadWeights '", ClientString(header_.name()), "': ", payload_.size(), " payload bytes received, queued for build");
     absl::Status submitted = service_.executor_.SubmitControl([this](double queue_seconds) {
-      service_.metrics_.ObserveQueue(queue_seconds);
+      service_.metrics_.ObserveQueue(0, queue_seconds);
       // Asked after the build and warm-up, just before publishing: a client that gave up (or a
       // drain that started) while the set was being built gets nothing published.
       auto may_publish = [this]() -> absl::Status {

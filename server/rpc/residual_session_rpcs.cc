@@ -11,10 +11,22 @@ grpc::ServerUnaryReactor* FusedLayerService::OpenResidualSession(grpc::CallbackS
                                                                  const v1::OpenResidualSessionRequest* request,
                                                                  v1::OpenResidualSessionResponse* response) {
   return AnswerInline(Method::kOpenResidualSession, WhileDraining::kRefuse, ctx, request, response, [&] {
-    absl::StatusOr<uint64_t> bytes =
-        sessions_.Open(CallerIdentity(*ctx), request->name(),
-                       transport::ResidualSessionShape{request->tokens(), request->hc_mult(), request->hidden()});
-    if (bytes.ok()) response->set_bytes(*bytes);
+    // The session's calls run where its state is: the device it names, else the least-loaded
+    // (ties in turn, so a client's sessions spread over the devices).
+    ServingDevice* device = &devices_.LeastLoaded();
+    if (request->has_device_id()) {
+      absl::StatusOr<ServingDevice*> named = devices_.Named(request->device_id());
+      if (!named.ok()) return named.status();
+      device = *named;
+    }
+    absl::StatusOr<uint64_t> bytes = sessions_.Open(
+        CallerIdentity(*ctx), request->name(),
+        transport::ResidualSessionShape{request->tokens(), request->hc_mult(), request->hidden()},
+        static_cast<size_t>(device->ordinal));
+    if (bytes.ok()) {
+      response->set_bytes(*bytes);
+      response->set_device_id(device->device_id);
+    }
     return bytes.status();
   });
 }
@@ -35,6 +47,7 @@ grpc::ServerUnaryReactor* FusedLayerService::ListResidualSessions(grpc::Callback
       out->set_calls(info.calls);
       out->set_idle_seconds(info.idle_seconds);
       out->set_last_weight_set(info.last_weight_set);
+      out->set_device_id(devices_[info.device].device_id);
     }
     return absl::OkStatus();
   });

@@ -11,15 +11,31 @@
 
 namespace fusedlayer::server {
 
-FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend,
-                                     Executor& executor, WeightManager& weights, Metrics& metrics,
-                                     shadow::ShadowVerifier& shadow, const DeviceLanes& lanes,
+namespace {
+
+std::vector<Backend*> GpuBackends(const ServingDevices& devices) {
+  std::vector<Backend*> out;
+  for (size_t d = 0; d < devices.size(); ++d) {
+    if (devices[d].backend->device_index() >= 0) out.push_back(devices[d].backend.get());
+  }
+  return out;
+}
+
+std::vector<Backend*> AllBackends(const ServingDevices& devices) {
+  std::vector<Backend*> out;
+  for (size_t d = 0; d < devices.size(); ++d) out.push_back(devices[d].backend.get());
+  return out;
+}
+
+}  // namespace
+
+FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity identity, ServingDevices& devices,
+                                     WeightManager& weights, Metrics& metrics, shadow::ShadowVerifier& shadow,
                                      const auth::UnixPeerTable* unix_peers)
     : config_(config),
       identity_(std::move(identity)),
-      backend_(backend),
-      executor_(executor),
-      lanes_(lanes),
+      devices_(devices),
+      executor_(*devices.primary().executor),
       unix_peers_(unix_peers),
       weights_(weights),
       metrics_(metrics),
@@ -31,20 +47,21 @@ FusedLayerService::FusedLayerService(const ServerConfig& config, ServerIdentity 
                                                    DescriptorBudgetFor(config.descriptor_reserve).regions,
                                                    DescriptorBudgetFor(config.descriptor_reserve).Describe()},
                      *metrics.registry(),
-                     // Page-locked regions are copied from by the lanes only (op_calls.h).
-                     lanes.request_staging() != nullptr ? &backend : nullptr),
+                     // Page-locked regions are copied from by the lanes only (op_calls.h); the
+                     // primary's backend locks them for every device of the process.
+                     devices.primary().lanes->request_staging() != nullptr ? devices.primary().backend.get()
+                                                                           : nullptr),
       cuda_shared_memory_(transport::CudaSharedMemoryLimits{config.allow_cuda_shared_memory,
                                                              config.cuda_shared_memory_max_regions,
                                                              config.cuda_shared_memory_max_bytes,
                                                              config.cuda_shared_memory_idle_seconds},
-                          *metrics.registry(), &backend),
+                          *metrics.registry(), GpuBackends(devices)),
       sessions_(transport::ResidualSessionLimits{config.residual_session_max_sessions,
                                                  config.residual_session_max_bytes,
                                                  config.EffectiveResidualSessionTotalBytes(), config.max_tokens,
                                                  config.residual_session_idle_seconds},
-                backend, *metrics.registry()),
-      engine_(config, ReportIdentity{identity_.backend, identity_.device}, backend, executor, lanes, weights, metrics,
-              shadow, shared_memory_, cuda_shared_memory_, sessions_),
+                AllBackends(devices), *metrics.registry()),
+      engine_(config, devices, weights, metrics, shadow, shared_memory_, cuda_shared_memory_, sessions_),
       upload_idle_(std::chrono::seconds(config.upload_idle_timeout_seconds)) {}
 
 // ---- admin and discovery --------------------------------------------------------------------------
@@ -108,6 +125,26 @@ grpc::ServerUnaryReactor* FusedLayerService::GetServerInfo(grpc::CallbackServerC
     response->set_shared_memory_enabled(shared_memory_.enabled());
     response->set_cuda_shared_memory_enabled(cuda_shared_memory_.enabled());
     response->set_device_id(cuda_shared_memory_.device_id());
+    for (size_t d = 0; d < devices_.size(); ++d) {
+      const ServingDevice& device = devices_[d];
+      v1::DeviceInfo* info = response->add_devices();
+      info->set_device_id(device.device_id);
+      info->set_label(device.label);
+      info->set_name(device.backend->device_name());
+      info->set_arch(device.backend->arch());
+      info->set_serving(true);
+      info->set_lanes(device.lanes->lanes());
+      info->set_resident_bytes(weights_.ResidentBytesOn(d));
+      info->set_calls_in_flight(device.calls_in_flight.load(std::memory_order_relaxed));
+      for (v1::OpCapability& cap : weights_.CapabilitiesOn(d)) *info->add_ops() = std::move(cap);
+    }
+    for (const LeftOutDevice& left : devices_.left_out()) {
+      v1::DeviceInfo* info = response->add_devices();
+      info->set_device_id(left.device_id);
+      info->set_label(left.label);
+      info->set_serving(false);
+      info->set_error(left.error);
+    }
     return absl::OkStatus();
   });
 }

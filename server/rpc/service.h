@@ -55,8 +55,8 @@ using FusedLayerCallbackBase =
 
 class FusedLayerService final : public FusedLayerCallbackBase {
  public:
-  FusedLayerService(const ServerConfig& config, ServerIdentity identity, Backend& backend, Executor& executor,
-                    WeightManager& weights, Metrics& metrics, shadow::ShadowVerifier& shadow, const DeviceLanes& lanes,
+  FusedLayerService(const ServerConfig& config, ServerIdentity identity, ServingDevices& devices,
+                    WeightManager& weights, Metrics& metrics, shadow::ShadowVerifier& shadow,
                     const auth::UnixPeerTable* unix_peers = nullptr);
 
   grpc::ServerUnaryReactor* MhcSeam(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
@@ -153,7 +153,7 @@ class FusedLayerService final : public FusedLayerCallbackBase {
     absl::Status s = drain == WhileDraining::kRefuse ? AdmitDuringDrain() : absl::OkStatus();
     if (s.ok()) {
       s = executor_.SubmitControl([this, call, answer = std::move(answer)](double queue_seconds) mutable {
-        metrics_.ObserveQueue(queue_seconds);
+        metrics_.ObserveQueue(0, queue_seconds);
         call->Complete(answer());
       });
     }
@@ -178,9 +178,8 @@ class FusedLayerService final : public FusedLayerCallbackBase {
 
   const ServerConfig& config_;
   const ServerIdentity identity_;
-  Backend& backend_;
-  Executor& executor_;
-  const DeviceLanes& lanes_;  // where each executor worker runs compute
+  ServingDevices& devices_;
+  Executor& executor_;  // the primary device's: where weight-set changes run (exec/weight_manager.h)
   // The connections of a plaintext unix socket the server accepts itself (rpc/plaintext_listener.h),
   // with their peers' credentials; null otherwise.
   const auth::UnixPeerTable* const unix_peers_;

@@ -27,9 +27,12 @@ class DeviceLanes {
   // `copy_threads`: helper threads for the staging copies (--host_copy_threads; -1 = auto,
   // ParallelCopy::AutoHelperThreads). `request_staging_bytes`: the bound of the pinned pool that
   // compute requests are read into (--request_staging_bytes; 0 = none, rpc/wire_messages.h).
+  // `shared_staging`: another device's pool to stage in instead of one of its own (a server's
+  // devices share one pool, page-locked for all of them: --host_staging_bytes bounds the process).
   static absl::StatusOr<std::unique_ptr<DeviceLanes>> Create(Backend& backend, int requested, size_t staging_bytes,
                                                              prometheus::Registry* registry = nullptr,
-                                                             int copy_threads = 0, size_t request_staging_bytes = 0);
+                                                             int copy_threads = 0, size_t request_staging_bytes = 0,
+                                                             HostStagingPool* shared_staging = nullptr);
 
   // Executor workers to run: the lanes, or 1 without lanes.
   int workers() const { return lanes_.empty() ? 1 : static_cast<int>(lanes_.size()); }
@@ -37,7 +40,7 @@ class DeviceLanes {
   // Where the executor's worker `worker_index` runs compute (Executor::worker_index()): its lane,
   // or the backend itself without lanes (or off the workers, index -1).
   ExecTarget For(int worker_index) const;
-  HostStagingPool* staging() const { return staging_.get(); }
+  HostStagingPool* staging() const { return staging_view_; }
   // Where compute requests' tensor data is read to (ReadWireRequest), or null (no lanes, or off).
   // A pool apart from staging(): a request holds its block from receipt to response, and lanes
   // that wait for staging must never wait for blocks that queued requests hold.
@@ -46,7 +49,8 @@ class DeviceLanes {
  private:
   DeviceLanes(Backend& backend) : backend_(backend) {}
   Backend& backend_;
-  std::unique_ptr<HostStagingPool> staging_;
+  std::unique_ptr<HostStagingPool> staging_;  // its own pool (null when it shares another's)
+  HostStagingPool* staging_view_ = nullptr;   // the pool it stages in
   std::unique_ptr<HostStagingPool> request_staging_;
   std::vector<std::unique_ptr<Lane>> lanes_;
 };

@@ -70,8 +70,8 @@ v1::Verification NotCompared(std::string reason) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ShadowVerifier>> ShadowVerifier::Create(ShadowOptions options, Backend& backend,
-                                                                      Executor& executor,
+absl::StatusOr<std::unique_ptr<ShadowVerifier>> ShadowVerifier::Create(ShadowOptions options,
+                                                                      std::vector<ShadowDevice> devices,
                                                                       prometheus::Registry& registry) {
   std::unique_ptr<ShadowDumpWriter> dumps, verify_dumps;
   if (!options.dump_dir.empty()) {
@@ -86,7 +86,7 @@ absl::StatusOr<std::unique_ptr<ShadowVerifier>> ShadowVerifier::Create(ShadowOpt
     if (!vw.ok()) return vw.status();
     verify_dumps = std::move(*vw);
   }
-  std::unique_ptr<ShadowVerifier> v(new ShadowVerifier(std::move(options), backend, executor, registry));
+  std::unique_ptr<ShadowVerifier> v(new ShadowVerifier(std::move(options), std::move(devices), registry));
   v->dumps_ = std::move(dumps);
   v->verify_dumps_ = std::move(verify_dumps);
   if (v->options_.sample_rate > 0) {
@@ -100,11 +100,9 @@ absl::StatusOr<std::unique_ptr<ShadowVerifier>> ShadowVerifier::Create(ShadowOpt
   return v;
 }
 
-ShadowVerifier::ShadowVerifier(ShadowOptions options, Backend& backend, Executor& executor,
-                               prometheus::Registry& registry)
+ShadowVerifier::ShadowVerifier(ShadowOptions options, std::vector<ShadowDevice> devices, prometheus::Registry& registry)
     : options_(std::move(options)),
-      backend_(backend),
-      executor_(executor),
+      devices_(std::move(devices)),
       metrics_(registry),
       rng_(std::random_device{}()) {}
 
@@ -148,25 +146,25 @@ void ShadowVerifier::Release(uint64_t bytes) {
 // are freed with the call as usual). The bytes are what the job keeps alive: the request and the
 // fused outputs (the cached sizes are set here, on the worker, before gRPC serializes).
 std::unique_ptr<ShadowVerifier::Job> ShadowVerifier::CaptureMhc(std::shared_ptr<const WeightSet> set,
-                                                                MhcMessages* held) {
+                                                                MhcMessages* held, size_t device) {
   if (held == nullptr) {
     metrics_.RecordDropped(Op::kMhc);
     return nullptr;
   }
   const uint64_t bytes = held->request()->ByteSizeLong() + OutputBytes(*held->response());
   if (!Reserve(Op::kMhc, bytes)) return nullptr;
-  return std::make_unique<Job>(*this, Op::kMhc, bytes, std::move(set), held->AddRef(), SwaMessagesRef());
+  return std::make_unique<Job>(*this, Op::kMhc, bytes, std::move(set), held->AddRef(), SwaMessagesRef(), device);
 }
 
 std::unique_ptr<ShadowVerifier::Job> ShadowVerifier::CaptureSwa(std::shared_ptr<const WeightSet> set,
-                                                                SwaMessages* held) {
+                                                                SwaMessages* held, size_t device) {
   if (held == nullptr) {
     metrics_.RecordDropped(Op::kSwa);
     return nullptr;
   }
   const uint64_t bytes = held->request()->ByteSizeLong() + OutputBytes(*held->response());
   if (!Reserve(Op::kSwa, bytes)) return nullptr;
-  return std::make_unique<Job>(*this, Op::kSwa, bytes, std::move(set), MhcMessagesRef(), held->AddRef());
+  return std::make_unique<Job>(*this, Op::kSwa, bytes, std::move(set), MhcMessagesRef(), held->AddRef(), device);
 }
 
 void ShadowVerifier::Submit(std::unique_ptr<Job> job) {
@@ -175,7 +173,7 @@ void ShadowVerifier::Submit(std::unique_ptr<Job> job) {
   // the RPC's messages) dies with the task whether it ran, was dropped at shutdown, or was refused
   // here because the executor is stopping.
   std::shared_ptr<Job> shared(std::move(job));
-  absl::Status s = executor_.SubmitBackground([this, shared](double) { Run(*shared); });
+  absl::Status s = devices_[shared->device()].executor->SubmitBackground([this, shared](double) { Run(*shared); });
   if (!s.ok()) metrics_.RecordDropped(shared->op());  // shutting down
 }
 
@@ -185,7 +183,7 @@ void ShadowVerifier::Run(Job& job) {
     const v1::MhcSeamRequest& r = job.mhc_request();
     const v1::MhcSeamResponse& fused = job.mhc_fused();
     v1::MhcSeamResponse unfused;
-    absl::StatusOr<Comparison> c = CompareMhcOnWorker(job.set(), r, fused, &unfused);
+    absl::StatusOr<Comparison> c = CompareMhcOnWorker(job.device(), job.set(), r, fused, &unfused);
     if (!c.ok()) return;
     Record(Op::kMhc, job.set(), fused.request_id(), *c, r, fused, unfused,
            {{"stage", v1::MhcStage_Name(r.stage())},
@@ -195,23 +193,25 @@ void ShadowVerifier::Run(Job& job) {
   } else {
     const v1::SwaNormQuantResponse& fused = job.swa_fused();
     v1::SwaNormQuantResponse unfused;
-    absl::StatusOr<Comparison> c = CompareSwaOnWorker(job.set(), job.swa_request(), fused, &unfused);
+    absl::StatusOr<Comparison> c = CompareSwaOnWorker(job.device(), job.set(), job.swa_request(), fused, &unfused);
     if (!c.ok()) return;
     Record(Op::kSwa, job.set(), fused.request_id(), *c, job.swa_request(), fused, unfused, {{"source", "sampled"}});
   }
 }
 
-absl::StatusOr<Comparison> ShadowVerifier::CompareMhcOnWorker(const WeightSet& set, const v1::MhcSeamRequest& request,
+absl::StatusOr<Comparison> ShadowVerifier::CompareMhcOnWorker(size_t device, const WeightSet& set,
+                                                              const v1::MhcSeamRequest& request,
                                                               const v1::MhcSeamResponse& fused,
                                                               v1::MhcSeamResponse* unfused) {
   absl::StatusOr<RunStats> ran = absl::InternalError("no mHC part");
   absl::StatusOr<MhcCall> call = absl::InternalError("no mHC part");
-  if (set.mhc) {
+  const PreparedMhcWeights* part = set.on(device).mhc.get();
+  if (part != nullptr) {
     // The request was validated when it was served; the token limit was checked then.
-    call = DecodeMhcRequest(request, *set.mhc, std::numeric_limits<int64_t>::max(), unfused);
+    call = DecodeMhcRequest(request, *part, std::numeric_limits<int64_t>::max(), unfused);
     if (call.ok()) {
       PoisonOutputs(unfused);
-      ran = RunMhcCall(backend_, *set.mhc, call->args, Path::kUnfused);
+      ran = RunMhcCall(*devices_[device].backend, *part, call->args, Path::kUnfused);
     } else {
       ran = call.status();
     }
@@ -222,21 +222,22 @@ absl::StatusOr<Comparison> ShadowVerifier::CompareMhcOnWorker(const WeightSet& s
              set.name, "'): ", ran.status().ToString());
     return ran.status();
   }
-  return CompareMhc(set.mhc->params(), set.mhc_norm_weight, call->args.stage, call->args.mode, call->args.capture_aux,
+  return CompareMhc(part->params(), set.mhc_norm_weight, call->args.stage, call->args.mode, call->args.capture_aux,
                     fused, *unfused);
 }
 
-absl::StatusOr<Comparison> ShadowVerifier::CompareSwaOnWorker(const WeightSet& set,
+absl::StatusOr<Comparison> ShadowVerifier::CompareSwaOnWorker(size_t device, const WeightSet& set,
                                                               const v1::SwaNormQuantRequest& request,
                                                               const v1::SwaNormQuantResponse& fused,
                                                               v1::SwaNormQuantResponse* unfused) {
   absl::StatusOr<RunStats> ran = absl::InternalError("no SWA part");
   absl::StatusOr<SwaCall> call = absl::InternalError("no SWA part");
-  if (set.swa) {
-    call = DecodeSwaRequest(request, *set.swa, std::numeric_limits<int64_t>::max(), unfused);
+  const PreparedSwaWeights* part = set.on(device).swa.get();
+  if (part != nullptr) {
+    call = DecodeSwaRequest(request, *part, std::numeric_limits<int64_t>::max(), unfused);
     if (call.ok()) {
       PoisonOutputs(unfused);
-      ran = RunSwaCall(backend_, *set.swa, call->args, Path::kUnfused);
+      ran = RunSwaCall(*devices_[device].backend, *part, call->args, Path::kUnfused);
     } else {
       ran = call.status();
     }
@@ -247,7 +248,7 @@ absl::StatusOr<Comparison> ShadowVerifier::CompareSwaOnWorker(const WeightSet& s
              set.name, "'): ", ran.status().ToString());
     return ran.status();
   }
-  return CompareSwa(set.swa->params(), call->args.tokens, set.swa_wq_b_row_abs_max, fused, *unfused);
+  return CompareSwa(part->params(), call->args.tokens, set.swa_wq_b_row_abs_max, fused, *unfused);
 }
 
 void ShadowVerifier::Record(Op op, const WeightSet& set, const std::string& request_id, const Comparison& comparison,
@@ -301,9 +302,9 @@ void ShadowVerifier::Record(Op op, const WeightSet& set, const std::string& requ
 }
 
 v1::Verification ShadowVerifier::VerifyMhc(const WeightSet& set, const v1::MhcSeamRequest& request,
-                                           const v1::MhcSeamResponse& fused) {
+                                           const v1::MhcSeamResponse& fused, size_t device) {
   v1::MhcSeamResponse unfused;
-  absl::StatusOr<Comparison> c = CompareMhcOnWorker(set, request, fused, &unfused);
+  absl::StatusOr<Comparison> c = CompareMhcOnWorker(device, set, request, fused, &unfused);
   if (!c.ok()) return NotCompared(absl::StrCat("the unfused run failed: ", c.status().ToString()));
   Record(Op::kMhc, set, fused.request_id(), *c, request, fused, unfused,
          {{"stage", v1::MhcStage_Name(request.stage())},
@@ -314,9 +315,9 @@ v1::Verification ShadowVerifier::VerifyMhc(const WeightSet& set, const v1::MhcSe
 }
 
 v1::Verification ShadowVerifier::VerifySwa(const WeightSet& set, const v1::SwaNormQuantRequest& request,
-                                           const v1::SwaNormQuantResponse& fused) {
+                                           const v1::SwaNormQuantResponse& fused, size_t device) {
   v1::SwaNormQuantResponse unfused;
-  absl::StatusOr<Comparison> c = CompareSwaOnWorker(set, request, fused, &unfused);
+  absl::StatusOr<Comparison> c = CompareSwaOnWorker(device, set, request, fused, &unfused);
   if (!c.ok()) return NotCompared(absl::StrCat("the unfused run failed: ", c.status().ToString()));
   Record(Op::kSwa, set, fused.request_id(), *c, request, fused, unfused, {{"source", "verify"}});
   return ToVerification(*c);

@@ -32,6 +32,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "runtime/executor.h"
@@ -58,13 +59,25 @@ struct ShadowOptions {
   std::string backend, device;                     // written into dumps
 };
 
+// Where the unfused runs of the calls that ran on one device go: that device's backend (its
+// default context) and executor (its background lane).
+struct ShadowDevice {
+  Backend* backend = nullptr;
+  Executor* executor = nullptr;
+};
+
 class ShadowVerifier {
  public:
   class Job;  // a captured request; releases its queue reservation when destroyed
 
-  // InvalidArgument when the dump directory cannot be used.
+  // InvalidArgument when the dump directory cannot be used. `devices`: by the server's device
+  // ordinal; a call's comparison runs on the device the call ran on (the `device` arguments below).
+  static absl::StatusOr<std::unique_ptr<ShadowVerifier>> Create(ShadowOptions options, std::vector<ShadowDevice> devices,
+                                                                prometheus::Registry& registry);
   static absl::StatusOr<std::unique_ptr<ShadowVerifier>> Create(ShadowOptions options, Backend& backend,
-                                                                Executor& executor, prometheus::Registry& registry);
+                                                                Executor& executor, prometheus::Registry& registry) {
+    return Create(std::move(options), {ShadowDevice{&backend, &executor}}, registry);
+  }
   ~ShadowVerifier();
 
   // Bernoulli(sample_rate); thread-safe.
@@ -74,30 +87,31 @@ class ShadowVerifier {
   // reference is alive): a job holding a reference to the call's messages `held` (no copy), or
   // null (and the drop counted) when the queue is full or `held` is null (the method has no
   // SharedMessageAllocator). The job only reads them; the caller must not write them after this.
-  std::unique_ptr<Job> CaptureMhc(std::shared_ptr<const WeightSet> set, MhcMessages* held);
-  std::unique_ptr<Job> CaptureSwa(std::shared_ptr<const WeightSet> set, SwaMessages* held);
+  std::unique_ptr<Job> CaptureMhc(std::shared_ptr<const WeightSet> set, MhcMessages* held, size_t device = 0);
+  std::unique_ptr<Job> CaptureSwa(std::shared_ptr<const WeightSet> set, SwaMessages* held, size_t device = 0);
   // After the response was sent: queue the job on the background lane.
   void Submit(std::unique_ptr<Job> job);
 
   // Synchronous comparison of a fused response (on the worker; verify = true).
   v1::Verification VerifyMhc(const WeightSet& set, const v1::MhcSeamRequest& request,
-                             const v1::MhcSeamResponse& fused);
+                             const v1::MhcSeamResponse& fused, size_t device = 0);
   v1::Verification VerifySwa(const WeightSet& set, const v1::SwaNormQuantRequest& request,
-                             const v1::SwaNormQuantResponse& fused);
+                             const v1::SwaNormQuantResponse& fused, size_t device = 0);
 
   const ShadowOptions& options() const { return options_; }
   size_t queued_jobs() const;
 
  private:
-  ShadowVerifier(ShadowOptions options, Backend& backend, Executor& executor, prometheus::Registry& registry);
+  ShadowVerifier(ShadowOptions options, std::vector<ShadowDevice> devices, prometheus::Registry& registry);
   bool Reserve(Op op, uint64_t bytes);
   void Release(uint64_t bytes);
   void Run(Job& job);
   // Runs unfused on the request's inputs into *unfused and compares; an error when the unfused run
   // failed (counted, logged; no comparison).
-  absl::StatusOr<Comparison> CompareMhcOnWorker(const WeightSet& set, const v1::MhcSeamRequest& request,
+  absl::StatusOr<Comparison> CompareMhcOnWorker(size_t device, const WeightSet& set, const v1::MhcSeamRequest& request,
                                                 const v1::MhcSeamResponse& fused, v1::MhcSeamResponse* unfused);
-  absl::StatusOr<Comparison> CompareSwaOnWorker(const WeightSet& set, const v1::SwaNormQuantRequest& request,
+  absl::StatusOr<Comparison> CompareSwaOnWorker(size_t device, const WeightSet& set,
+                                                const v1::SwaNormQuantRequest& request,
                                                 const v1::SwaNormQuantResponse& fused,
                                                 v1::SwaNormQuantResponse* unfused);
   // Metrics, and on a mismatch the log line and the dump (metadata "source" = "verify" picks the
@@ -107,8 +121,7 @@ class ShadowVerifier {
               const google::protobuf::Message& unfused, std::map<std::string, std::string> metadata);
 
   const ShadowOptions options_;
-  Backend& backend_;
-  Executor& executor_;
+  const std::vector<ShadowDevice> devices_;
   ShadowMetrics metrics_;
   std::unique_ptr<ShadowDumpWriter> dumps_;         // sampled comparisons: dump_dir
   std::unique_ptr<ShadowDumpWriter> verify_dumps_;  // verify = true: dump_dir/verify
@@ -124,14 +137,21 @@ class ShadowVerifier {
 class ShadowVerifier::Job {
  public:
   Job(ShadowVerifier& owner, Op op, uint64_t bytes, std::shared_ptr<const WeightSet> set, MhcMessagesRef mhc,
-      SwaMessagesRef swa)
-      : owner_(owner), op_(op), bytes_(bytes), set_(std::move(set)), mhc_(std::move(mhc)), swa_(std::move(swa)) {}
+      SwaMessagesRef swa, size_t device = 0)
+      : owner_(owner),
+        op_(op),
+        bytes_(bytes),
+        device_(device),
+        set_(std::move(set)),
+        mhc_(std::move(mhc)),
+        swa_(std::move(swa)) {}
   ~Job() { owner_.Release(bytes_); }
   Job(const Job&) = delete;
   Job& operator=(const Job&) = delete;
 
   Op op() const { return op_; }
   uint64_t bytes() const { return bytes_; }
+  size_t device() const { return device_; }  // where the call ran: its comparison runs there too
   const WeightSet& set() const { return *set_; }
   // The RPC's own messages (op kMhc / kSwa respectively).
   const v1::MhcSeamRequest& mhc_request() const { return mhc_.request(); }
@@ -143,6 +163,7 @@ class ShadowVerifier::Job {
   ShadowVerifier& owner_;
   const Op op_;
   const uint64_t bytes_;
+  const size_t device_;
   const std::shared_ptr<const WeightSet> set_;
   const MhcMessagesRef mhc_;
   const SwaMessagesRef swa_;

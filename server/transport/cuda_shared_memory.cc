@@ -10,9 +10,9 @@
 namespace fusedlayer::server::transport {
 
 CudaSharedMemoryRegistry::CudaSharedMemoryRegistry(CudaSharedMemoryLimits limits, prometheus::Registry& metrics,
-                                                   Backend* importer)
+                                                   std::vector<Backend*> importers)
     : limits_(limits),
-      importer_(importer),
+      importers_(std::move(importers)),
       metrics_(CudaSharedMemoryMetrics::Register(metrics)),
       regions_(RegionTableSpec{"CUDA shared-memory", "--cuda_shared_memory_max_regions",
                                "--cuda_shared_memory_idle_seconds", limits.max_regions, limits.idle_seconds},
@@ -29,10 +29,10 @@ absl::Status CudaSharedMemoryRegistry::CheckEnabled() const {
         "CUDA shared memory is off on this server: start it with --allow_cuda_shared_memory (same host and GPU "
         "only), or send the tensors inline");
   }
-  if (importer_ == nullptr || importer_->device_index() < 0) {
+  if (importers_.empty() || importers_.front()->device_index() < 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("CUDA shared memory needs a GPU backend; this server runs the ",
-                     importer_ != nullptr ? std::string(importer_->kind()) : std::string("no"), " backend"));
+                     !importers_.empty() ? std::string(importers_.front()->kind()) : std::string("no"), " backend"));
   }
   return absl::OkStatus();
 }
@@ -70,10 +70,16 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& identity,
     return absl::InvalidArgumentError(absl::StrCat("raw_handle is ", req.raw_handle().size(),
                                                    " bytes; a cudaIpcMemHandle_t is ", kIpcHandleBytes));
   }
-  if (req.device_id() != importer_->device_index()) {
-    return absl::InvalidArgumentError(absl::StrCat("device_id ", req.device_id(), ": this server runs on GPU ",
-                                                   importer_->device_index(),
-                                                   " and uses memory of that GPU only (GetServerInfo.device_id)"));
+  Backend* importer = nullptr;
+  std::string served;
+  for (Backend* b : importers_) {
+    if (b->device_index() == req.device_id()) importer = b;
+    absl::StrAppend(&served, served.empty() ? "" : ", ", b->device_index());
+  }
+  if (importer == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("device_id ", req.device_id(), ": this server runs on GPU(s) ",
+                                                   served,
+                                                   " and uses memory of those GPUs only (GetServerInfo.devices)"));
   }
   if (req.byte_size() == 0) return absl::InvalidArgumentError("byte_size must be > 0");
   uint64_t end = 0;
@@ -98,7 +104,7 @@ absl::Status CudaSharedMemoryRegistry::Register(const std::string& identity,
   if (allocation == nullptr) {
     // Outside mu_ (compute requests look regions up meanwhile); registrations wait on register_mu_,
     // so no other one opens this handle or takes this name before it is published below.
-    absl::StatusOr<DeviceBuffer> imported = importer_->ImportIpcMemory(req.raw_handle());
+    absl::StatusOr<DeviceBuffer> imported = importer->ImportIpcMemory(req.raw_handle());
     if (!imported.ok()) {
       if (absl::IsUnimplemented(imported.status())) return absl::FailedPreconditionError(imported.status().message());
       return absl::InvalidArgumentError(absl::StrCat("raw_handle: ", imported.status().message()));

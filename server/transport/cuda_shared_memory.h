@@ -31,6 +31,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -84,13 +85,19 @@ class CudaSharedMemoryRegion {
 
 class CudaSharedMemoryRegistry {
  public:
-  // `importer`: the backend whose kernels use the regions (it opens the handles), or null when
+  // `importers`: the backends whose kernels use the regions, one per GPU the server serves on (a
+  // region is opened by the one whose device_index() is its device_id); empty or without a GPU:
   // registration is refused.
-  CudaSharedMemoryRegistry(CudaSharedMemoryLimits limits, prometheus::Registry& metrics, Backend* importer);
+  CudaSharedMemoryRegistry(CudaSharedMemoryLimits limits, prometheus::Registry& metrics,
+                           std::vector<Backend*> importers);
+  CudaSharedMemoryRegistry(CudaSharedMemoryLimits limits, prometheus::Registry& metrics, Backend* importer)
+      : CudaSharedMemoryRegistry(limits, metrics,
+                                 importer != nullptr ? std::vector<Backend*>{importer} : std::vector<Backend*>{}) {}
 
   // --allow_cuda_shared_memory and a backend that opens IPC handles.
-  bool enabled() const { return limits_.enabled && importer_ != nullptr && importer_->device_index() >= 0; }
-  int device_id() const { return importer_ != nullptr ? importer_->device_index() : -1; }
+  bool enabled() const { return limits_.enabled && !importers_.empty() && importers_.front()->device_index() >= 0; }
+  // The first GPU's id (-1: none).
+  int device_id() const { return importers_.empty() ? -1 : importers_.front()->device_index(); }
 
   // The RPCs (rpc/shared_memory_rpcs.cc); `identity` is the caller's (auth/caller_identity.h).
   absl::Status Register(const std::string& identity, const v1::RegisterCudaSharedMemoryRequest& request);
@@ -126,7 +133,7 @@ class CudaSharedMemoryRegistry {
   void EraseLocked(Regions::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CudaSharedMemoryLimits limits_;
-  Backend* const importer_;
+  const std::vector<Backend*> importers_;
   const CudaSharedMemoryMetrics metrics_;  // metrics/component_metrics.h
   // Registrations one at a time (opening a handle takes milliseconds; it is done outside mu_, so
   // compute requests' lookups never wait for it).

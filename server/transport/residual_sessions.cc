@@ -50,12 +50,13 @@ double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::dura
 // ---- ResidualSession ----------------------------------------------------------------------------------
 
 ResidualSession::ResidualSession(std::string identity, std::string name, ResidualSessionShape shape,
-                                 DeviceBuffer block, size_t copy_bytes)
+                                 DeviceBuffer block, size_t copy_bytes, size_t device)
     : identity_(std::move(identity)),
       name_(std::move(name)),
       shape_(shape),
       block_(std::move(block)),
       copy_bytes_(copy_bytes),
+      device_(device),
       last_used_(std::chrono::steady_clock::now()) {}
 
 ResidualState ResidualSession::State(int which) const {
@@ -77,9 +78,9 @@ DeviceRange ResidualSession::memory() const {
 
 // ---- ResidualSessionStore -----------------------------------------------------------------------------
 
-ResidualSessionStore::ResidualSessionStore(ResidualSessionLimits limits, Backend& backend,
+ResidualSessionStore::ResidualSessionStore(ResidualSessionLimits limits, std::vector<Backend*> backends,
                                            prometheus::Registry& metrics)
-    : limits_(limits), backend_(backend), metrics_(ResidualSessionMetrics::Register(metrics)) {
+    : limits_(limits), backends_(std::move(backends)), metrics_(ResidualSessionMetrics::Register(metrics)) {
   // Last: the reaper may run as soon as it exists.
   if (enabled()) {
     reaper_.emplace(ReaperPeriod(limits_.idle_seconds), [this] { CloseIdle(std::chrono::steady_clock::now()); });
@@ -121,8 +122,10 @@ absl::Status ResidualSessionStore::TotalExhausted(const std::string& name, uint6
 }
 
 absl::StatusOr<uint64_t> ResidualSessionStore::Open(const std::string& identity, const std::string& name,
-                                                    ResidualSessionShape shape) {
+                                                    ResidualSessionShape shape, size_t device) {
   if (absl::Status s = CheckEnabled(); !s.ok()) return s;
+  if (device >= backends_.size()) return absl::InvalidArgumentError("no such device for a residual session");
+  Backend& backend = *backends_[device];
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (shape.tokens < 1 || shape.tokens > limits_.max_tokens) {
     return absl::InvalidArgumentError(absl::StrCat("tokens must be in [1, ", limits_.max_tokens,
@@ -162,7 +165,7 @@ absl::StatusOr<uint64_t> ResidualSessionStore::Open(const std::string& identity,
     CountLocked(identity, /*add=*/true, bytes);
   }
   absl::Status failed;
-  absl::StatusOr<DeviceBuffer> block = backend_.Allocate(bytes);
+  absl::StatusOr<DeviceBuffer> block = backend.Allocate(bytes);
   if (!block.ok()) {
     failed = absl::ResourceExhaustedError(
         absl::StrCat("residual session '", name, "': ", bytes, " bytes of backend memory: ", block.status().message()));
@@ -170,10 +173,10 @@ absl::StatusOr<uint64_t> ResidualSessionStore::Open(const std::string& identity,
     // A synchronous copy on the backend's default context: on a GPU it returns after the
     // stream-ordered allocation above is complete, so a lane may use the block from now on.
     const uint64_t zero[8] = {};
-    failed = backend_.CopyToDevice(block->data(), zero, sizeof(zero));
+    failed = backend.CopyToDevice(block->data(), zero, sizeof(zero));
   }
   std::shared_ptr<ResidualSession> session;
-  if (failed.ok()) session = std::make_shared<ResidualSession>(identity, name, shape, std::move(*block), layout.total);
+  if (failed.ok()) session = std::make_shared<ResidualSession>(identity, name, shape, std::move(*block), layout.total, device);
   MutexLock lock(&mu_);
   opening_.erase(key);
   if (!failed.ok()) {
@@ -210,7 +213,7 @@ std::vector<ResidualSessionInfo> ResidualSessionStore::List(const std::string& i
        ++it) {
     const ResidualSession& s = *it->second;
     out.push_back(ResidualSessionInfo{s.name(), s.shape(), s.bytes(), s.has_residual_, s.has_mixes_, s.calls_,
-                                      Seconds(now - s.last_used_), s.last_weight_set_});
+                                      Seconds(now - s.last_used_), s.last_weight_set_, s.device()});
   }
   return out;
 }

@@ -76,6 +76,7 @@ struct ResidualSessionInfo {
   uint64_t calls = 0;
   double idle_seconds = 0;
   std::string last_weight_set;
+  size_t device = 0;  // the ordinal of the serving device that holds it
 };
 
 class ResidualSessionStore;
@@ -85,11 +86,13 @@ class ResidualSessionStore;
 class ResidualSession {
  public:
   ResidualSession(std::string identity, std::string name, ResidualSessionShape shape, DeviceBuffer block,
-                  size_t copy_bytes);
+                  size_t copy_bytes, size_t device = 0);
   const std::string& identity() const { return identity_; }
   const std::string& name() const { return name_; }
   const ResidualSessionShape& shape() const { return shape_; }
   uint64_t bytes() const { return block_.bytes(); }
+  // The serving device (its ordinal) whose memory holds the state: the session's calls run there.
+  size_t device() const { return device_; }
   // Copy `which` (0 or 1) of the state.
   ResidualState State(int which) const;
   DeviceRange memory() const;
@@ -100,6 +103,7 @@ class ResidualSession {
   const ResidualSessionShape shape_;
   DeviceBuffer block_;
   const size_t copy_bytes_;
+  const size_t device_;
   // Guarded by the store's mutex.
   int current_ = 0;
   bool has_residual_ = false;
@@ -116,8 +120,11 @@ class ResidualSession {
 
 class ResidualSessionStore {
  public:
-  // `backend` allocates the sessions' blocks (Backend::Allocate, thread-safe).
-  ResidualSessionStore(ResidualSessionLimits limits, Backend& backend, prometheus::Registry& metrics);
+  // `backends` allocate the sessions' blocks (Backend::Allocate, thread-safe), by the serving
+  // devices' ordinals: a session opened on device d is held by backends[d].
+  ResidualSessionStore(ResidualSessionLimits limits, std::vector<Backend*> backends, prometheus::Registry& metrics);
+  ResidualSessionStore(ResidualSessionLimits limits, Backend& backend, prometheus::Registry& metrics)
+      : ResidualSessionStore(limits, std::vector<Backend*>{&backend}, metrics) {}
   ~ResidualSessionStore();  // stops the reaper; blocks of sessions still open are freed
 
   bool enabled() const { return limits_.max_sessions > 0; }
@@ -125,7 +132,9 @@ class ResidualSessionStore {
   // The RPCs (rpc/residual_session_rpcs.cc); `identity` is the caller's (auth/caller_identity.h).
   // Open: INVALID_ARGUMENT for a bad name or shape, ALREADY_EXISTS, RESOURCE_EXHAUSTED over the
   // identity's limits or out of backend memory; returns the bytes held.
-  absl::StatusOr<uint64_t> Open(const std::string& identity, const std::string& name, ResidualSessionShape shape);
+  // `device`: the ordinal of the serving device whose memory holds the session.
+  absl::StatusOr<uint64_t> Open(const std::string& identity, const std::string& name, ResidualSessionShape shape,
+                                size_t device = 0);
   std::vector<ResidualSessionInfo> List(const std::string& identity);
   // `name` empty: every session of the identity. Returns (sessions closed, bytes freed).
   absl::StatusOr<std::pair<uint32_t, uint64_t>> Close(const std::string& identity, const std::string& name);
@@ -193,7 +202,7 @@ class ResidualSessionStore {
   absl::Status TotalExhausted(const std::string& name, uint64_t bytes) const;
 
   const ResidualSessionLimits limits_;
-  Backend& backend_;
+  const std::vector<Backend*> backends_;
   const ResidualSessionMetrics metrics_;  // metrics/component_metrics.h
   Mutex mu_;
   std::map<Key, std::shared_ptr<ResidualSession>> sessions_ ABSL_GUARDED_BY(mu_);

@@ -462,6 +462,13 @@ absl::StatusOr<TensorTransfer::DeviceTensor> TensorTransfer::ResolveDevice(const
   if (region == nullptr) {
     absl::StatusOr<std::shared_ptr<const CudaSharedMemoryRegion>> found = cuda_->Lookup(identity_, ref.region(), tensor);
     if (!found.ok()) return found.status();
+    // A call runs on one device: its CUDA tensors must all be in memory of that GPU.
+    if (!device_regions_.empty() && (*found)->device_id() != device_regions_.front()->device_id()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          role, " '", tensor, "': its region '", ref.region(), "' is on GPU ", (*found)->device_id(),
+          ", another of this call's regions on GPU ", device_regions_.front()->device_id(),
+          "; a call runs on one device"));
+    }
     // One range per region: a request has at most DeviceRanges::kMax tensors.
     if (!device_ranges_.Add(DeviceRange{(*found)->device_data(), (*found)->device_data() + (*found)->byte_size()})) {
       return absl::InvalidArgumentError("a request may reference at most 16 CUDA shared-memory regions");

@@ -253,6 +253,8 @@ class TensorTransfer {
   // Whether any tensor lies in CUDA shared memory (such a request is not batched: batch assembly
   // memcpy's inputs and outputs on the host).
   bool uses_device_memory() const { return !device_regions_.empty(); }
+  // The GPU of its CUDA shared-memory tensors (all on one), or -1 when it has none.
+  int device_id() const { return device_regions_.empty() ? -1 : device_regions_.front()->device_id(); }
   // The CUDA shared-memory regions the request's tensors lie in (ExecTarget::resident).
   const DeviceRanges& device_ranges() const { return device_ranges_; }
   // Whether every output the request places lies in CUDA shared memory (and there is one): the

@@ -149,11 +149,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!req.ParseFromArray(msg, len)) return -1;
     fusedlayer::v1::MhcSeamResponse resp;
     absl::StatusOr<fusedlayer::server::MhcCall> call =
-        fusedlayer::server::DecodeMhcRequest(req, *set.mhc, kMaxTokens, &resp, transfer.get(), external);
+        fusedlayer::server::DecodeMhcRequest(req, *set.on(0).mhc, kMaxTokens, &resp, transfer.get(), external);
     if (!call.ok()) return CheckError(call.status()), 0;
     for (Path path : {Path::kUnfused, Path::kFused}) {
-      if (path == Path::kFused && !fx->cpu->MhcFusedSupport(*set.mhc, call->query).supported) continue;
-      absl::StatusOr<fusedlayer::RunStats> r = fusedlayer::server::RunMhcCall(*fx->cpu, *set.mhc, call->args, path);
+      if (path == Path::kFused && !fx->cpu->MhcFusedSupport(*set.on(0).mhc, call->query).supported) continue;
+      absl::StatusOr<fusedlayer::RunStats> r = fusedlayer::server::RunMhcCall(*fx->cpu, *set.on(0).mhc, call->args, path);
       if (!r.ok()) Fail("mhc", path, r.status());
     }
     write_back();
@@ -162,11 +162,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!req.ParseFromArray(msg, len)) return -1;
     fusedlayer::v1::SwaNormQuantResponse resp;
     absl::StatusOr<fusedlayer::server::SwaCall> call =
-        fusedlayer::server::DecodeSwaRequest(req, *set.swa, kMaxTokens, &resp, transfer.get(), external);
+        fusedlayer::server::DecodeSwaRequest(req, *set.on(0).swa, kMaxTokens, &resp, transfer.get(), external);
     if (!call.ok()) return CheckError(call.status()), 0;
     for (Path path : {Path::kUnfused, Path::kFused}) {
-      if (path == Path::kFused && !fx->cpu->SwaFusedSupport(*set.swa, call->query).supported) continue;
-      absl::StatusOr<fusedlayer::RunStats> r = fusedlayer::server::RunSwaCall(*fx->cpu, *set.swa, call->args, path);
+      if (path == Path::kFused && !fx->cpu->SwaFusedSupport(*set.on(0).swa, call->query).supported) continue;
+      absl::StatusOr<fusedlayer::RunStats> r = fusedlayer::server::RunSwaCall(*fx->cpu, *set.on(0).swa, call->args, path);
       if (!r.ok()) Fail("swa", path, r.status());
     }
     write_back();

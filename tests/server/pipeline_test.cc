@@ -85,14 +85,14 @@ struct Fixture {
     MhcRequestSpec spec{.hidden = 512, .tokens = tokens};
     spec.capture_aux = tokens % 2 == 0;
     request = MakeMhcRequest(rng, "p", spec);
-    auto call = server::DecodeMhcRequest(request, *set->mhc, int64_t{1} << 20, &response);
+    auto call = server::DecodeMhcRequest(request, *set->on(0).mhc, int64_t{1} << 20, &response);
     EXPECT_TRUE(call.ok()) << call.status();
     PoisonOutputs(call->args);
     return *call;
   }
   server::SwaCall Swa(v1::SwaNormQuantRequest& request, v1::SwaNormQuantResponse& response, int64_t tokens) {
     request = MakeSwaRequest(rng, "p", tokens, /*row_stride=*/256 + 128 + 8 * (tokens % 3));
-    auto call = server::DecodeSwaRequest(request, *set->swa, int64_t{1} << 20, &response);
+    auto call = server::DecodeSwaRequest(request, *set->on(0).swa, int64_t{1} << 20, &response);
     EXPECT_TRUE(call.ok()) << call.status();
     PoisonOutputs(call->args);
     return *call;
@@ -117,7 +117,7 @@ TEST(Pipeline, LaneCallsAreBitwiseTheCpuPathOnBothPaths) {
       v1::MhcSeamRequest mreq;
       v1::MhcSeamResponse mresp;
       server::MhcCall m = f.Mhc(mreq, mresp, tokens);
-      auto ran = server::RunMhcCall(f.device_lanes->For(static_cast<int>(tokens % 2)), *f.set->mhc, m.args, path);
+      auto ran = server::RunMhcCall(f.device_lanes->For(static_cast<int>(tokens % 2)), *f.set->on(0).mhc, m.args, path);
       ASSERT_TRUE(ran.ok()) << ran.status();
       EXPECT_GE(ran->kernel_seconds, 0.0);
       ExpectMhcEqual(mresp, f.reference.RunMhc(mreq, path));
@@ -125,7 +125,7 @@ TEST(Pipeline, LaneCallsAreBitwiseTheCpuPathOnBothPaths) {
       v1::SwaNormQuantRequest sreq;
       v1::SwaNormQuantResponse sresp;
       server::SwaCall s = f.Swa(sreq, sresp, tokens);
-      auto sran = server::RunSwaCall(f.device_lanes->For(0), *f.set->swa, s.args, path);
+      auto sran = server::RunSwaCall(f.device_lanes->For(0), *f.set->on(0).swa, s.args, path);
       ASSERT_TRUE(sran.ok()) << sran.status();
       ExpectSwaEqual(sresp, f.reference.RunSwa(sreq, path));
     }
@@ -357,7 +357,7 @@ TEST(Pipeline, InputsReadIntoPinnedMemoryAreCopiedFromThereInOneCopy) {
     ASSERT_TRUE(server::ReadWireRequest(&wire, &mreq, &request_pool, &f.device_lanes->staging()->copier(), &data).ok());
     ASSERT_EQ(data.tensors(), 5u);
     v1::MhcSeamResponse mresp;
-    auto m = server::DecodeMhcRequest(mreq, *f.set->mhc, int64_t{1} << 20, &mresp, nullptr, nullptr, &data);
+    auto m = server::DecodeMhcRequest(mreq, *f.set->on(0).mhc, int64_t{1} << 20, &mresp, nullptr, nullptr, &data);
     ASSERT_TRUE(m.ok()) << m.status();
     const server::HostRange pinned{data.begin(), data.end()};
     EXPECT_TRUE(pinned.Contains(m->args.x.data, server::ViewExtentBytes(m->args.x)));
@@ -365,7 +365,7 @@ TEST(Pipeline, InputsReadIntoPinnedMemoryAreCopiedFromThereInOneCopy) {
     ExecTarget target = f.device_lanes->For(0);
     target.pinned_inputs = pinned;
     counts();
-    auto ran = server::RunMhcCall(target, *f.set->mhc, m->args, Path::kFused);
+    auto ran = server::RunMhcCall(target, *f.set->on(0).mhc, m->args, Path::kFused);
     ASSERT_TRUE(ran.ok()) << ran.status();
     EXPECT_EQ(counts(), std::make_pair(int64_t{1}, int64_t{1}));
     ExpectMhcEqual(mresp, f.reference.RunMhc(sent, Path::kFused));
@@ -391,7 +391,7 @@ TEST(Pipeline, SplitStagingCopiesAreBitwiseTheCpuPath) {
     std::vector<std::thread> threads;
     for (int i = 0; i < 2; ++i) {
       threads.emplace_back([&, i] {
-        auto ran = server::RunMhcCall(f.device_lanes->For(i), *f.set->mhc, calls[i].args, Path::kFused);
+        auto ran = server::RunMhcCall(f.device_lanes->For(i), *f.set->on(0).mhc, calls[i].args, Path::kFused);
         st[i] = ran.status();
       });
     }
@@ -419,7 +419,7 @@ TEST(Pipeline, EachDirectionIsOneCopyPerCallOrPerChunk) {
     v1::MhcSeamResponse mresp;
     server::MhcCall m = f.Mhc(mreq, mresp, tokens);
     counts();
-    auto ran = server::RunMhcCall(f.device_lanes->For(0), *f.set->mhc, m.args, Path::kFused);
+    auto ran = server::RunMhcCall(f.device_lanes->For(0), *f.set->on(0).mhc, m.args, Path::kFused);
     ASSERT_TRUE(ran.ok()) << ran.status();
     EXPECT_EQ(counts(), std::make_pair(int64_t{1}, int64_t{1}));  // 5 inputs, 5 or 6 outputs
     ExpectMhcEqual(mresp, f.reference.RunMhc(mreq, Path::kFused));
@@ -428,7 +428,7 @@ TEST(Pipeline, EachDirectionIsOneCopyPerCallOrPerChunk) {
     v1::SwaNormQuantResponse sresp;
     server::SwaCall sw = f.Swa(sreq, sresp, tokens);
     counts();
-    auto sran = server::RunSwaCall(f.device_lanes->For(0), *f.set->swa, sw.args, Path::kFused);
+    auto sran = server::RunSwaCall(f.device_lanes->For(0), *f.set->on(0).swa, sw.args, Path::kFused);
     ASSERT_TRUE(sran.ok()) << sran.status();
     EXPECT_EQ(counts(), std::make_pair(int64_t{1}, int64_t{1}));
     ExpectSwaEqual(sresp, f.reference.RunSwa(sreq, Path::kFused));
@@ -443,7 +443,7 @@ TEST(Pipeline, EachDirectionIsOneCopyPerCallOrPerChunk) {
     input_bytes += server::ViewExtentBytes(*v);
   }
   counts();
-  auto ran = server::RunMhcCall(f.device_lanes->For(0), *f.set->mhc, m.args, Path::kFused);
+  auto ran = server::RunMhcCall(f.device_lanes->For(0), *f.set->on(0).mhc, m.args, Path::kFused);
   ASSERT_TRUE(ran.ok()) << ran.status();
   const auto [to_device, to_host] = counts();
   EXPECT_GE(to_device, 4);
@@ -615,8 +615,8 @@ TEST(Pipeline, ManyConcurrentRequestsAcrossLanesAndOps) {
         absl::Status s = ex.Submit([&, i](double) {
           job.worker = ex.worker_index();
           const ExecTarget target = f.device_lanes->For(job.worker);
-          job.status = i % 2 == 0 ? server::RunMhcCall(target, *f.set->mhc, job.m.args, Path::kFused).status()
-                                  : server::RunSwaCall(target, *f.set->swa, job.s.args, Path::kFused).status();
+          job.status = i % 2 == 0 ? server::RunMhcCall(target, *f.set->on(0).mhc, job.m.args, Path::kFused).status()
+                                  : server::RunSwaCall(target, *f.set->on(0).swa, job.s.args, Path::kFused).status();
           ++done;
         });
         EXPECT_TRUE(s.ok()) << s;
@@ -659,7 +659,7 @@ TEST(Pipeline, EveryLaneHasARequestInFlightAtOnce) {
   for (int i = 0; i < kLanes; ++i) {
     ASSERT_TRUE(ex.Submit([&, i](double) {
                     statuses[i] =
-                        server::RunMhcCall(f.device_lanes->For(ex.worker_index()), *f.set->mhc, calls[i].args, Path::kFused)
+                        server::RunMhcCall(f.device_lanes->For(ex.worker_index()), *f.set->on(0).mhc, calls[i].args, Path::kFused)
                             .status();
                   }).ok());
   }
@@ -683,7 +683,7 @@ TEST(Pipeline, StagingPoolIsBounded) {
     v1::MhcSeamRequest req;
     v1::MhcSeamResponse resp;
     server::MhcCall big = f.Mhc(req, resp, 256);  // ~4 MiB: over the bound
-    auto ran = server::RunMhcCall(f.device_lanes->For(0), *f.set->mhc, big.args, Path::kFused);
+    auto ran = server::RunMhcCall(f.device_lanes->For(0), *f.set->on(0).mhc, big.args, Path::kFused);
     ASSERT_TRUE(absl::IsResourceExhausted(ran.status())) << ran.status();
     EXPECT_NE(ran.status().message().find("--host_staging_bytes"), std::string::npos) << ran.status();
   }
@@ -697,7 +697,7 @@ TEST(Pipeline, StagingPoolIsBounded) {
   for (int i = 0; i < kRequests; ++i) {
     ASSERT_TRUE(ex.Submit([&, i](double) {
                     statuses[i] =
-                        server::RunMhcCall(f.device_lanes->For(ex.worker_index()), *f.set->mhc, calls[i].args, Path::kFused)
+                        server::RunMhcCall(f.device_lanes->For(ex.worker_index()), *f.set->on(0).mhc, calls[i].args, Path::kFused)
                             .status();
                   }).ok());
   }
@@ -716,14 +716,14 @@ TEST(Pipeline, StagingPoolIsBounded) {
   v1::MhcSeamRequest req;
   v1::MhcSeamResponse resp;
   server::MhcCall same_class = f.Mhc(req, resp, 64);
-  auto kept = server::RunMhcCall(f.device_lanes->For(1), *f.set->mhc, same_class.args, Path::kFused);
+  auto kept = server::RunMhcCall(f.device_lanes->For(1), *f.set->on(0).mhc, same_class.args, Path::kFused);
   ASSERT_TRUE(kept.ok()) << kept.status();
   ExpectMhcEqual(resp, f.reference.RunMhc(req, Path::kFused));
   server::MhcCall small = f.Mhc(req, resp, 1);
-  auto refused = server::RunMhcCall(f.device_lanes->For(1), *f.set->mhc, small.args, Path::kFused);
+  auto refused = server::RunMhcCall(f.device_lanes->For(1), *f.set->on(0).mhc, small.args, Path::kFused);
   EXPECT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
   f.control->refuse_host_staging = false;
-  auto again = server::RunMhcCall(f.device_lanes->For(1), *f.set->mhc, small.args, Path::kFused);
+  auto again = server::RunMhcCall(f.device_lanes->For(1), *f.set->on(0).mhc, small.args, Path::kFused);
   ASSERT_TRUE(again.ok()) << again.status();
 }
 
@@ -757,14 +757,14 @@ TEST(Pipeline, DeviceFaultFailsTheRequestAtItsWaitAndTheLaneStaysUsable) {
   v1::MhcSeamResponse resp;
   server::MhcCall call = f.Mhc(req, resp, 5);
   f.control->fail_next_kernels = 1;
-  auto failed = server::RunMhcCall(f.device_lanes->For(0), *f.set->mhc, call.args, Path::kFused);
+  auto failed = server::RunMhcCall(f.device_lanes->For(0), *f.set->on(0).mhc, call.args, Path::kFused);
   ASSERT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
   EXPECT_NE(failed.status().message().find("injected device fault"), std::string::npos);
   // The block the failed request used is discarded, not reused.
   EXPECT_EQ(f.device_lanes->staging()->held_bytes(), 0u);
 
   server::MhcCall again = f.Mhc(req, resp, 5);
-  auto ok = server::RunMhcCall(f.device_lanes->For(0), *f.set->mhc, again.args, Path::kFused);
+  auto ok = server::RunMhcCall(f.device_lanes->For(0), *f.set->on(0).mhc, again.args, Path::kFused);
   ASSERT_TRUE(ok.ok()) << ok.status();
   ExpectMhcEqual(resp, f.reference.RunMhc(req, Path::kFused));
 }
@@ -780,10 +780,10 @@ TEST(Pipeline, InvalidArgumentsAreRefusedBeforeAnythingRuns) {
   MhcArgs bad = call.args;
   bad.x.shape[1] = 3;  // n = 3 against a set of n = 4
   const int64_t before = f.control->lane_kernels.load();
-  auto refused = server::RunMhcCall(f.device_lanes->For(0), *f.set->mhc, bad, Path::kFused);
+  auto refused = server::RunMhcCall(f.device_lanes->For(0), *f.set->on(0).mhc, bad, Path::kFused);
   EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
   EXPECT_EQ(f.control->lane_kernels.load(), before);
-  auto ok = server::RunMhcCall(f.device_lanes->For(0), *f.set->mhc, call.args, Path::kFused);
+  auto ok = server::RunMhcCall(f.device_lanes->For(0), *f.set->on(0).mhc, call.args, Path::kFused);
   ASSERT_TRUE(ok.ok()) << ok.status();
   ExpectMhcEqual(resp, f.reference.RunMhc(req, Path::kFused));
 }
@@ -810,7 +810,7 @@ TEST(Pipeline, UnloadWhileLanesHoldTheSet) {
     std::shared_ptr<const server::WeightSet> set = *store.Get("p");
     ASSERT_TRUE(ex.Submit([&, i, set = std::move(set)](double) mutable {
                     statuses[i] =
-                        server::RunMhcCall(f.device_lanes->For(ex.worker_index()), *set->mhc, calls[i].args, Path::kFused)
+                        server::RunMhcCall(f.device_lanes->For(ex.worker_index()), *set->on(0).mhc, calls[i].args, Path::kFused)
                             .status();
                     set.reset();  // as a request drops its set once its response is built
                   }).ok());
@@ -842,7 +842,7 @@ TEST(Pipeline, StopDrainsRequestsInFlightOnEveryLane) {
   for (int i = 0; i < kRequests; ++i) {
     ASSERT_TRUE(ex.Submit([&, i](double) {
                     statuses[i] =
-                        server::RunSwaCall(f.device_lanes->For(ex.worker_index()), *f.set->swa, calls[i].args, Path::kFused)
+                        server::RunSwaCall(f.device_lanes->For(ex.worker_index()), *f.set->on(0).swa, calls[i].args, Path::kFused)
                             .status();
                   }).ok());
   }
@@ -997,14 +997,14 @@ TEST(Pipeline, LaneLendsItsStagingBlockToOutputsOutsideTheMessage) {
     MhcRequestSpec spec{.hidden = 512, .tokens = 64};
     const v1::MhcSeamRequest req = MakeMhcRequest(f.rng, "p", spec);
     v1::MhcSeamResponse resp;
-    auto call = server::DecodeMhcRequest(req, *f.set->mhc, int64_t{1} << 20, &resp, nullptr, &kept[i]);
+    auto call = server::DecodeMhcRequest(req, *f.set->on(0).mhc, int64_t{1} << 20, &resp, nullptr, &kept[i]);
     ASSERT_TRUE(call.ok()) << call.status();
     ASSERT_EQ(kept[i].buffers().size(), 5u);
     PoisonOutputs(call->args);
     ExecTarget target = f.device_lanes->For(static_cast<int>(i % 2));
     target.outputs = &kept[i];
     const size_t lent_before = pool.lent_bytes();
-    auto ran = server::RunMhcCall(target, *f.set->mhc, call->args, Path::kFused);
+    auto ran = server::RunMhcCall(target, *f.set->on(0).mhc, call->args, Path::kFused);
     ASSERT_TRUE(ran.ok()) << ran.status();
     const bool lent = i < 4;
     EXPECT_EQ(pool.lent_bytes(), lent_before + (lent ? size_t{1} << 20 : 0));

@@ -52,9 +52,17 @@ std::shared_ptr<grpc::Channel> MakeChannel(int port, int max_message_bytes) {
 std::unique_ptr<TestServer> TestServer::Start(server::ServerConfig config, std::unique_ptr<Backend> backend,
                                               std::vector<server::PackedWeightSet> initial) {
   if (!backend) backend = CpuBackendFor(config);
+  std::vector<server::DeviceCandidate> devices;
+  const int id = backend->device_index() >= 0 ? backend->device_index() : 0;
+  devices.push_back(server::DeviceCandidate{id, absl::StrCat(std::string(backend->kind()), ":", id), std::move(backend)});
+  return StartOn(std::move(config), std::move(devices), std::move(initial));
+}
+
+std::unique_ptr<TestServer> TestServer::StartOn(server::ServerConfig config, std::vector<server::DeviceCandidate> devices,
+                                                std::vector<server::PackedWeightSet> initial) {
   std::vector<std::pair<server::PackedWeightSet, std::string>> sets;
   for (auto& s : initial) sets.emplace_back(std::move(s), "test");
-  auto started = server::FusedLayerServer::Start(std::move(config), std::move(backend), std::move(sets));
+  auto started = server::FusedLayerServer::Start(std::move(config), std::move(devices), std::move(sets));
   EXPECT_TRUE(started.ok()) << started.status();
   if (!started.ok()) return nullptr;
   auto ts = std::unique_ptr<TestServer>(new TestServer());
@@ -109,10 +117,28 @@ std::string HttpGet(int port, const std::string& path) {
   return body == std::string::npos ? "" : resp.substr(body + 4);
 }
 
+std::unique_ptr<server::ServingDevices> SingleDevice(std::unique_ptr<Backend> backend, size_t queue_capacity) {
+  auto devices = std::make_unique<server::ServingDevices>();
+  auto device = std::make_unique<server::ServingDevice>();
+  device->label = absl::StrCat(std::string(backend->kind()), ":0");
+  device->backend = std::move(backend);
+  absl::StatusOr<std::unique_ptr<server::DeviceLanes>> lanes = server::DeviceLanes::Create(*device->backend, 0, 0);
+  EXPECT_TRUE(lanes.ok()) << lanes.status();
+  device->lanes = *std::move(lanes);
+  device->executor = std::make_unique<server::Executor>(queue_capacity, server::BatchingOptions{},
+                                                        device->lanes->workers());
+  devices->Add(std::move(device));
+  return devices;
+}
+
 double MetricValue(const std::string& exposition, const std::string& name,
                    const std::map<std::string, std::string>& labels) {
   std::istringstream in(exposition);
   std::string line;
+  // A query that names no device sums the series of every device (the op series carry one).
+  const bool any_device = labels.count("device") == 0;
+  double sum = 0;
+  bool found = false;
   while (std::getline(in, line)) {
     if (line.empty() || line[0] == '#') continue;
     const size_t brace = line.find('{');
@@ -134,9 +160,13 @@ double MetricValue(const std::string& exposition, const std::string& name,
         if (pos < body.size() && body[pos] == ',') ++pos;
       }
     }
-    if (got == labels) return std::stod(line.substr(space + 1));
+    if (any_device) got.erase("device");
+    if (got == labels) {
+      sum += std::stod(line.substr(space + 1));
+      found = true;
+    }
   }
-  return std::numeric_limits<double>::quiet_NaN();
+  return found ? sum : std::numeric_limits<double>::quiet_NaN();
 }
 
 std::string ScrapeWhenIdle(TestServer& ts) {
@@ -382,7 +412,7 @@ TensorView PoisonedOutput(v1::Tensor* t, DType dtype, const std::vector<int64_t>
 
 v1::MhcSeamResponse Reference::RunMhc(const v1::MhcSeamRequest& req, Path path) {
   v1::MhcSeamResponse out;
-  const MhcHyperParams& p = set_->mhc->params();
+  const MhcHyperParams& p = set_->on(0).mhc->params();
   const int64_t T = req.x().shape(0), n = p.hc_mult, C = p.hidden;
   MhcArgs a;
   a.stage = server::FromProto(req.stage());
@@ -402,14 +432,14 @@ v1::MhcSeamResponse Reference::RunMhc(const v1::MhcSeamRequest& req, Path path) 
   }
   a.y = PoisonedOutput(out.mutable_y(), DType::kBF16, {T, C});
   if (a.capture_aux) a.aux = PoisonedOutput(out.mutable_aux(), DType::kBF16, {T, C});
-  auto r = backend_->RunMhc(*set_->mhc, a, path);
+  auto r = backend_->RunMhc(*set_->on(0).mhc, a, path);
   EXPECT_TRUE(r.ok()) << r.status();
   return out;
 }
 
 v1::SwaNormQuantResponse Reference::RunSwa(const v1::SwaNormQuantRequest& req, Path path) {
   v1::SwaNormQuantResponse out;
-  const SwaHyperParams& p = set_->swa->params();
+  const SwaHyperParams& p = set_->on(0).swa->params();
   const int64_t M = req.qr_kv().shape(0), S = req.qr_kv().shape(1), Q = p.q_rank, D = p.head_dim;
   SwaArgs a;
   a.tokens = M;
@@ -423,7 +453,7 @@ v1::SwaNormQuantResponse Reference::RunSwa(const v1::SwaNormQuantRequest& req, P
   }
   a.kv = PoisonedOutput(out.mutable_kv(), DType::kBF16, {M, D});
   if (p.has_wq_b()) a.q_proj = PoisonedOutput(out.mutable_q_proj(), DType::kBF16, {M, p.wq_b_rows});
-  auto r = backend_->RunSwa(*set_->swa, a, path);
+  auto r = backend_->RunSwa(*set_->on(0).swa, a, path);
   EXPECT_TRUE(r.ok()) << r.status();
   return out;
 }

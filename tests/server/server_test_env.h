@@ -31,12 +31,18 @@ server::ServerConfig TestConfig();
 
 // A CPU backend configured as the server would configure it from `config`.
 std::unique_ptr<Backend> CpuBackendFor(const server::ServerConfig& config);
+// One serving device (server/runtime/serving_devices.h) over `backend`: its lanes as the backend
+// offers them by default, and an executor with a queue of `queue_capacity`.
+std::unique_ptr<server::ServingDevices> SingleDevice(std::unique_ptr<Backend> backend, size_t queue_capacity = 4);
 
 class TestServer {
  public:
   // Starts a server (ASSERT-style: returns null and records a failure when it cannot start).
   static std::unique_ptr<TestServer> Start(server::ServerConfig config, std::unique_ptr<Backend> backend = nullptr,
                                            std::vector<server::PackedWeightSet> initial = {});
+  // The same on several devices (server::DeviceCandidate: some may have failed their start-up).
+  static std::unique_ptr<TestServer> StartOn(server::ServerConfig config, std::vector<server::DeviceCandidate> devices,
+                                             std::vector<server::PackedWeightSet> initial = {});
   ~TestServer();
 
   v1::FusedLayer::Stub& stub() { return *stub_; }
@@ -61,7 +67,8 @@ std::shared_ptr<grpc::Channel> MakeChannelTo(const std::string& target, int max_
 std::string HttpGet(int port, const std::string& path);
 
 // The value of the sample `name{labels}` (label order irrelevant) in a text exposition; NaN when
-// there is no such sample.
+// there is no such sample. Without a "device" label in `labels`, the sum over the devices' samples
+// that have `labels` besides their device.
 double MetricValue(const std::string& exposition, const std::string& name,
                    const std::map<std::string, std::string>& labels = {});
 

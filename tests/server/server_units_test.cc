@@ -211,8 +211,8 @@ TEST(ResponseSizing, MatchesWhatDecodeAllocates) {
               const v1::MhcSeamRequest req = testing::MakeMhcRequest(
                   rng, "s", {.tokens = tokens, .stage = stage, .mode = mode, .pre_mix = true, .capture_aux = aux});
               v1::MhcSeamResponse resp;
-              if (!DecodeMhcRequest(req, *(*set)->mhc, 1 << 20, &resp).ok()) continue;  // combination not defined
-              absl::StatusOr<ResponseSize> bytes = MhcResponseBytes(req, *(*set)->mhc, 1 << 20);
+              if (!DecodeMhcRequest(req, *(*set)->on(0).mhc, 1 << 20, &resp).ok()) continue;  // combination not defined
+              absl::StatusOr<ResponseSize> bytes = MhcResponseBytes(req, *(*set)->on(0).mhc, 1 << 20);
               ASSERT_TRUE(bytes.ok()) << bytes.status();
               const uint64_t want = resp.new_residual().data().size() + resp.new_pre_mix().data().size() +
                                     resp.new_post_mix().data().size() + resp.new_comb_mix().data().size() +
@@ -225,8 +225,8 @@ TEST(ResponseSizing, MatchesWhatDecodeAllocates) {
         }
         const v1::SwaNormQuantRequest sreq = testing::MakeSwaRequest(rng, "s", tokens, 256 + 128 + 16);
         v1::SwaNormQuantResponse sresp;
-        ASSERT_TRUE(DecodeSwaRequest(sreq, *(*set)->swa, 1 << 20, &sresp).ok());
-        absl::StatusOr<ResponseSize> bytes = SwaResponseBytes(sreq, *(*set)->swa, 1 << 20);
+        ASSERT_TRUE(DecodeSwaRequest(sreq, *(*set)->on(0).swa, 1 << 20, &sresp).ok());
+        absl::StatusOr<ResponseSize> bytes = SwaResponseBytes(sreq, *(*set)->on(0).swa, 1 << 20);
         ASSERT_TRUE(bytes.ok()) << bytes.status();
         const uint64_t want = sresp.q_fp8().data().size() + sresp.q_scale().data().size() +
                               sresp.kv().data().size() + sresp.q_proj().data().size();
@@ -242,7 +242,7 @@ TEST(ResponseSizing, MatchesWhatDecodeAllocates) {
   absl::StatusOr<std::shared_ptr<const WeightSet>> set = BuildWeightSet(*cpu, packed.first, packed.second, "test");
   ASSERT_TRUE(set.ok());
   const v1::MhcSeamRequest big = testing::MakeMhcRequest(rng, "s", {.tokens = 9});
-  EXPECT_TRUE(absl::IsInvalidArgument(MhcResponseBytes(big, *(*set)->mhc, 8).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(MhcResponseBytes(big, *(*set)->on(0).mhc, 8).status()));
 }
 
 // Outputs placed in shared memory are not sent; those placed in CUDA shared memory are not held by
@@ -258,7 +258,7 @@ TEST(ResponseSizing, PlacedOutputsAreNotSentAndCudaPlacedOnesNotHeld) {
   const int64_t T = 5;
   v1::MhcSeamRequest req = testing::MakeMhcRequest(rng, "s", {.tokens = T, .capture_aux = true});
   v1::MhcSeamResponse resp;
-  ASSERT_TRUE(DecodeMhcRequest(req, *(*set)->mhc, 1 << 20, &resp).ok());
+  ASSERT_TRUE(DecodeMhcRequest(req, *(*set)->on(0).mhc, 1 << 20, &resp).ok());
   const uint64_t all = resp.new_residual().data().size() + resp.new_pre_mix().data().size() +
                        resp.new_post_mix().data().size() + resp.new_comb_mix().data().size() +
                        resp.y().data().size() + resp.aux().data().size();
@@ -274,21 +274,21 @@ TEST(ResponseSizing, PlacedOutputsAreNotSentAndCudaPlacedOnesNotHeld) {
   place("new_residual")->mutable_cuda_shared_memory()->set_region("c");
   place("aux");                                                 // no reference: refused by the decode
   place("q_fp8")->mutable_shared_memory()->set_region("r");     // not an mHC output: refused too
-  absl::StatusOr<ResponseSize> bytes = MhcResponseBytes(req, *(*set)->mhc, 1 << 20);
+  absl::StatusOr<ResponseSize> bytes = MhcResponseBytes(req, *(*set)->on(0).mhc, 1 << 20);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   EXPECT_EQ(bytes->sent, all - y - residual);
   EXPECT_EQ(bytes->held, all - residual);
 
   v1::SwaNormQuantRequest sreq = testing::MakeSwaRequest(rng, "s", T, 256 + 128 + 16);
   v1::SwaNormQuantResponse sresp;
-  ASSERT_TRUE(DecodeSwaRequest(sreq, *(*set)->swa, 1 << 20, &sresp).ok());
+  ASSERT_TRUE(DecodeSwaRequest(sreq, *(*set)->on(0).swa, 1 << 20, &sresp).ok());
   v1::OutputPlacement* kv = sreq.add_output_placements();
   kv->set_output("kv");
   kv->mutable_cuda_shared_memory()->set_region("c");
   v1::OutputPlacement* q = sreq.add_output_placements();
   q->set_output("q_fp8");
   q->mutable_shared_memory()->set_region("r");
-  absl::StatusOr<ResponseSize> sbytes = SwaResponseBytes(sreq, *(*set)->swa, 1 << 20);
+  absl::StatusOr<ResponseSize> sbytes = SwaResponseBytes(sreq, *(*set)->on(0).swa, 1 << 20);
   ASSERT_TRUE(sbytes.ok()) << sbytes.status();
   EXPECT_EQ(sbytes->sent, sresp.q_scale().data().size() + sresp.q_proj().data().size());
   EXPECT_EQ(sbytes->held, sresp.q_fp8().data().size() + sresp.q_scale().data().size() + sresp.q_proj().data().size());
@@ -947,11 +947,12 @@ TEST_P(LastReference, IsFreedOnTheExecutorNotWhereItDropped) {
   std::mt19937_64 rng{std::random_device{}()};
   const ServerConfig config = fusedlayer::testing::TestConfig();
   auto freed = std::make_shared<FreedOn>();
-  FreeTrackingBackend backend(fusedlayer::testing::CpuBackendFor(config), freed);
-  Executor executor(4);
+  std::unique_ptr<ServingDevices> devices = fusedlayer::testing::SingleDevice(
+      std::make_unique<FreeTrackingBackend>(fusedlayer::testing::CpuBackendFor(config), freed));
+  Executor& executor = *devices->primary().executor;
   Metrics metrics("test", "cpu", "x86_64", "cpu");
   Health health;
-  WeightManager weights(config, backend, executor, metrics, health);
+  WeightManager weights(config, *devices, metrics, health);
   PackedWeightSet set = fusedlayer::testing::MakeWeightSet(rng, "held", fusedlayer::testing::MhcSetSpec{}, std::nullopt);
   PackedWeightSet again = set;
   ASSERT_TRUE(weights.InstallAndWait(set.first, std::move(set.second), "test").ok());
@@ -990,13 +991,14 @@ TEST(WeightManager, AfterTheExecutorStoppedTheLastReferenceFreesInPlace) {
   std::mt19937_64 rng{std::random_device{}()};
   const ServerConfig config = fusedlayer::testing::TestConfig();
   auto freed = std::make_shared<FreedOn>();
-  FreeTrackingBackend backend(fusedlayer::testing::CpuBackendFor(config), freed);
-  Executor executor(4);
+  std::unique_ptr<ServingDevices> devices = fusedlayer::testing::SingleDevice(
+      std::make_unique<FreeTrackingBackend>(fusedlayer::testing::CpuBackendFor(config), freed));
+  Executor& executor = *devices->primary().executor;
   Metrics metrics("test", "cpu", "x86_64", "cpu");
   Health health;
   std::shared_ptr<const WeightSet> held;
   {
-    WeightManager weights(config, backend, executor, metrics, health);
+    WeightManager weights(config, *devices, metrics, health);
     PackedWeightSet set =
         fusedlayer::testing::MakeWeightSet(rng, "held", fusedlayer::testing::MhcSetSpec{}, std::nullopt);
     ASSERT_TRUE(weights.InstallAndWait(set.first, std::move(set.second), "test").ok());

@@ -131,7 +131,7 @@ MhcRun RunMhcCase(std::mt19937_64& rng, const MhcConfig& cfg, int64_t tokens, in
   rs.capture_aux = cfg.capture_aux;
   v1::MhcSeamRequest req = MakeMhcRequest(rng, "t/mhc", rs);
   EXPECT_EQ(ref.set().mhc_norm_weight.size(), cfg.norm_weight ? size_t(hidden) : 0u);
-  return MhcRun{cfg, ref.set().mhc->params(), ref.set().mhc_norm_weight, ref.RunMhc(req, Path::kFused),
+  return MhcRun{cfg, ref.set().on(0).mhc->params(), ref.set().mhc_norm_weight, ref.RunMhc(req, Path::kFused),
                 ref.RunMhc(req, Path::kUnfused)};
 }
 

@@ -845,9 +845,9 @@ TEST(WeightSetTest, SmallSetBuildsWithExactBytesAndDefaults) {
   EXPECT_EQ(ws.name, "small/a");
   EXPECT_EQ(ws.source, "rpc");
   EXPECT_EQ(ws.sha256, *Sha256Hex(set.second));
-  ASSERT_NE(ws.mhc, nullptr);
-  ASSERT_NE(ws.swa, nullptr);
-  EXPECT_EQ(ws.resident_bytes, ws.mhc->resident_bytes() + ws.swa->resident_bytes());
+  ASSERT_NE(ws.on(0).mhc, nullptr);
+  ASSERT_NE(ws.on(0).swa, nullptr);
+  EXPECT_EQ(ws.resident_bytes, ws.on(0).mhc->resident_bytes() + ws.on(0).swa->resident_bytes());
   EXPECT_GE(ws.resident_bytes, size_t(kM * kK * 4));
   for (const auto& [name, bytes] : backend.mhc_bytes) EXPECT_EQ(bytes, *PackedTensorBytes(set, name)) << name;
   for (const auto& [name, bytes] : backend.swa_bytes) EXPECT_EQ(bytes, *PackedTensorBytes(set, name)) << name;
@@ -886,8 +886,8 @@ TEST(WeightSetTest, OptionalPartsAndTensors) {
     PackedWeightSet s = MakeSmallSet(rng, "m", {.swa = false, .norm_weight = false});
     absl::StatusOr<std::shared_ptr<const WeightSet>> b = BuildWeightSet(*cpu, s.first, s.second, "rpc");
     ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ((*b)->swa, nullptr);
-    EXPECT_FALSE((*b)->mhc->has_norm_weight());
+    EXPECT_EQ((*b)->on(0).swa, nullptr);
+    EXPECT_FALSE((*b)->on(0).mhc->has_norm_weight());
     v1::WeightSetInfo info = ToInfo(**b, *cpu);
     EXPECT_FALSE(info.has_swa());
     EXPECT_FALSE(info.has_norm_weight());
@@ -897,9 +897,9 @@ TEST(WeightSetTest, OptionalPartsAndTensors) {
     PackedWeightSet s = MakeSmallSet(rng, "s", {.mhc = false, .wq_b = false, .fmt = Fp8Format::kE4M3FNUZ});
     absl::StatusOr<std::shared_ptr<const WeightSet>> b = BuildWeightSet(*cpu, s.first, s.second, "rpc");
     ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ((*b)->mhc, nullptr);
-    EXPECT_EQ((*b)->swa->params().wq_b_rows, 0);
-    EXPECT_EQ((*b)->swa->params().fp8_format, Fp8Format::kE4M3FNUZ);
+    EXPECT_EQ((*b)->on(0).mhc, nullptr);
+    EXPECT_EQ((*b)->on(0).swa->params().wq_b_rows, 0);
+    EXPECT_EQ((*b)->on(0).swa->params().fp8_format, Fp8Format::kE4M3FNUZ);
     EXPECT_EQ(ToInfo(**b, *cpu).wq_b_rows(), 0);
   }
   {  // swa with fnuz wq_b
@@ -1276,7 +1276,7 @@ TEST_F(WeightStoreTest, ReplaceSwapsWhileOldReaderKeepsItsSet) {
 
   // A request in flight holds the old set.
   std::shared_ptr<const WeightSet> reader = store.Get("swap").value();
-  std::weak_ptr<const PreparedSwaWeights> old_swa = old_set->swa;
+  std::weak_ptr<const PreparedSwaWeights> old_swa = old_set->on(0).swa;
   old_set.reset();
 
   absl::StatusOr<std::shared_ptr<const WeightSet>> replaced = store.Publish(new_set, true);
@@ -1287,7 +1287,7 @@ TEST_F(WeightStoreTest, ReplaceSwapsWhileOldReaderKeepsItsSet) {
   EXPECT_EQ(store.resident_bytes(), new_set->resident_bytes);
   // The reader still sees the complete old set, and its weights are alive...
   EXPECT_NE(reader->sha256, new_set->sha256);
-  ASSERT_NE(reader->swa, nullptr);
+  ASSERT_NE(reader->on(0).swa, nullptr);
   EXPECT_FALSE(old_swa.expired());
   // ...until the request lets go.
   reader.reset();
@@ -1308,7 +1308,7 @@ TEST_F(WeightStoreTest, ConcurrentReadersSeeWholeSets) {
     readers.emplace_back([&] {
       while (!stop.load()) {
         absl::StatusOr<std::shared_ptr<const WeightSet>> s = store.Get("hot");
-        if (!s.ok() || (*s)->name != "hot" || !digests.count((*s)->sha256) || (*s)->swa == nullptr) ++bad;
+        if (!s.ok() || (*s)->name != "hot" || !digests.count((*s)->sha256) || (*s)->on(0).swa == nullptr) ++bad;
         ++reads;
       }
     });
