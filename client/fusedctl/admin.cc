@@ -70,6 +70,16 @@ absl::Status RunInfo(const FusedLayerClient& client, const CommandLine& cl, std:
   for (const v1::OpCapability& cap : info->ops()) {
     out << absl::StrFormat("  %-9s %s\n", cap.op(), CapabilityText(cap));
   }
+  out << "devices\n";
+  for (const v1::DeviceInfo& d : info->devices()) {
+    if (!d.serving()) {
+      out << absl::StrFormat("  %-8s device_id %d  NOT SERVING: %s\n", d.label(), d.device_id(), d.error());
+      continue;
+    }
+    out << absl::StrFormat("  %-8s device_id %d  %s (%s), %d lane(s), %s weights resident, %d call(s) in flight\n",
+                           d.label(), d.device_id(), d.name(), d.arch(), d.lanes(),
+                           FormatBytes(double(d.resident_bytes())), d.calls_in_flight());
+  }
   out << "limits\n";
   out << "  max_receive_message_bytes  " << info->max_receive_message_bytes() << " ("
       << FormatBytes(double(info->max_receive_message_bytes())) << ")\n";

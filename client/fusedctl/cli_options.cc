@@ -99,12 +99,12 @@ const std::vector<CommandInfo>& Commands() {
        "[--transport=tcp|shm|cuda_ipc|ring|ring_cuda_ipc] [--session=NAME [--return_state]]",
        0,
        {"weight_set", "tokens", "mode", "stage", "no_pre_mix", "capture_aux", "path", "input", "output", "seed",
-        "verify", "transport", "session", "return_state"}},
+        "verify", "transport", "session", "return_state", "device_id"}},
       {"swa",
        "swa --weight_set=NAME [--tokens=M] [--row_stride=S] [--path=...] [--input=FILE] [--output=FILE] [--seed=S] [--verify] "
        "[--transport=tcp|shm|cuda_ipc|ring|ring_cuda_ipc]",
        0,
-       {"weight_set", "tokens", "row_stride", "path", "input", "output", "seed", "verify", "transport"}},
+       {"weight_set", "tokens", "row_stride", "path", "input", "output", "seed", "verify", "transport", "device_id"}},
       {"bench",
        "bench --op=mhc|swa --weight_set=NAME --tokens=T --concurrency=N --duration=SECONDS [--connections=K] "
        "[--path=...] [--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S] "

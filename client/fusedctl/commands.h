@@ -45,6 +45,7 @@ struct CommandLine {
   std::string compute_token_file;            // soak: a token with only the compute right (auth cases)
   std::string dump;                          // replay: a shadow mismatch dump (safetensors)
   bool verify = false;                       // seam, swa: request verify = true (shadow comparison)
+  int device_id = -1;                        // seam, swa: the device the call names (-1: none)
   bool echo_floor = false;                   // bench: also measure a bare gRPC echo of the same sizes
   bool copy_requests = false;                // bench: protobuf-serialize every request (no shared request)
   std::string transport = "tcp";             // seam, swa, bench: tcp | shm (client/lib/shared_memory.h)

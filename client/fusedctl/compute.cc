@@ -192,7 +192,7 @@ std::string FormatReport(const v1::ExecutionReport& r, double round_trip_seconds
   absl::StrAppend(&s, "  weight_set  ", r.weight_set(), "\n");
   // A call ring's completion names neither (the server's info does).
   if (!r.backend().empty()) absl::StrAppend(&s, "  backend     ", r.backend(), "\n");
-  if (!r.device().empty()) absl::StrAppend(&s, "  device      ", r.device(), "\n");
+  if (!r.device().empty()) absl::StrAppend(&s, "  device      ", r.device(), " (device_id ", r.device_id(), ")\n");
   absl::StrAppend(&s, "  kernel      ", FormatSeconds(r.kernel_seconds()), "\n");
   absl::StrAppend(&s, "  queue       ", FormatSeconds(r.queue_seconds()), "\n");
   absl::StrAppend(&s, "  server      ", FormatSeconds(r.server_seconds()), "\n");
@@ -347,6 +347,7 @@ absl::Status RunSeam(const FusedLayerClient& client, const CommandLine& cl, std:
       << origin << ")\n";
 
   req.set_verify(cl.verify);
+  if (cl.device_id >= 0) req.set_device_id(cl.device_id);
   absl::StatusOr<v1::MhcSeamResponse> resp = SendAndReport(
       client, cl, req,
       [&]() -> absl::StatusOr<uint64_t> {
@@ -421,6 +422,7 @@ absl::Status RunSwa(const FusedLayerClient& client, const CommandLine& cl, std::
       << ShapeString(in_shape) << " path=" << PathPreferenceName(*path) << " (" << origin << ")\n";
 
   req.set_verify(cl.verify);
+  if (cl.device_id >= 0) req.set_device_id(cl.device_id);
   absl::StatusOr<v1::SwaNormQuantResponse> resp = SendAndReport(
       client, cl, req,
       [&]() -> absl::StatusOr<uint64_t> { return SwaRequestSharedBytes(req, ws->swa(), ws->wq_b_rows()); },

@@ -69,6 +69,9 @@ ABSL_FLAG(std::string, duration, "10", "bench: measured duration, seconds (or e.
 ABSL_FLAG(uint64_t, seed, 0, "seam/swa/bench/soak: random input seed (0 = fresh, printed)");
 ABSL_FLAG(std::string, warmup, "5", "soak: warm-up at full concurrency before the RSS baseline, seconds (0 = none)");
 ABSL_FLAG(int64_t, server_pid, 0, "soak: server process id (same host) whose VmRSS is read before and after");
+ABSL_FLAG(int32_t, device_id, -1,
+          "seam/swa: run on this device of the server (fusedctl info lists them; -1 = the server chooses: the "
+          "device of the call's CUDA shared memory or session, else the least-loaded)");
 ABSL_FLAG(bool, verify, false,
           "seam/swa: also run the unfused path on the server and return the fused-vs-unfused comparison");
 ABSL_FLAG(std::string, dump, "", "replay: a shadow-verification mismatch dump (safetensors, --shadow_dump_dir)");
@@ -231,6 +234,7 @@ int main(int argc, char** argv) {
   cl.compute_token_file = absl::GetFlag(FLAGS_compute_token_file);
   cl.dump = absl::GetFlag(FLAGS_dump);
   cl.verify = absl::GetFlag(FLAGS_verify);
+  cl.device_id = absl::GetFlag(FLAGS_device_id);
   cl.echo_floor = absl::GetFlag(FLAGS_echo_floor);
   cl.copy_requests = absl::GetFlag(FLAGS_copy_requests);
   cl.transport = absl::GetFlag(FLAGS_transport);
