@@ -14,9 +14,9 @@ except ImportError as e:
     raise ImportError("fusedlayer's generated gRPC stubs are missing: install the package (README, 'Python "
                       "client') instead of importing it from the client/python source folder") from e
 
-from .client import (MAX_CONNECTIONS, Client, ExecutionReport, MhcSeamResult, OpCapability, ServerInfo,
-                     SwaNormQuantResult, Tls, TRANSPORTS, Verification, WeightSetInfo, default_connections,
-                     read_token_file, target_is_local)
+from .client import (MAX_CONNECTIONS, Client, DeviceInfo, ExecutionReport, MhcSeamResult, OpCapability,
+                     OpenedResidualSession, ServerInfo, SwaNormQuantResult, Tls, TRANSPORTS, Verification,
+                     WeightSetInfo, default_connections, read_token_file, target_is_local)
 from .dtypes import E4M3FN, E4M3FNUZ, bf16_to_float32, float32_to_bf16, fp8_to_float32, round_to_bf16
 from .errors import (AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition, FusedLayerError,
                      FusedUnavailable, Internal, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
@@ -31,7 +31,8 @@ __version__ = "0.1.0"
 # (AsyncClient) and fusedlayer.reference are imported as submodules; fusedlayer.ring holds the call
 # ring's layout (constants, structures) besides the names exported here.
 __all__ = [
-    "Client", "ExecutionReport", "MhcSeamResult", "OpCapability", "ServerInfo", "SwaNormQuantResult", "Tls",
+    "Client", "DeviceInfo", "ExecutionReport", "MhcSeamResult", "OpCapability", "OpenedResidualSession",
+    "ServerInfo", "SwaNormQuantResult", "Tls",
     "TRANSPORTS", "Verification", "WeightSetInfo", "read_token_file", "target_is_local", "MAX_CONNECTIONS",
     "default_connections",
     "E4M3FN", "E4M3FNUZ", "bf16_to_float32", "float32_to_bf16", "fp8_to_float32", "round_to_bf16",

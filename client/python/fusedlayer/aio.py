@@ -30,10 +30,11 @@ import grpc.aio
 
 from . import _torch, errors, weights
 from ._health.v1 import health_pb2
-from .client import (_MHC_INPUT_TYPES, Array, ConfigEntry, MhcSeamResult, ServerInfo, SwaNormQuantResult,
-                     TlsArg, WeightSetInfo, WeightSource, _channel_args, _commit_failed, _cuda_inputs, _cuda_prepare,
-                     _health_status, _in_manifest_order, _manifest_path, _metadata, _mhc_cuda_shapes, _mhc_request,
-                     _mhc_result, _packed_sets, _plain_dict, _pool_size, _remember_configs, _server_info, _stage_id,
+from .client import (_MHC_INPUT_TYPES, Array, ConfigEntry, MhcSeamResult, OpenedResidualSession, ServerInfo,
+                     SwaNormQuantResult, TlsArg, WeightSetInfo, WeightSource, _channel_args, _commit_failed,
+                     _cuda_inputs, _cuda_prepare, _health_status, _in_manifest_order, _manifest_path, _metadata,
+                     _mhc_cuda_shapes, _mhc_request, _mhc_result, _open_session_request, _opened_session,
+                     _packed_sets, _plain_dict, _pool_size, _remember_configs, _server_info, _stage_id,
                      _swa_cuda_shapes, _swa_request, _swa_result, _upload_failed, _weight_chunks, _weight_set_info)
 from .v1 import fusedlayer_pb2 as pb
 from .v1 import fusedlayer_pb2_grpc as pb_grpc
@@ -159,12 +160,12 @@ class AsyncClient:
                        pre_mix: Optional[Array] = None, mode: str = "shifted", stage: str = "seam", path: str = "auto",
                        capture_aux: bool = False, verify: bool = False, request_id: str = "",
                        timeout: Optional[float] = None, session: str = "", return_state: bool = False,
-                       output: Optional[str] = None) -> MhcSeamResult:
+                       output: Optional[str] = None, device_id: Optional[int] = None) -> MhcSeamResult:
         """One mHC seam: fusedlayer.Client.mhc_seam as a coroutine."""
         inputs = dict(x=x, residual=residual, post_mix=post_mix, comb_mix=comb_mix, pre_mix=pre_mix)
         kind = _torch.output_kind(output, inputs.values())
         req = _mhc_request(weight_set, inputs, mode, stage, path, capture_aux, verify, request_id, session,
-                           return_state)
+                           return_state, device_id)
         cuda = _cuda_inputs(inputs, dict(_MHC_INPUT_TYPES))
         if cuda:
             shapes = _mhc_cuda_shapes(req, cuda, await self._config(weight_set), capture_aux)
@@ -176,10 +177,10 @@ class AsyncClient:
 
     async def swa_norm_quant(self, weight_set: str, qr_kv: Array, path: str = "auto", verify: bool = False,
                              request_id: str = "", timeout: Optional[float] = None,
-                             output: Optional[str] = None) -> SwaNormQuantResult:
+                             output: Optional[str] = None, device_id: Optional[int] = None) -> SwaNormQuantResult:
         """SWA norm+quant: fusedlayer.Client.swa_norm_quant as a coroutine."""
         kind = _torch.output_kind(output, [qr_kv])
-        req = _swa_request(weight_set, qr_kv, path, verify, request_id)
+        req = _swa_request(weight_set, qr_kv, path, verify, request_id, device_id)
         cuda = _cuda_inputs({"qr_kv": qr_kv}, {"qr_kv": pb.DATA_TYPE_BF16})
         if cuda:
             shapes = _swa_cuda_shapes(req, cuda, await self._config(weight_set))
@@ -278,10 +279,12 @@ class AsyncClient:
     # ---- residual sessions -------------------------------------------------------------------
 
     async def open_residual_session(self, name: str, tokens: int, hc_mult: int, hidden: int,
-                                    timeout: Optional[float] = None) -> int:
-        r = await self._call(self._stub.OpenResidualSession, pb.OpenResidualSessionRequest(
-            name=name, tokens=tokens, hc_mult=hc_mult, hidden=hidden), timeout)
-        return int(r.bytes)
+                                    timeout: Optional[float] = None,
+                                    device_id: Optional[int] = None) -> OpenedResidualSession:
+        """fusedlayer.Client.open_residual_session as a coroutine (the bytes held, with .device_id)."""
+        return _opened_session(await self._call(self._stub.OpenResidualSession,
+                                                _open_session_request(name, tokens, hc_mult, hidden, device_id),
+                                                timeout))
 
     async def list_residual_sessions(self, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
         r = await self._call(self._stub.ListResidualSessions, pb.ListResidualSessionsRequest(), timeout)

@@ -7,6 +7,7 @@ are the classes of fusedlayer.errors.
 
 import ipaddress
 import itertools
+import operator
 import os
 import re
 import secrets
@@ -75,6 +76,9 @@ class ExecutionReport:
     # Where server_seconds went (ExecutionReport.stages, docs/operations.md): "decode", "copy_in",
     # "device", "copy_out", "response" -> seconds; empty from a server that does not send them.
     stages: Dict[str, float] = field(default_factory=dict)
+    # Which of the server's devices ran the call (ServerInfo.devices[].device_id); -1 where not known
+    # (a call ring's completion record does not carry it).
+    device_id: int = -1
 
     @staticmethod
     def _from_proto(r: Any, round_trip_seconds: float) -> "ExecutionReport":
@@ -84,7 +88,8 @@ class ExecutionReport:
             fallback_detail=r.fallback_detail, backend=r.backend, device=r.device, weight_set=r.weight_set,
             kernel_seconds=r.kernel_seconds, queue_seconds=r.queue_seconds, server_seconds=r.server_seconds,
             round_trip_seconds=round_trip_seconds,
-            stages={name: getattr(r.stages, name) for name in _REPORT_STAGES} if r.HasField("stages") else {})
+            stages={name: getattr(r.stages, name) for name in _REPORT_STAGES} if r.HasField("stages") else {},
+            device_id=r.device_id)
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,22 @@ class WeightSetInfo:
 
 
 @dataclass
+class DeviceInfo:
+    """One device of the server (--devices): a GPU, or on the CPU backend a share of the host's cores.
+    Every loaded weight set is resident on every serving device."""
+    device_id: int                 # what device_id= names: the GPU's index in the server, or the CPU device's number
+    label: str                     # the metrics' `device` label: "cuda:1", "cpu:0"
+    name: str                      # "NVIDIA H200", "cpu (2 threads)"
+    arch: str
+    serving: bool                  # False: it failed its start-up check and serves nothing (error says why)
+    error: str
+    lanes: int                     # concurrent lanes (0 on a host-accessible backend)
+    resident_bytes: int            # weight bytes held on it
+    calls_in_flight: int           # compute calls admitted to it and not yet answered
+    ops: Dict[str, OpCapability] = field(default_factory=dict)  # per op: the fused path on this device
+
+
+@dataclass
 class ServerInfo:
     version: str
     backend: str
@@ -162,7 +183,36 @@ class ServerInfo:
     queue_capacity: int
     shared_memory_enabled: bool = False       # --allow_shared_memory
     cuda_shared_memory_enabled: bool = False  # --allow_cuda_shared_memory on a GPU backend
-    device_id: int = -1                       # the GPU a CUDA shared-memory region must be on (-1: none)
+    device_id: int = -1                       # the first serving GPU's id (-1: no GPU); every device: devices
+    # Every device the server was started on (--devices), in that order, those not serving included;
+    # empty from a server older than several devices per server.
+    devices: List[DeviceInfo] = field(default_factory=list)
+
+
+class OpenedResidualSession(int):
+    """What open_residual_session returns: the device bytes the session holds, as an int (all it
+    returned before servers had several devices, so it compares and adds as that count), with
+    .bytes (the same count) and .device_id, the device that holds the session and runs its calls."""
+
+    device_id: int
+
+    def __new__(cls, held_bytes: int, device_id: int) -> "OpenedResidualSession":
+        opened = super().__new__(cls, held_bytes)
+        opened.device_id = device_id
+        return opened
+
+    @property
+    def bytes(self) -> int:
+        return int(self)
+
+    def __getnewargs__(self) -> Tuple[int, int]:  # type: ignore[override]  # (pickle, copy) both values
+        return int(self), self.device_id
+
+    def __str__(self) -> str:
+        return int.__repr__(self)  # the count, as the int it was
+
+    def __repr__(self) -> str:
+        return f"OpenedResidualSession(bytes={int(self)}, device_id={self.device_id})"
 
 
 @dataclass(frozen=True)
@@ -364,6 +414,12 @@ def _verification(response: Any) -> Optional[Verification]:
                         outputs=[_plain_dict(o) for o in v.outputs])
 
 
+def _device_info(d: Any) -> DeviceInfo:
+    return DeviceInfo(device_id=d.device_id, label=d.label, name=d.name, arch=d.arch, serving=d.serving, error=d.error,
+                      lanes=d.lanes, resident_bytes=d.resident_bytes, calls_in_flight=d.calls_in_flight,
+                      ops={c.op: _capability(c) for c in d.ops})
+
+
 def _server_info(r: Any) -> ServerInfo:
     return ServerInfo(version=r.version, backend=r.backend, device=r.device, arch=r.arch,
                       ops={c.op: _capability(c) for c in r.ops},
@@ -371,7 +427,39 @@ def _server_info(r: Any) -> ServerInfo:
                       max_send_message_bytes=r.max_send_message_bytes, fused_max_tokens=r.fused_max_tokens,
                       max_tokens=r.max_tokens, queue_capacity=r.queue_capacity,
                       shared_memory_enabled=r.shared_memory_enabled,
-                      cuda_shared_memory_enabled=r.cuda_shared_memory_enabled, device_id=r.device_id)
+                      cuda_shared_memory_enabled=r.cuda_shared_memory_enabled, device_id=r.device_id,
+                      devices=[_device_info(d) for d in r.devices])
+
+
+def _open_session_request(name: str, tokens: int, hc_mult: int, hidden: int,
+                          device_id: Optional[int]) -> "pb.OpenResidualSessionRequest":
+    req = pb.OpenResidualSessionRequest(name=name, tokens=tokens, hc_mult=hc_mult, hidden=hidden)
+    _set_device_id(req, device_id)
+    return req
+
+
+def _opened_session(r: "pb.OpenResidualSessionResponse") -> OpenedResidualSession:
+    return OpenedResidualSession(int(r.bytes), int(r.device_id))
+
+
+_INT32_MAX = (1 << 31) - 1
+
+
+def _set_device_id(req: Any, device_id: Optional[int]) -> None:
+    """device_id= on a request (its optional field set only for an int; None leaves it absent: the
+    server picks the device). An id the server does not serve on is its INVALID_ARGUMENT."""
+    if device_id is None:
+        return
+    if isinstance(device_id, bool):
+        raise TypeError("device_id must be an int (a ServerInfo.devices[].device_id) or None, got a bool")
+    try:
+        value = operator.index(device_id)
+    except TypeError:
+        raise TypeError(f"device_id must be an int (a ServerInfo.devices[].device_id) or None, "
+                        f"got {type(device_id).__name__}") from None
+    if not -_INT32_MAX - 1 <= value <= _INT32_MAX:
+        raise ValueError(f"device_id = {value} is outside int32")
+    req.device_id = value
 
 
 # ---- request building and response decoding, shared by Client and fusedlayer.aio.AsyncClient ----
@@ -387,11 +475,13 @@ WeightSource = Union[str, "os.PathLike[str]", Mapping[str, np.ndarray]]
 
 
 def _mhc_request(weight_set: str, inputs: Mapping[str, Any], mode: str, stage: str, path: str, capture_aux: bool,
-                 verify: bool, request_id: str, session: str, return_state: bool) -> "pb.MhcSeamRequest":
+                 verify: bool, request_id: str, session: str, return_state: bool,
+                 device_id: Optional[int] = None) -> "pb.MhcSeamRequest":
     req = pb.MhcSeamRequest(weight_set=weight_set, stage=_choice("stage", stage, _STAGES),
                             mode=_choice("mode", mode, _MODES), path_preference=_choice("path", path, _PATHS),
                             capture_aux=capture_aux, verify=verify, request_id=request_id, session=session,
                             return_state=return_state)
+    _set_device_id(req, device_id)
     for name, data_type in _MHC_INPUT_TYPES:
         value = inputs.get(name)
         if value is not None and not _torch.is_cuda(value):
@@ -446,9 +536,11 @@ def _mhc_result(r: "pb.MhcSeamResponse", elapsed: float, kind: str = "numpy",
                          verification=_verification(r))
 
 
-def _swa_request(weight_set: str, qr_kv: Any, path: str, verify: bool, request_id: str) -> "pb.SwaNormQuantRequest":
+def _swa_request(weight_set: str, qr_kv: Any, path: str, verify: bool, request_id: str,
+                 device_id: Optional[int] = None) -> "pb.SwaNormQuantRequest":
     req = pb.SwaNormQuantRequest(weight_set=weight_set, path_preference=_choice("path", path, _PATHS),
                                  verify=verify, request_id=request_id)
+    _set_device_id(req, device_id)
     if not _torch.is_cuda(qr_kv):
         req.qr_kv.CopyFrom(_tensor("qr_kv", qr_kv, pb.DATA_TYPE_BF16))
     return req
@@ -791,7 +883,8 @@ class Client:
                  comb_mix: Optional[Array] = None, pre_mix: Optional[Array] = None, mode: str = "shifted",
                  stage: str = "seam", path: str = "auto", capture_aux: bool = False, verify: bool = False,
                  request_id: str = "", timeout: Optional[float] = None, session: str = "",
-                 return_state: bool = False, output: Optional[str] = None) -> MhcSeamResult:
+                 return_state: bool = False, output: Optional[str] = None,
+                 device_id: Optional[int] = None) -> MhcSeamResult:
         """One mHC seam (docs/spec/mhc.md).
 
         stage "seam"/"head": x = sublayer output bf16 [T, C], residual bf16 [T, n, C], post_mix fp32
@@ -803,11 +896,15 @@ class Client:
         the mixes are None unless return_state). Sent inline whatever the client's transport.
         Arrays: numpy, or torch tensors (module docstring); output "numpy" / "torch" / None (like the
         inputs). CUDA tensors go by CUDA shared memory and the outputs come back on their device.
+        device_id: run on that device of the server (ServerInfo.devices; InvalidArgument for one it
+        does not serve on, or one other than that of the call's CUDA tensors or session); None: on
+        the device of the CUDA tensors or of the session, else the least-loaded one.
+        report.device_id says which device ran the call.
         """
         inputs = dict(x=x, residual=residual, post_mix=post_mix, comb_mix=comb_mix, pre_mix=pre_mix)
         kind = _torch.output_kind(output, inputs.values())
         req = _mhc_request(weight_set, inputs, mode, stage, path, capture_aux, verify, request_id, session,
-                           return_state)
+                           return_state, device_id)
         cuda = _cuda_inputs(inputs, dict(_MHC_INPUT_TYPES))
         if cuda:
             shapes = _mhc_cuda_shapes(req, cuda, self._config(weight_set), capture_aux)
@@ -831,14 +928,14 @@ class Client:
 
     def swa_norm_quant(self, weight_set: str, qr_kv: Array, path: str = "auto", verify: bool = False,
                        request_id: str = "", timeout: Optional[float] = None,
-                       output: Optional[str] = None) -> SwaNormQuantResult:
+                       output: Optional[str] = None, device_id: Optional[int] = None) -> SwaNormQuantResult:
         """SWA q/kv RMSNorm + q FP8 1x128 group quant (+ wq_b) (docs/spec/swa.md).
 
-        qr_kv: bf16 [M, S], S >= Q + D: q = columns [0, Q), kv = [Q, Q + D). Arrays and output as
-        for mhc_seam.
+        qr_kv: bf16 [M, S], S >= Q + D: q = columns [0, Q), kv = [Q, Q + D). Arrays, output and
+        device_id as for mhc_seam.
         """
         kind = _torch.output_kind(output, [qr_kv])
-        req = _swa_request(weight_set, qr_kv, path, verify, request_id)
+        req = _swa_request(weight_set, qr_kv, path, verify, request_id, device_id)
         cuda = _cuda_inputs({"qr_kv": qr_kv}, {"qr_kv": pb.DATA_TYPE_BF16})
         if cuda:
             shapes = _swa_cuda_shapes(req, cuda, self._config(weight_set))
@@ -1020,15 +1117,17 @@ class Client:
     # ---- residual sessions (docs/operations.md "Residual sessions") ----------------------------
 
     def open_residual_session(self, name: str, tokens: int, hc_mult: int, hidden: int,
-                              timeout: Optional[float] = None) -> int:
-        """Opens a session of T = tokens, n = hc_mult, C = hidden; returns the device bytes it holds."""
-        r = self._call(self._stub.OpenResidualSession, pb.OpenResidualSessionRequest(
-            name=name, tokens=tokens, hc_mult=hc_mult, hidden=hidden), timeout)
-        return int(r.bytes)
+                              timeout: Optional[float] = None,
+                              device_id: Optional[int] = None) -> OpenedResidualSession:
+        """Opens a session of T = tokens, n = hc_mult, C = hidden on device device_id (None: the
+        least-loaded one; its calls run there). Returns the device bytes it holds, an int that also
+        has .device_id, the device that holds it (OpenedResidualSession)."""
+        return _opened_session(self._call(self._stub.OpenResidualSession,
+                                          _open_session_request(name, tokens, hc_mult, hidden, device_id), timeout))
 
     def list_residual_sessions(self, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
         """The caller's sessions as dicts: name, tokens, hc_mult, hidden, bytes, has_residual, has_mixes,
-        calls, idle_seconds, last_weight_set."""
+        calls, idle_seconds, last_weight_set, device_id."""
         r = self._call(self._stub.ListResidualSessions, pb.ListResidualSessionsRequest(), timeout)
         return [_plain_dict(s) for s in r.sessions]
 

@@ -243,11 +243,13 @@ def ring_call_of(request: Union["pb.MhcSeamRequest", "pb.SwaNormQuantRequest"], 
     """The descriptor of a request whose tensors all lie in shared-memory regions (as transport="shm"
     or CUDA tensors make them), its weight set and regions found in a ring's bindings (CallRing's
     weight_sets and regions). deadline: seconds from now after which the call is not launched.
-    InvalidArgument for an inline tensor, session or verify; NotFound for a weight set or region the
-    bindings lack."""
+    InvalidArgument for an inline tensor, session, verify or device_id (a descriptor names no device);
+    NotFound for a weight set or region the bindings lack."""
     bound = [_binding(r) for r in regions]
     if request.weight_set not in weight_sets:
         raise errors.NotFound(grpc.StatusCode.NOT_FOUND, f"weight set '{request.weight_set}' is not bound to the ring")
+    if request.HasField("device_id"):
+        raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "ring calls do not name a device (device_id)")
     call = RingCallDescriptor(weight_set=list(weight_sets).index(request.weight_set),
                               path_preference=request.path_preference, deadline_ns=_deadline_ns(deadline))
     if isinstance(request, pb.MhcSeamRequest):
@@ -548,7 +550,8 @@ class CallRing:
                  stage: str = "seam", path: str = "auto", capture_aux: bool = False, timeout: Optional[float] = 60.0,
                  output: Optional[str] = None, slot: int = 0) -> cl.MhcSeamResult:
         """Client.mhc_seam through the ring: the same arguments (no verify, session or request_id) and
-        result (report.backend and .device are empty: a completion record does not carry them)."""
+        result (report.backend and .device are empty and report.device_id is -1: a completion record
+        does not carry them)."""
         inputs = dict(x=x, residual=residual, post_mix=post_mix, comb_mix=comb_mix, pre_mix=pre_mix)
         kind = _torch.output_kind(output, inputs.values())
         req = cl._mhc_request(weight_set, inputs, mode, stage, path, capture_aux, False, "", "", False)

@@ -73,6 +73,24 @@ def client(server):
         yield c
 
 
+# The CPU devices of the two-device server (--devices=0,1 on the CPU backend splits the cores into
+# two devices, each with every weight set resident).
+TWO_DEVICES = (0, 1)
+
+
+@pytest.fixture(scope="session")
+def devices_server():
+    s = ServerProcess(extra_args=["--devices=" + ",".join(str(d) for d in TWO_DEVICES)])
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def devices_client(devices_server):
+    with fusedlayer.Client(devices_server.target) as c:
+        yield c
+
+
 @pytest.fixture
 def rng(request):
     # A fresh seed per run (printed on failure through the test id's output) keeps inputs fresh.
