@@ -2,8 +2,8 @@
 # Runs on the GPU host from the bundle (.gpu/, see build_and_bundle.sh). Logs go to $OUT.
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
 #   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab
-#                                                  samebits abclient sessions shm cudaipc profile mhcncu
-#                                                  serversan)
+#                                                  samebits abclient sessions shm cudaipc devices profile
+#                                                  mhcncu serversan)
 #   SUITES="gpu_swa_tests swa_contract_tests"     the test suites the tests step runs (default: all)
 # The run fails (exit 1) when the GPU or the CUDA backend is missing, a suite it asks for is not in
 # the bundle, a test fails or skips, or any step's command fails.
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH=$PWD/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"tests sanitize serversan bench torch smoke dataplane sessions shm cudaipc shadow"}  # and "ab" (needs a baseline server, below)
+STEPS=${STEPS:-"tests sanitize serversan bench torch smoke dataplane sessions shm cudaipc devices shadow"}  # and "ab" (needs a baseline server, below)
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 # start_server PORT METRICS_PORT LOG [extra flags...]: a CUDA-backend server with the demo weights in
 # the background (pid in $pid), returning once its health check answers (or after 60 s).
@@ -310,6 +310,46 @@ if want cudaipc; then
         || { echo "FAILED: metrics missing from /metrics"; failed=1; }
   } >> "$OUT/cudaipc.log" 2>&1
   stop_server "$OUT/cudaipc.log"
+fi
+# devices: one server for the host's GPUs (--devices). Every GPU this process sees serves, and one
+# index past the last is listed too: it must fail its start-up check, be left out and reported by
+# info (the server serves on the others), and a call naming it must be INVALID_ARGUMENT. Each
+# serving GPU runs the calls that name it (the report's device_id), a CUDA IPC call runs on its
+# memory's GPU, and the op series carry the device label.
+if want devices; then
+  echo "== devices"
+  n=$(nvidia-smi -L | wc -l)
+  ids=$(seq -s, 0 "$n")
+  start_server 50211 50212 "$OUT/server-devices.log" --devices="$ids" --allow_cuda_shared_memory
+  { C="--target=127.0.0.1:50211"
+    must ./fusedctl info $C | tee "$OUT/devices-info.txt"
+    for i in $(seq 0 $((n - 1))); do
+      grep -Eq "^  cuda:$i +device_id $i  NVIDIA" "$OUT/devices-info.txt" || { echo "FAILED: cuda:$i is not listed as serving"; failed=1; }
+      ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64 --device_id=$i > "$OUT/devices-seam-$i.txt" 2>&1 \
+        || { echo "FAILED: seam on device $i"; failed=1; }
+      cat "$OUT/devices-seam-$i.txt"
+      grep -q "(device_id $i)" "$OUT/devices-seam-$i.txt" || { echo "FAILED: the seam named device $i ran elsewhere"; failed=1; }
+      must ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=64 --device_id=$i
+    done
+    grep -Eq "^  cuda:$n +device_id $n  NOT SERVING" "$OUT/devices-info.txt" \
+      || { echo "FAILED: cuda:$n (no such GPU) is not reported as left out"; failed=1; }
+    if ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=8 --device_id=$n > "$OUT/devices-absent.txt" 2>&1; then
+      echo "FAILED: a call naming the absent device $n succeeded"; failed=1
+    fi
+    cat "$OUT/devices-absent.txt"
+    grep -q INVALID_ARGUMENT "$OUT/devices-absent.txt" || { echo "FAILED: not INVALID_ARGUMENT"; failed=1; }
+    ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64 --transport=cuda_ipc > "$OUT/devices-ipc.txt" 2>&1 \
+      || { echo "FAILED: seam over CUDA IPC"; failed=1; }
+    cat "$OUT/devices-ipc.txt"
+    grep -q "(device_id 0)" "$OUT/devices-ipc.txt" || { echo "FAILED: the CUDA IPC call did not run on GPU 0"; failed=1; }
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=5s --transport=cuda_ipc
+    must ./fusedctl bench $C --op=mhc --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=5s
+    python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:50212/metrics').read().decode())" \
+      | grep -E '^fusedlayer_(op_executions_total|weights_resident_bytes).*device="cuda:0"' \
+        || { echo "FAILED: no device=\"cuda:0\" op series in /metrics"; failed=1; }
+  } > "$OUT/devices.log" 2>&1
+  stop_server "$OUT/devices.log"
+  cat "$OUT/devices.log"
 fi
 # serversan: the server process itself under compute-sanitizer memcheck (its lanes, staging, the
 # kernels it launches, the IPC openings, the stream's stores of ring completions) while fusedctl
