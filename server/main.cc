@@ -114,7 +114,9 @@ int main(int argc, char** argv) {
 #endif
   // --devices: one backend per listed device. The first decides the kind (auto: a GPU when one
   // is present); a later device whose backend cannot be made is left out by the server, reported.
-  absl::StatusOr<std::vector<int>> device_ids = fs::ParseDeviceList(config->devices, fusedlayer::VisibleGpuCount());
+  // (--devices=all on the CPU backend: one device; a list of N splits the cores.)
+  absl::StatusOr<std::vector<int>> device_ids =
+      fs::ParseDeviceList(config->devices, config->backend == "cpu" ? 0 : fusedlayer::VisibleGpuCount());
   if (!device_ids.ok()) return Fail(std::string(device_ids.status().message()));
   fusedlayer::BackendOptions options;
   options.fused_max_tokens = config->fused_max_tokens;
