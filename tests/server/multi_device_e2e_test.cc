@@ -8,6 +8,7 @@
 #include <map>
 #include <thread>
 
+#include "forwarding_backend.h"
 #include "gtest/gtest.h"
 #include "server_test_env.h"
 #include "test_util.h"
@@ -22,46 +23,22 @@ grpc::ClientContext* WithDeadline(grpc::ClientContext& ctx) {
 
 // A CPU backend whose Prepare* fail for a set of one hidden size (mHC) or q_rank (SWA), as a device
 // out of memory would: the device a load fails on.
-class FailingPrepareBackend final : public Backend {
+class FailingPrepareBackend final : public ForwardingBackend {
  public:
   FailingPrepareBackend(std::unique_ptr<Backend> inner, int64_t failing_size)
-      : inner_(std::move(inner)), failing_size_(failing_size) {}
-  std::string_view kind() const override { return inner_->kind(); }
-  std::string device_name() const override { return inner_->device_name(); }
-  std::string arch() const override { return inner_->arch(); }
-  bool host_accessible() const override { return inner_->host_accessible(); }
-  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return inner_->Allocate(bytes); }
-  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    return inner_->CopyToDevice(dst, src, bytes);
-  }
-  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
-    return inner_->CopyToHost(dst, src, bytes);
-  }
+      : ForwardingBackend(std::move(inner)), failing_size_(failing_size) {}
   absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> PrepareMhc(const MhcHyperParams& p,
                                                                  const MhcWeightsHost& w) override {
     if (p.hidden == failing_size_) return absl::ResourceExhaustedError("device memory: out of memory (test)");
-    return inner_->PrepareMhc(p, w);
-  }
-  FusedSupport MhcFusedSupport(const PreparedMhcWeights& w, const MhcShapeQuery& q) const override {
-    return inner_->MhcFusedSupport(w, q);
-  }
-  absl::StatusOr<RunStats> RunMhc(const PreparedMhcWeights& w, const MhcArgs& a, Path path) override {
-    return inner_->RunMhc(w, a, path);
+    return ForwardingBackend::PrepareMhc(p, w);
   }
   absl::StatusOr<std::unique_ptr<PreparedSwaWeights>> PrepareSwa(const SwaHyperParams& p,
                                                                  const SwaWeightsHost& w) override {
     if (p.q_rank == failing_size_) return absl::ResourceExhaustedError("device memory: out of memory (test)");
-    return inner_->PrepareSwa(p, w);
-  }
-  FusedSupport SwaFusedSupport(const PreparedSwaWeights& w, const SwaShapeQuery& q) const override {
-    return inner_->SwaFusedSupport(w, q);
-  }
-  absl::StatusOr<RunStats> RunSwa(const PreparedSwaWeights& w, const SwaArgs& a, Path path) override {
-    return inner_->RunSwa(w, a, path);
+    return ForwardingBackend::PrepareSwa(p, w);
   }
 
  private:
-  std::unique_ptr<Backend> inner_;
   const int64_t failing_size_;
 };
 

@@ -31,6 +31,7 @@
 #include "rpc/wire_messages.h"
 #include "transport/shared_memory.h"
 #include "prometheus/registry.h"
+#include "forwarding_backend.h"
 #include "server_test_env.h"
 #include "test_util.h"
 #include "weights/weight_set.h"
@@ -894,46 +895,24 @@ class TrackedMhc final : public PreparedMhcWeights {
 };
 
 // The CPU backend, with mHC prepared weights that say where they were freed.
-class FreeTrackingBackend final : public Backend {
+class FreeTrackingBackend final : public fusedlayer::testing::ForwardingBackend {
  public:
   FreeTrackingBackend(std::unique_ptr<Backend> inner, std::shared_ptr<FreedOn> freed)
-      : inner_(std::move(inner)), freed_(std::move(freed)) {}
-  std::string_view kind() const override { return inner_->kind(); }
-  std::string device_name() const override { return inner_->device_name(); }
-  std::string arch() const override { return inner_->arch(); }
-  bool host_accessible() const override { return inner_->host_accessible(); }
-  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return inner_->Allocate(bytes); }
-  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    return inner_->CopyToDevice(dst, src, bytes);
-  }
-  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
-    return inner_->CopyToHost(dst, src, bytes);
-  }
+      : ForwardingBackend(std::move(inner)), freed_(std::move(freed)) {}
   absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> PrepareMhc(const MhcHyperParams& p,
                                                                  const MhcWeightsHost& w) override {
-    absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> prepared = inner_->PrepareMhc(p, w);
+    absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> prepared = inner().PrepareMhc(p, w);
     if (!prepared.ok()) return prepared.status();
     return std::make_unique<TrackedMhc>(*std::move(prepared), freed_);
   }
   FusedSupport MhcFusedSupport(const PreparedMhcWeights& w, const MhcShapeQuery& q) const override {
-    return inner_->MhcFusedSupport(static_cast<const TrackedMhc&>(w).inner(), q);
+    return inner().MhcFusedSupport(static_cast<const TrackedMhc&>(w).inner(), q);
   }
   absl::StatusOr<RunStats> RunMhc(const PreparedMhcWeights& w, const MhcArgs& a, Path path) override {
-    return inner_->RunMhc(static_cast<const TrackedMhc&>(w).inner(), a, path);
-  }
-  absl::StatusOr<std::unique_ptr<PreparedSwaWeights>> PrepareSwa(const SwaHyperParams& p,
-                                                                 const SwaWeightsHost& w) override {
-    return inner_->PrepareSwa(p, w);
-  }
-  FusedSupport SwaFusedSupport(const PreparedSwaWeights& w, const SwaShapeQuery& q) const override {
-    return inner_->SwaFusedSupport(w, q);
-  }
-  absl::StatusOr<RunStats> RunSwa(const PreparedSwaWeights& w, const SwaArgs& a, Path path) override {
-    return inner_->RunSwa(w, a, path);
+    return inner().RunMhc(static_cast<const TrackedMhc&>(w).inner(), a, path);
   }
 
  private:
-  std::unique_ptr<Backend> inner_;
   std::shared_ptr<FreedOn> freed_;
 };
 

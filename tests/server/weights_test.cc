@@ -25,6 +25,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "test_util.h"
+#include "forwarding_backend.h"
 #include "weights/demo_weights.h"
 #include "weights/export.h"
 #include "weights/manifest.h"
@@ -40,6 +41,7 @@ namespace {
 
 namespace v1 = ::fusedlayer::v1;
 namespace stdfs = std::filesystem;
+using ::fusedlayer::testing::ForwardingBackend;
 using ::fusedlayer::testing::MakeRng;
 using ::fusedlayer::testing::RandomValue;
 using ::testing::HasSubstr;
@@ -184,17 +186,9 @@ std::string ViewBytes(const TensorView& v) {
 
 // A CPU backend that records what BuildWeightSet hands to Prepare*: the hyper-parameters and the
 // bytes of every weight view.
-class RecordingBackend final : public Backend {
+class RecordingBackend final : public ForwardingBackend {
  public:
-  RecordingBackend() : cpu_(CreateCpuBackend(BackendOptions{.num_threads = 1})) {}
-
-  std::string_view kind() const override { return cpu_->kind(); }
-  std::string device_name() const override { return cpu_->device_name(); }
-  std::string arch() const override { return cpu_->arch(); }
-  bool host_accessible() const override { return true; }
-  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return cpu_->Allocate(bytes); }
-  absl::Status CopyToDevice(void* d, const void* s, size_t n) override { return cpu_->CopyToDevice(d, s, n); }
-  absl::Status CopyToHost(void* d, const void* s, size_t n) override { return cpu_->CopyToHost(d, s, n); }
+  RecordingBackend() : ForwardingBackend(CreateCpuBackend(BackendOptions{.num_threads = 1})) {}
 
   absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> PrepareMhc(const MhcHyperParams& p,
                                                                  const MhcWeightsHost& w) override {
@@ -206,13 +200,7 @@ class RecordingBackend final : public Backend {
     for (const TensorView* v : {&w.fn, &w.scale, &w.base, &w.norm_weight}) {
       if (!v->empty_view()) aligned = aligned && reinterpret_cast<uintptr_t>(v->data) % DTypeSize(v->dtype) == 0;
     }
-    return cpu_->PrepareMhc(p, w);
-  }
-  FusedSupport MhcFusedSupport(const PreparedMhcWeights& w, const MhcShapeQuery& q) const override {
-    return cpu_->MhcFusedSupport(w, q);
-  }
-  absl::StatusOr<RunStats> RunMhc(const PreparedMhcWeights& w, const MhcArgs& a, Path p) override {
-    return cpu_->RunMhc(w, a, p);
+    return ForwardingBackend::PrepareMhc(p, w);
   }
   absl::StatusOr<std::unique_ptr<PreparedSwaWeights>> PrepareSwa(const SwaHyperParams& p,
                                                                  const SwaWeightsHost& w) override {
@@ -224,22 +212,13 @@ class RecordingBackend final : public Backend {
     for (const TensorView* v : {&w.q_norm, &w.kv_norm, &w.wq_b, &w.wq_b_scale}) {
       if (!v->empty_view()) aligned = aligned && reinterpret_cast<uintptr_t>(v->data) % DTypeSize(v->dtype) == 0;
     }
-    return cpu_->PrepareSwa(p, w);
-  }
-  FusedSupport SwaFusedSupport(const PreparedSwaWeights& w, const SwaShapeQuery& q) const override {
-    return cpu_->SwaFusedSupport(w, q);
-  }
-  absl::StatusOr<RunStats> RunSwa(const PreparedSwaWeights& w, const SwaArgs& a, Path p) override {
-    return cpu_->RunSwa(w, a, p);
+    return ForwardingBackend::PrepareSwa(p, w);
   }
 
   std::optional<MhcHyperParams> mhc_params;
   std::optional<SwaHyperParams> swa_params;
   std::map<std::string, std::string> mhc_bytes, swa_bytes;
   bool aligned = true;
-
- private:
-  std::unique_ptr<Backend> cpu_;
 };
 
 std::unique_ptr<Backend> Cpu() { return CreateCpuBackend(BackendOptions{.num_threads = 1}); }
