@@ -79,7 +79,9 @@ absl::Status PrepareUnixSocketPath(const std::string& address, const std::string
 
 std::vector<shadow::ShadowDevice> ShadowDevicesOf(const ServingDevices& devices) {
   std::vector<shadow::ShadowDevice> out;
-  for (size_t d = 0; d < devices.size(); ++d) out.push_back({devices[d].backend.get(), devices[d].executor.get()});
+  for (size_t d = 0; d < devices.size(); ++d) {
+    out.push_back({devices[d].backend.get(), devices[d].executor.get(), devices[d].label});
+  }
   return out;
 }
 
@@ -221,7 +223,6 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
   shadow_options.verify_dump_max_files = cfg.verify_dump_max_files;
   shadow_options.verify_dump_max_bytes = static_cast<uint64_t>(cfg.verify_dump_max_bytes);
   shadow_options.backend = identity.backend;
-  shadow_options.device = identity.device;
   absl::StatusOr<std::unique_ptr<shadow::ShadowVerifier>> verifier =
       shadow::ShadowVerifier::Create(std::move(shadow_options), ShadowDevicesOf(devices), *srv->metrics_->registry());
   if (!verifier.ok()) return verifier.status();

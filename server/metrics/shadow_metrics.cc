@@ -34,7 +34,7 @@ const char* DumpResultName(DumpResult r) {
   return "unknown";
 }
 
-ShadowMetrics::ShadowMetrics(prometheus::Registry& reg) {
+ShadowMetrics::ShadowMetrics(prometheus::Registry& reg, const std::vector<std::string>& devices) {
   auto& comparisons = prometheus::BuildCounter()
                           .Name("fusedlayer_shadow_comparisons_total")
                           .Help("Fused runs compared against an unfused run of the same inputs (sampled or verify)")
@@ -76,24 +76,31 @@ ShadowMetrics::ShadowMetrics(prometheus::Registry& reg) {
   for (Op op : kAllOps) {
     const int o = static_cast<int>(op);
     const std::string name = OpName(op);
-    comparisons_[o] = &comparisons.Add({{"op", name}});
     dropped_[o] = &dropped.Add({{"op", name}});
-    errors_[o] = &errors.Add({{"op", name}});
     for (int r = 0; r < kNumDumpResults; ++r) {
       dumps_[o][r] = &dumps.Add({{"op", name}, {"result", DumpResultName(static_cast<DumpResult>(r))}});
     }
-    int i = 0;
-    auto add = [&](std::string_view output) {
-      const std::string out(output);
-      mismatches_[o][i] = &mismatches.Add({{"op", name}, {"output", out}});
-      max_abs_diff_[o][i] = &abs_diff.Add({{"op", name}, {"output", out}}, AbsDiffBuckets());
-      ulp_distance_[o][i] = &ulp.Add({{"op", name}, {"output", out}}, UlpBuckets());
-      ++i;
-    };
-    if (op == Op::kMhc) {
-      for (std::string_view out : kMhcOutputs) add(out);
-    } else {
-      for (std::string_view out : kSwaOutputs) add(out);
+  }
+  for (const std::string& device : devices) {
+    DeviceSeries& d = devices_.emplace_back();
+    for (Op op : kAllOps) {
+      const int o = static_cast<int>(op);
+      const std::string name = OpName(op);
+      d.comparisons[o] = &comparisons.Add({{"op", name}, {"device", device}});
+      d.errors[o] = &errors.Add({{"op", name}, {"device", device}});
+      int i = 0;
+      auto add = [&](std::string_view output) {
+        const std::string out(output);
+        d.mismatches[o][i] = &mismatches.Add({{"op", name}, {"output", out}, {"device", device}});
+        d.max_abs_diff[o][i] = &abs_diff.Add({{"op", name}, {"output", out}, {"device", device}}, AbsDiffBuckets());
+        d.ulp_distance[o][i] = &ulp.Add({{"op", name}, {"output", out}, {"device", device}}, UlpBuckets());
+        ++i;
+      };
+      if (op == Op::kMhc) {
+        for (std::string_view out : kMhcOutputs) add(out);
+      } else {
+        for (std::string_view out : kSwaOutputs) add(out);
+      }
     }
   }
 }
@@ -114,17 +121,18 @@ int ShadowMetrics::OutputIndex(Op op, std::string_view output) {
   return -1;
 }
 
-void ShadowMetrics::RecordComparison(Op op, std::span<const ComparedOutput> outputs) {
+void ShadowMetrics::RecordComparison(size_t device, Op op, std::span<const ComparedOutput> outputs) {
   const int o = static_cast<int>(op);
+  DeviceSeries& d = devices_[device];
   for (const ComparedOutput& c : outputs) {
     const int i = OutputIndex(op, c.output);
     if (i < 0) continue;
-    if (c.mismatch) mismatches_[o][i]->Increment();
-    max_abs_diff_[o][i]->Observe(c.max_abs_diff);
-    ulp_distance_[o][i]->Observe(static_cast<double>(c.max_ulp_distance));
+    if (c.mismatch) d.mismatches[o][i]->Increment();
+    d.max_abs_diff[o][i]->Observe(c.max_abs_diff);
+    d.ulp_distance[o][i]->Observe(static_cast<double>(c.max_ulp_distance));
   }
   // Last: a scrape that sees N comparisons also sees their mismatches and observations.
-  comparisons_[o]->Increment();
+  d.comparisons[o]->Increment();
 }
 
 }  // namespace fusedlayer::server::shadow

@@ -7,7 +7,9 @@
 #include <array>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "config.h"
 #include "prometheus/counter.h"
@@ -38,13 +40,15 @@ struct ComparedOutput {
 
 class ShadowMetrics {
  public:
-  explicit ShadowMetrics(prometheus::Registry& registry);
+  // `devices`: the serving devices' labels, by ordinal: the comparison and error series carry the
+  // `device` the compared call ran on (a GPU that computes wrong shows as that device's mismatches).
+  ShadowMetrics(prometheus::Registry& registry, const std::vector<std::string>& devices);
 
-  // One comparison (sampled or verify): comparisons_total, and per output the two histograms and,
-  // on a mismatch, mismatches_total.
-  void RecordComparison(Op op, std::span<const ComparedOutput> outputs);
+  // One comparison (sampled or verify) of a call that ran on `device` (its ordinal):
+  // comparisons_total, and per output the two histograms and, on a mismatch, mismatches_total.
+  void RecordComparison(size_t device, Op op, std::span<const ComparedOutput> outputs);
   void RecordDropped(Op op) { dropped_[static_cast<int>(op)]->Increment(); }
-  void RecordError(Op op) { errors_[static_cast<int>(op)]->Increment(); }
+  void RecordError(size_t device, Op op) { devices_[device].errors[static_cast<int>(op)]->Increment(); }
   void RecordDump(Op op, DumpResult r) { dumps_[static_cast<int>(op)][static_cast<int>(r)]->Increment(); }
   void SetQueued(size_t jobs, uint64_t bytes) {
     queued_jobs_->Set(static_cast<double>(jobs));
@@ -55,13 +59,17 @@ class ShadowMetrics {
   // Index of `output` in the op's list, -1 when unknown.
   static int OutputIndex(Op op, std::string_view output);
 
-  std::array<prometheus::Counter*, 2> comparisons_{};
+  // The series of the calls one device ran, [op] and [op][output].
+  struct DeviceSeries {
+    std::array<prometheus::Counter*, 2> comparisons{};
+    std::array<prometheus::Counter*, 2> errors{};
+    std::array<std::array<prometheus::Counter*, kMaxOutputs>, 2> mismatches{};
+    std::array<std::array<prometheus::Histogram*, kMaxOutputs>, 2> max_abs_diff{};
+    std::array<std::array<prometheus::Histogram*, kMaxOutputs>, 2> ulp_distance{};
+  };
+  std::vector<DeviceSeries> devices_;  // by device ordinal
   std::array<prometheus::Counter*, 2> dropped_{};
-  std::array<prometheus::Counter*, 2> errors_{};
   std::array<std::array<prometheus::Counter*, kNumDumpResults>, 2> dumps_{};
-  std::array<std::array<prometheus::Counter*, kMaxOutputs>, 2> mismatches_{};
-  std::array<std::array<prometheus::Histogram*, kMaxOutputs>, 2> max_abs_diff_{};
-  std::array<std::array<prometheus::Histogram*, kMaxOutputs>, 2> ulp_distance_{};
   prometheus::Gauge* queued_jobs_;
   prometheus::Gauge* queued_bytes_;
 };

@@ -70,6 +70,16 @@ v1::Verification NotCompared(std::string reason) {
 
 }  // namespace
 
+namespace {
+
+std::vector<std::string> LabelsOf(const std::vector<ShadowDevice>& devices) {
+  std::vector<std::string> labels;
+  for (const ShadowDevice& d : devices) labels.push_back(d.label);
+  return labels;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ShadowVerifier>> ShadowVerifier::Create(ShadowOptions options,
                                                                       std::vector<ShadowDevice> devices,
                                                                       prometheus::Registry& registry) {
@@ -103,7 +113,7 @@ absl::StatusOr<std::unique_ptr<ShadowVerifier>> ShadowVerifier::Create(ShadowOpt
 ShadowVerifier::ShadowVerifier(ShadowOptions options, std::vector<ShadowDevice> devices, prometheus::Registry& registry)
     : options_(std::move(options)),
       devices_(std::move(devices)),
-      metrics_(registry),
+      metrics_(registry, LabelsOf(devices_)),
       rng_(std::random_device{}()) {}
 
 ShadowVerifier::~ShadowVerifier() = default;
@@ -185,7 +195,7 @@ void ShadowVerifier::Run(Job& job) {
     v1::MhcSeamResponse unfused;
     absl::StatusOr<Comparison> c = CompareMhcOnWorker(job.device(), job.set(), r, fused, &unfused);
     if (!c.ok()) return;
-    Record(Op::kMhc, job.set(), fused.request_id(), *c, r, fused, unfused,
+    Record(job.device(), Op::kMhc, job.set(), fused.request_id(), *c, r, fused, unfused,
            {{"stage", v1::MhcStage_Name(r.stage())},
             {"mode", v1::MhcMode_Name(r.mode())},
             {"capture_aux", r.capture_aux() ? "true" : "false"},
@@ -195,7 +205,8 @@ void ShadowVerifier::Run(Job& job) {
     v1::SwaNormQuantResponse unfused;
     absl::StatusOr<Comparison> c = CompareSwaOnWorker(job.device(), job.set(), job.swa_request(), fused, &unfused);
     if (!c.ok()) return;
-    Record(Op::kSwa, job.set(), fused.request_id(), *c, job.swa_request(), fused, unfused, {{"source", "sampled"}});
+    Record(job.device(), Op::kSwa, job.set(), fused.request_id(), *c, job.swa_request(), fused, unfused,
+           {{"source", "sampled"}});
   }
 }
 
@@ -217,7 +228,7 @@ absl::StatusOr<Comparison> ShadowVerifier::CompareMhcOnWorker(size_t device, con
     }
   }
   if (!ran.ok()) {
-    metrics_.RecordError(Op::kMhc);
+    metrics_.RecordError(device, Op::kMhc);
     LogError("shadow verification: the unfused mhc run failed for request ", fused.request_id(), " (weight set '",
              set.name, "'): ", ran.status().ToString());
     return ran.status();
@@ -243,7 +254,7 @@ absl::StatusOr<Comparison> ShadowVerifier::CompareSwaOnWorker(size_t device, con
     }
   }
   if (!ran.ok()) {
-    metrics_.RecordError(Op::kSwa);
+    metrics_.RecordError(device, Op::kSwa);
     LogError("shadow verification: the unfused swa run failed for request ", fused.request_id(), " (weight set '",
              set.name, "'): ", ran.status().ToString());
     return ran.status();
@@ -251,7 +262,7 @@ absl::StatusOr<Comparison> ShadowVerifier::CompareSwaOnWorker(size_t device, con
   return CompareSwa(part->params(), call->args.tokens, set.swa_wq_b_row_abs_max, fused, *unfused);
 }
 
-void ShadowVerifier::Record(Op op, const WeightSet& set, const std::string& request_id, const Comparison& comparison,
+void ShadowVerifier::Record(size_t device, Op op, const WeightSet& set, const std::string& request_id, const Comparison& comparison,
                             const google::protobuf::Message& request, const google::protobuf::Message& fused,
                             const google::protobuf::Message& unfused, std::map<std::string, std::string> metadata) {
   std::vector<ComparedOutput> counted;
@@ -259,7 +270,7 @@ void ShadowVerifier::Record(Op op, const WeightSet& set, const std::string& requ
   for (const OutputComparison& c : comparison.outputs) {
     counted.push_back(ComparedOutput{c.output, c.mismatch, c.max_abs_diff, c.max_ulp_distance});
   }
-  metrics_.RecordComparison(op, counted);
+  metrics_.RecordComparison(device, op, counted);
   if (!comparison.mismatch()) return;
   std::string dumped;
   auto source = metadata.find("source");
@@ -282,7 +293,8 @@ void ShadowVerifier::Record(Op op, const WeightSet& set, const std::string& requ
     c.metadata["weight_set_sha256"] = set.sha256;
     c.metadata["request_id"] = request_id;
     c.metadata["backend"] = options_.backend;
-    c.metadata["device"] = options_.device;
+    c.metadata["device"] = devices_[device].backend->device_name();
+    c.metadata["device_label"] = devices_[device].label;
     c.metadata["mismatched_outputs"] = absl::StrJoin(outputs, ",");
     c.metadata["summary"] = comparison.MismatchSummary();
     absl::StatusOr<std::string> path = writer->Write(c);
@@ -298,7 +310,8 @@ void ShadowVerifier::Record(Op op, const WeightSet& set, const std::string& requ
     }
   }
   LogWarning("shadow mismatch: request ", request_id, " op ", OpName(op), " weight set '", set.name, "' (",
-             options_.backend, " ", options_.device, "): ", comparison.MismatchSummary(), dumped);
+             options_.backend, " ", devices_[device].label, " ", devices_[device].backend->device_name(),
+             "): ", comparison.MismatchSummary(), dumped);
 }
 
 v1::Verification ShadowVerifier::VerifyMhc(const WeightSet& set, const v1::MhcSeamRequest& request,
@@ -306,7 +319,7 @@ v1::Verification ShadowVerifier::VerifyMhc(const WeightSet& set, const v1::MhcSe
   v1::MhcSeamResponse unfused;
   absl::StatusOr<Comparison> c = CompareMhcOnWorker(device, set, request, fused, &unfused);
   if (!c.ok()) return NotCompared(absl::StrCat("the unfused run failed: ", c.status().ToString()));
-  Record(Op::kMhc, set, fused.request_id(), *c, request, fused, unfused,
+  Record(device, Op::kMhc, set, fused.request_id(), *c, request, fused, unfused,
          {{"stage", v1::MhcStage_Name(request.stage())},
           {"mode", v1::MhcMode_Name(request.mode())},
           {"capture_aux", request.capture_aux() ? "true" : "false"},
@@ -319,7 +332,7 @@ v1::Verification ShadowVerifier::VerifySwa(const WeightSet& set, const v1::SwaNo
   v1::SwaNormQuantResponse unfused;
   absl::StatusOr<Comparison> c = CompareSwaOnWorker(device, set, request, fused, &unfused);
   if (!c.ok()) return NotCompared(absl::StrCat("the unfused run failed: ", c.status().ToString()));
-  Record(Op::kSwa, set, fused.request_id(), *c, request, fused, unfused, {{"source", "verify"}});
+  Record(device, Op::kSwa, set, fused.request_id(), *c, request, fused, unfused, {{"source", "verify"}});
   return ToVerification(*c);
 }
 

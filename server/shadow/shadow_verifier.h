@@ -56,7 +56,7 @@ struct ShadowOptions {
   uint64_t dump_max_bytes = uint64_t{1} << 30;     // --shadow_dump_max_bytes
   int64_t verify_dump_max_files = 8;               // --verify_dump_max_files (in dump_dir/verify)
   uint64_t verify_dump_max_bytes = uint64_t{256} << 20;  // --verify_dump_max_bytes
-  std::string backend, device;                     // written into dumps
+  std::string backend;                             // written into dumps (with the call's device)
 };
 
 // Where the unfused runs of the calls that ran on one device go: that device's backend (its
@@ -64,6 +64,7 @@ struct ShadowOptions {
 struct ShadowDevice {
   Backend* backend = nullptr;
   Executor* executor = nullptr;
+  std::string label;  // the metrics' `device` label ("cuda:1")
 };
 
 class ShadowVerifier {
@@ -76,7 +77,10 @@ class ShadowVerifier {
                                                                 prometheus::Registry& registry);
   static absl::StatusOr<std::unique_ptr<ShadowVerifier>> Create(ShadowOptions options, Backend& backend,
                                                                 Executor& executor, prometheus::Registry& registry) {
-    return Create(std::move(options), {ShadowDevice{&backend, &executor}}, registry);
+    return Create(std::move(options),
+                  {ShadowDevice{&backend, &executor, std::string(backend.kind()) + ":" +
+                                                         std::to_string(std::max(backend.device_index(), 0))}},
+                  registry);
   }
   ~ShadowVerifier();
 
@@ -116,7 +120,7 @@ class ShadowVerifier {
                                                 v1::SwaNormQuantResponse* unfused);
   // Metrics, and on a mismatch the log line and the dump (metadata "source" = "verify" picks the
   // verify writer).
-  void Record(Op op, const WeightSet& set, const std::string& request_id, const Comparison& comparison,
+  void Record(size_t device, Op op, const WeightSet& set, const std::string& request_id, const Comparison& comparison,
               const google::protobuf::Message& request, const google::protobuf::Message& fused,
               const google::protobuf::Message& unfused, std::map<std::string, std::string> metadata);
 

@@ -334,6 +334,14 @@ TEST(MultiDevice, VerifyComparesOnTheDeviceTheCallRanOn) {
     EXPECT_TRUE(resp.verification().compared()) << resp.verification().reason();
     EXPECT_FALSE(resp.verification().mismatch());
   }
+  // Each comparison counts on the device its call ran on.
+  const std::string m = ScrapeWhenIdle(*ts);
+  for (const char* device : {"cpu:0", "cpu:1"}) {
+    EXPECT_EQ(MetricValue(m, "fusedlayer_shadow_comparisons_total", {{"op", "mhc"}, {"device", device}}), 1) << device;
+    EXPECT_EQ(MetricValue(m, "fusedlayer_shadow_mismatches_total", {{"op", "mhc"}, {"output", "y"}, {"device", device}}),
+              0)
+        << device;
+  }
 }
 
 TEST(MultiDevice, NoDevicePassingItsCheckFailsTheStart) {
