@@ -239,6 +239,7 @@ absl::StatusOr<std::unique_ptr<CallRing>> CallRing::Open(const FusedLayerClient&
   for (const std::string& w : options.weight_sets) request.add_weight_sets(w);
   for (const v1::CallRingRegion& r : options.regions) *request.add_regions() = r;
   request.set_slots(options.slots);
+  if (options.device_id.has_value()) request.set_device_id(*options.device_id);
   absl::StatusOr<v1::OpenCallRingResponse> opened = client.OpenCallRing(request);
   if (!opened.ok()) return opened.status();
   if (opened->layout_version() != wire::kCallRingLayoutVersion) {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -92,6 +93,9 @@ class CallRing {
     // How long a waiting call spins on its completion word before it sleeps on the futex: a
     // completion within it is seen within a microsecond, a later one costs a wake-up.
     absl::Duration spin = absl::Microseconds(50);
+    // The server device every call of the ring runs on (GetServerInfo's devices); none: each call
+    // where the server would run it as an RPC.
+    std::optional<int> device_id;
 
     // A ring of `weight_set` with one slot per region of `region_names` (system shared memory, or
     // CUDA shared memory with `cuda`), bound in that order: slot k's call uses region k.

@@ -177,7 +177,7 @@ absl::StatusOr<v1::OpenCallRingResponse> CallRingService::Open(const std::string
   auto ring = std::make_shared<Ring>(next_ring_id_.fetch_add(1), identity,
                                      std::vector<std::string>(request.weight_sets().begin(), request.weight_sets().end()),
                                      std::vector<v1::CallRingRegion>(request.regions().begin(), request.regions().end()),
-                                     slots);
+                                     slots, request.has_device_id() ? std::optional<int>(request.device_id()) : std::nullopt);
   absl::Status created = ring->Create(options_.device);
   const std::string token = RandomToken();
   MutexLock lock(&mu_);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,12 +31,13 @@ using wire::RingSlot;
 class Ring {
  public:
   Ring(uint64_t id, std::string identity, std::vector<std::string> weight_sets,
-       std::vector<v1::CallRingRegion> regions, uint32_t slots)
+       std::vector<v1::CallRingRegion> regions, uint32_t slots, std::optional<int> device_id = std::nullopt)
       : id_(id),
         identity_(std::move(identity)),
         weight_sets_(std::move(weight_sets)),
         regions_(std::move(regions)),
         slots_(slots),
+        device_id_(device_id),
         taken_(slots, 0),
         busy_(new std::atomic<bool>[slots]) {
     for (uint32_t i = 0; i < slots; ++i) busy_[i].store(false, std::memory_order_relaxed);
@@ -92,6 +94,8 @@ class Ring {
   const std::string& identity() const { return identity_; }
   const std::vector<std::string>& weight_sets() const { return weight_sets_; }
   const std::vector<v1::CallRingRegion>& regions() const { return regions_; }
+  // The device every call of the ring names (OpenCallRingRequest.device_id), or none.
+  const std::optional<int>& device_id() const { return device_id_; }
   uint32_t slots() const { return slots_; }
   uint64_t bytes() const { return bytes_; }
   int memfd() const { return memfd_; }
@@ -116,6 +120,7 @@ class Ring {
   const std::vector<std::string> weight_sets_;
   const std::vector<v1::CallRingRegion> regions_;
   const uint32_t slots_;
+  const std::optional<int> device_id_;
   const std::chrono::steady_clock::time_point opened_ = std::chrono::steady_clock::now();
   uint64_t bytes_ = 0;
   int memfd_ = -1;

@@ -285,12 +285,14 @@ void SubmitRingCall(ComputeEngine& engine, const RingCallTarget& target, const R
     case RingOp::kMhcSeam:
       target.ring_metrics->calls[0]->Increment();
       Submit<MhcOp>(engine, target, call, [&](v1::MhcSeamRequest* r) {
+        if (ring.device_id().has_value()) r->set_device_id(*ring.device_id());
         return RingMhcRequest(call, ring.weight_sets(), ring.regions(), r);
       });
       return;
     case RingOp::kSwaNormQuant:
       target.ring_metrics->calls[1]->Increment();
       Submit<SwaOp>(engine, target, call, [&](v1::SwaNormQuantRequest* r) {
+        if (ring.device_id().has_value()) r->set_device_id(*ring.device_id());
         return RingSwaRequest(call, ring.weight_sets(), ring.regions(), r);
       });
       return;

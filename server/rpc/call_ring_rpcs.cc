@@ -11,6 +11,9 @@ namespace fusedlayer::server {
 
 absl::Status FusedLayerService::CheckCallRingBindings(const std::string& identity,
                                                       const v1::OpenCallRingRequest& request) {
+  if (request.has_device_id()) {
+    if (absl::StatusOr<ServingDevice*> d = devices_.Named(request.device_id()); !d.ok()) return d.status();
+  }
   for (const std::string& name : request.weight_sets()) {
     if (!weights_.Contains(name)) {
       return absl::NotFoundError(absl::StrCat("weight set '", name, "' is not loaded"));

@@ -269,6 +269,57 @@ void MakeValidCall(ValidCall* v, std::mt19937_64& rng, server::ServerConfig cfg 
   v->call = *call;
 }
 
+// A ring bound to a device (OpenCallRingRequest.device_id) runs every call there: on a server of
+// two CPU devices, all its calls count on device 1, and its outputs are those of the RPC.
+TEST(CallRing, ARingBoundToADeviceRunsEveryCallThere) {
+  std::mt19937_64 rng = MakeRng(77);
+  const PackedWeightSet set = MakeWeightSet(rng, "ring/dev", MhcSetSpec{.hc_mult = 4, .hidden = 256}, std::nullopt);
+  server::ServerConfig cfg = RingConfig();
+  cfg.cpu_threads = 1;
+  std::vector<server::DeviceCandidate> devices;
+  devices.push_back(server::DeviceCandidate{0, "cpu:0", CpuBackendFor(cfg)});
+  devices.push_back(server::DeviceCandidate{1, "cpu:1", CpuBackendFor(cfg)});
+  RingServer s;
+  s.ts = TestServer::StartOn(cfg, std::move(devices), {set});
+  ASSERT_NE(s.ts, nullptr);
+  s.client = ClientFor(*s.ts);
+  const MhcRequestSpec spec{4, 256, 5, v1::MHC_STAGE_SEAM, v1::MHC_MODE_SHIFTED, true, false};
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng, "ring/dev", spec);
+  absl::StatusOr<v1::MhcSeamResponse> tcp = s.client->MhcSeam(req);
+  ASSERT_TRUE(tcp.ok()) << tcp.status();
+  absl::StatusOr<std::unique_ptr<ClientSharedMemory>> shm =
+      ClientSharedMemory::Create(*s.client, client::MhcRequestSharedBytes(req, MhcConfigOf(spec)));
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  v1::MhcSeamRequest by_ref = req;
+  ASSERT_TRUE((*shm)->Prepare(by_ref, MhcConfigOf(spec)).ok());
+  absl::StatusOr<v1::MhcSeamResponse> shaped = s.client->MhcSeam(by_ref);  // by RPC: on either device
+  ASSERT_TRUE(shaped.ok()) << shaped.status();
+  const std::vector<std::string> sets = {"ring/dev"};
+  const std::vector<v1::CallRingRegion> regions = {Bound((*shm)->region_name())};
+
+  CallRing::Options bad{sets, regions, 1};
+  bad.device_id = 3;
+  EXPECT_EQ(CallRing::Open(*s.client, bad).status().code(), StatusCode::kInvalidArgument);
+
+  const std::string before = ScrapeWhenIdle(*s.ts);
+  CallRing::Options options{sets, regions, 1};
+  options.device_id = 1;
+  absl::StatusOr<std::unique_ptr<CallRing>> ring = CallRing::Open(*s.client, options);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  constexpr int kCalls = 4;
+  for (int i = 0; i < kCalls; ++i) {
+    v1::MhcSeamResponse got;
+    RingCallInto(**ring, 0, by_ref, **shm, sets, regions, *shaped, &got);
+    ExpectMhcEqual(got, *tcp);
+  }
+  const std::string after = ScrapeWhenIdle(*s.ts);
+  auto fused_on = [](const std::string& m, const char* device) {
+    return MetricValue(m, "fusedlayer_op_executions_total", {{"op", "mhc"}, {"path", "fused"}, {"device", device}});
+  };
+  EXPECT_EQ(fused_on(after, "cpu:1") - fused_on(before, "cpu:1"), kCalls);
+  EXPECT_EQ(fused_on(after, "cpu:0") - fused_on(before, "cpu:0"), 0);
+}
+
 TEST(CallRing, EveryBadDescriptorIsAnsweredInItsCompletionAndTheServerKeepsServing) {
   std::mt19937_64 rng = MakeRng(73);
   ValidCall v;

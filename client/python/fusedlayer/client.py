@@ -1103,14 +1103,16 @@ class Client:
 
     def open_call_ring(self, weight_sets: Sequence[str] = (), regions: Sequence["ring.RegionBinding"] = (),
                        slots: int = 8, region_bytes: int = 16 << 20, spin_seconds: float = 50e-6,
-                       timeout: Optional[float] = None) -> "ring.CallRing":
+                       timeout: Optional[float] = None, device_id: Optional[int] = None) -> "ring.CallRing":
         """OpenCallRing, and the ring taken over (fusedlayer.ring.CallRing, a context manager): its calls
         then go through shared memory instead of one RPC each. weight_sets, regions: what its calls may
         name (regions: system shared-memory region names, or (name, cuda) pairs; the ring's own region
-        of region_bytes, registered here, comes first). Needs this host and x86-64, and a server with
-        --allow_call_rings (and --allow_shared_memory for the ring's own region)."""
+        of region_bytes, registered here, comes first). device_id: the server device every call of the
+        ring runs on (None: each where the server would run it by RPC). Needs this host and x86-64, and
+        a server with --allow_call_rings (and --allow_shared_memory for the ring's own region)."""
         from . import ring as ring_module
-        opened = ring_module.CallRing(self, weight_sets, regions, slots, region_bytes, spin_seconds, timeout)
+        opened = ring_module.CallRing(self, weight_sets, regions, slots, region_bytes, spin_seconds, timeout,
+                                      device_id)
         self._rings.add(opened)
         return opened
 

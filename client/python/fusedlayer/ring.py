@@ -249,7 +249,9 @@ def ring_call_of(request: Union["pb.MhcSeamRequest", "pb.SwaNormQuantRequest"], 
     if request.weight_set not in weight_sets:
         raise errors.NotFound(grpc.StatusCode.NOT_FOUND, f"weight set '{request.weight_set}' is not bound to the ring")
     if request.HasField("device_id"):
-        raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "ring calls do not name a device (device_id)")
+        raise errors.InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
+                                     "ring calls do not name a device one by one (device_id): open the ring with "
+                                     "device_id and every call of it runs there")
     call = RingCallDescriptor(weight_set=list(weight_sets).index(request.weight_set),
                               path_preference=request.path_preference, deadline_ns=_deadline_ns(deadline))
     if isinstance(request, pb.MhcSeamRequest):
@@ -327,7 +329,7 @@ class CallRing:
 
     def __init__(self, client: cl.Client, weight_sets: Sequence[str] = (), regions: Sequence[RegionBinding] = (),
                  slots: int = 8, region_bytes: int = 16 << 20, spin_seconds: float = 50e-6,
-                 timeout: Optional[float] = None) -> None:
+                 timeout: Optional[float] = None, device_id: Optional[int] = None) -> None:
         if not sys.platform.startswith("linux") or platform.machine() not in _X86_64 or _spin_trylock is None:
             raise RuntimeError(f"call rings need Linux on x86-64 (this is {sys.platform} on {platform.machine()!r}): "
                                "the Python client reads and writes the ring's words as plain loads and stores, which "
@@ -338,6 +340,9 @@ class CallRing:
             raise RuntimeError("fusedlayer.ring's structures do not match call_ring.h: " + "; ".join(mismatches))
         self._client = client
         self.weight_sets: List[str] = list(weight_sets)
+        # The server device every call of the ring runs on (None: each where the server would run
+        # the same call by RPC).
+        self.device_id = device_id
         self._arena: Optional[cl._SharedMemoryArena] = None
         if region_bytes > 0:
             self._arena = cl._SharedMemoryArena(client, name=f"py-ring-{os.getpid()}-{secrets.token_hex(8)}")
@@ -363,9 +368,11 @@ class CallRing:
 
     def _open(self, slots: int, timeout: Optional[float]) -> None:
         c = self._client
-        opened = c._call(c._stub.OpenCallRing, pb.OpenCallRingRequest(
+        request = pb.OpenCallRingRequest(
             weight_sets=self.weight_sets, regions=[pb.CallRingRegion(name=n, cuda=cuda) for n, cuda in self.regions],
-            slots=slots), timeout)
+            slots=slots)
+        cl._set_device_id(request, self.device_id)
+        opened = c._call(c._stub.OpenCallRing, request, timeout)
         if opened.layout_version != CALL_RING_LAYOUT_VERSION:
             raise errors.FailedPrecondition(
                 grpc.StatusCode.FAILED_PRECONDITION, f"the server's call rings have layout version "

@@ -80,7 +80,8 @@ TWO_DEVICES = (0, 1)
 
 @pytest.fixture(scope="session")
 def devices_server():
-    s = ServerProcess(extra_args=["--devices=" + ",".join(str(d) for d in TWO_DEVICES)])
+    s = ServerProcess(extra_args=["--devices=" + ",".join(str(d) for d in TWO_DEVICES), "--allow_call_rings",
+                                  "--allow_shared_memory"])
     yield s
     s.stop()
 

@@ -194,6 +194,20 @@ def test_ring_descriptors_name_no_device():
         fring.ring_call_of(pb.SwaNormQuantRequest(weight_set="w", device_id=0), ["w"], [])
 
 
+def test_a_ring_opened_on_a_device_serves_and_one_not_served_is_refused(devices_client, rng):
+    """A ring bound to a device (open_call_ring(device_id=)) runs every call there; the server checks
+    the device when the ring opens (which device ran each call is the server's metrics': the C++
+    suite checks them)."""
+    with pytest.raises(fusedlayer.InvalidArgument, match="device_id"):
+        devices_client.open_call_ring(weight_sets=["v41-flash/demo"], device_id=UNKNOWN_DEVICE)
+    inputs = seam_inputs(rng, 3, 4, 5120)
+    want = devices_client.mhc_seam("v41-flash/demo", **inputs, device_id=TWO_DEVICES[0])
+    with devices_client.open_call_ring(weight_sets=["v41-flash/demo"], device_id=TWO_DEVICES[1]) as ring:
+        assert ring.device_id == TWO_DEVICES[1]
+        got = ring.mhc_seam("v41-flash/demo", **inputs)
+    _assert_same_outputs(got, want, MHC_OUTPUTS)
+
+
 def test_one_device_server(client, rng):
     """A server started without --devices serves on one device, 0."""
     info = client.server_info()
