@@ -212,6 +212,8 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     LogInfo("metrics on http://", cfg.metrics_address, "/metrics (port ", srv->metrics_port_, ")");
   }
   Backend& be = *devices.primary().backend;
+  for (size_t d = 0; d < devices.size(); ++d) srv->health_.SetDeviceServing(devices[d].label, true);
+  for (const LeftOutDevice& left : devices.left_out()) srv->health_.SetDeviceServing(left.label, false);
 
   shadow::ShadowOptions shadow_options;
   shadow_options.sample_rate = cfg.shadow_sample_rate;

@@ -16,6 +16,17 @@ void Health::SetOpServing(Op op, bool serving) {
   PublishLocked();
 }
 
+void Health::SetDeviceServing(const std::string& label, bool serving) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string name = std::string(kHealthDevicePrefix) + label;
+  bool found = false;
+  for (auto& [n, s] : devices_) {
+    if (n == name) s = serving, found = true;
+  }
+  if (!found) devices_.emplace_back(name, serving);
+  PublishLocked();
+}
+
 void Health::Shutdown() {
   std::lock_guard<std::mutex> lock(mu_);
   shut_down_ = true;
@@ -28,6 +39,7 @@ void Health::PublishLocked() {
   service_->SetServingStatus(kHealthOverall, true);
   service_->SetServingStatus(kHealthApi, true);
   for (Op op : kAllOps) service_->SetServingStatus(HealthServiceName(op), op_serving_[static_cast<int>(op)]);
+  for (const auto& [name, serving] : devices_) service_->SetServingStatus(name, serving);
 }
 
 }  // namespace fusedlayer::server

@@ -3,12 +3,18 @@
 //   "fusedlayer.v1.FusedLayer"  the API: same as overall
 //   "fusedlayer.mhc"            SERVING while a warmed-up weight set with an mHC part is loaded
 //   "fusedlayer.swa"            same for the SWA part
+//   "fusedlayer.device.LABEL"   per device of --devices ("fusedlayer.device.cuda:1"): SERVING while
+//                               it serves, NOT_SERVING for one left out at start-up (a probe or a
+//                               rank's sidecar can ask for its own GPU)
 // Kubernetes probes and load balancers check a named service; gRPC's default health service
 // answers NOT_FOUND for a name never set, so every name is set explicitly at Attach().
 #pragma once
 
 #include <array>
 #include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "config.h"
 #include "exec/op_serving.h"
@@ -20,6 +26,7 @@ inline constexpr char kHealthOverall[] = "";
 inline constexpr char kHealthApi[] = "fusedlayer.v1.FusedLayer";
 inline constexpr char kHealthMhc[] = "fusedlayer.mhc";
 inline constexpr char kHealthSwa[] = "fusedlayer.swa";
+inline constexpr char kHealthDevicePrefix[] = "fusedlayer.device.";
 const char* HealthServiceName(Op op);
 
 class Health final : public OpServingListener {
@@ -28,6 +35,8 @@ class Health final : public OpServingListener {
   void Attach(grpc::HealthCheckServiceInterface* service);
   // Per-op readiness (weights loaded and warmed up). May be called before Attach().
   void SetOpServing(Op op, bool serving) override;
+  // A device's status under "fusedlayer.device." + label. May be called before Attach().
+  void SetDeviceServing(const std::string& label, bool serving);
   // Draining: every name NOT_SERVING, and later updates are ignored.
   void Shutdown();
 
@@ -36,6 +45,7 @@ class Health final : public OpServingListener {
   std::mutex mu_;
   grpc::HealthCheckServiceInterface* service_ = nullptr;
   std::array<bool, 2> op_serving_{};
+  std::vector<std::pair<std::string, bool>> devices_;  // service name, serving
   bool shut_down_ = false;
 };
 

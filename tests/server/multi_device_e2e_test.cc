@@ -111,6 +111,13 @@ TEST(MultiDevice, ServerInfoListsEveryDeviceTheOneLeftOutWithItsError) {
         << device;
   }
   EXPECT_TRUE(std::isnan(MetricValue(m, "fusedlayer_weights_resident_bytes", {{"device", "cpu:7"}})));
+
+  // Each device's health under its own name: a probe for one GPU.
+  for (const auto& [device, want] : {std::pair{"cpu:0", 1}, std::pair{"cpu:1", 1}, std::pair{"cpu:7", 2}}) {
+    int status = -1;
+    ASSERT_TRUE(HealthCheck(ts->channel(), absl::StrCat("fusedlayer.device.", device), &status).ok()) << device;
+    EXPECT_EQ(status, want) << device << " (1 SERVING, 2 NOT_SERVING)";
+  }
 }
 
 TEST(MultiDevice, ANamedDeviceRunsTheCallAndEveryDeviceGivesTheSameBits) {
