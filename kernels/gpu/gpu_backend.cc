@@ -275,6 +275,7 @@ class GpuBackend final : public Backend {
   // allocates on its lane). Stream-ordered on the default stream when the pool is available.
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     std::lock_guard<std::mutex> lock(default_mu_);
+    if (absl::Status s = BindDevice(); !s.ok()) return s;
     return StreamOrderedBuffer(bytes, pool_, ctx_->stream);
   }
 
@@ -368,6 +369,7 @@ class GpuBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<PreparedMhcWeights>> PrepareMhc(const MhcHyperParams& params,
                                                                  const MhcWeightsHost& weights) override {
     std::lock_guard<std::mutex> lock(default_mu_);
+    if (absl::Status s = BindDevice(); !s.ok()) return s;
     auto w = gpu::PrepareMhcGpu(params, weights, *ctx_);
     if (!w.ok()) return w.status();
     return std::unique_ptr<PreparedMhcWeights>(std::move(*w));
@@ -378,6 +380,7 @@ class GpuBackend final : public Backend {
   }
   absl::StatusOr<RunStats> RunMhc(const PreparedMhcWeights& weights, const MhcArgs& args, Path path) override {
     std::lock_guard<std::mutex> lock(default_mu_);
+    if (absl::Status s = BindDevice(); !s.ok()) return s;
     return Timed([&] {
       return gpu::LaunchMhcGpu(static_cast<const gpu::GpuMhcWeights&>(weights), args, path, *ctx_,
                                fused_max_tokens_);
@@ -388,6 +391,7 @@ class GpuBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<PreparedSwaWeights>> PrepareSwa(const SwaHyperParams& params,
                                                                  const SwaWeightsHost& weights) override {
     std::lock_guard<std::mutex> lock(default_mu_);
+    if (absl::Status s = BindDevice(); !s.ok()) return s;
     auto w = gpu::PrepareSwaGpu(params, weights, *ctx_);
     if (!w.ok()) return w.status();
     return std::unique_ptr<PreparedSwaWeights>(std::move(*w));
@@ -398,6 +402,7 @@ class GpuBackend final : public Backend {
   }
   absl::StatusOr<RunStats> RunSwa(const PreparedSwaWeights& weights, const SwaArgs& args, Path path) override {
     std::lock_guard<std::mutex> lock(default_mu_);
+    if (absl::Status s = BindDevice(); !s.ok()) return s;
     return Timed([&] {
       return gpu::LaunchSwaGpu(static_cast<const gpu::GpuSwaWeights&>(weights), args, path, *ctx_,
                                fused_max_tokens_);
@@ -415,10 +420,16 @@ class GpuBackend final : public Backend {
   // PYTORCH_NO_CUDA_MEMORY_CACHING): for A/B measurement, or a driver whose pools misbehave.
   void InitStagingPool() { pool_ = StreamOrderedPool(ctx_->device); }
 
+  // The runtime's current device is per thread: the default context's work (warm-ups, uploads,
+  // shadow runs, session blocks) may come from any thread, on a server of several GPUs one that
+  // last drove another GPU, so every entry point makes this one current first.
+  absl::Status BindDevice() const { return gpu::GpuStatus(gpuSetDevice(ctx_->device), "gpuSetDevice"); }
+
   absl::Status Copy(void* dst, const void* src, size_t bytes, decltype(gpuMemcpyHostToDevice) kind,
                     const char* what) {
     if (bytes == 0) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(default_mu_);
+    if (absl::Status s = BindDevice(); !s.ok()) return s;
     if (absl::Status s = gpu::GpuStatus(gpuMemcpyAsync(dst, src, bytes, kind, ctx_->stream), what); !s.ok()) {
       return s;
     }
