@@ -71,8 +71,8 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tsan ]; then
   cmake --build "$B" -j"$JOBS" --target server_concurrency_tests server_unit_tests weights_tests server_pipeline_tests \
     server_batching_tests server_shared_memory_tests server_reliability_tests server_security_tests \
     server_shadow_e2e_tests server_residual_session_tests server_cuda_shared_memory_tests server_unix_socket_tests \
-    server_call_ring_tests
-  step "TSan: ctest (executor, thread pool, WeightStore, dispatcher, lanes and staging; e2e: batching, shm, reliability, security, shadow, residual sessions, CUDA shm, call rings, the server's own unix listener)"
+    server_call_ring_tests server_multi_device_tests
+  step "TSan: ctest (executor, thread pool, WeightStore, dispatcher, lanes and staging; e2e: batching, shm, reliability, security, shadow, residual sessions, CUDA shm, call rings, several devices, the server's own unix listener)"
   # halt_on_error + exitcode: the first report fails the test; the server binaries the e2e tests
   # start inherit the options. tests/fuzz/tsan.supp: only libc interceptors called from inside
   # Debian's gRPC, protobuf, Abseil and OpenSSL (policy in its header: races in fusedlayer code are
@@ -80,5 +80,5 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tsan ]; then
   # and OnCancel releases to OnDone (proto/fusedlayer/wire/tsan_annotations.h, docs/operations.md).
   TSAN_OPTIONS="halt_on_error=1:exitcode=66:second_deadlock_stack=1:suppressions=$ROOT/tests/fuzz/tsan.supp" \
     ctest --test-dir "$B" --output-on-failure --no-tests=error -j"$CTEST_JOBS" \
-      -R '^(Concurrency\.|Executor\.|Dispatcher\.|WeightStoreTest\.|WeightManager[./]|IdleWatch\.|Pipeline\.|ExecutorBatching\.|ServerBatching\.|SharedMemory\.|SharedMemoryTokens\.|Reliability\.|LoadWeightsFaults\.|LoadWeightsLimits\.|SecurityTest\.|TokenFile\.|ClientToken\.|IdentityFile\.|TokenAuth\.|TransportSecurity\.|ShadowE2E\.|ShadowFaults\.|ResidualSession(Tokens)?\.|CudaSharedMemory(Tokens)?\.|CallRing(Identities)?\.|UnixSocketTest\.(ServesBoth|AbstractSocket|PeersAre|TokensAre|StaleSocket|BadUnix))'
+      -R '^(Concurrency\.|Executor\.|Dispatcher\.|WeightStoreTest\.|WeightManager[./]|IdleWatch\.|Pipeline\.|ExecutorBatching\.|ServerBatching\.|SharedMemory\.|SharedMemoryTokens\.|Reliability\.|LoadWeightsFaults\.|LoadWeightsLimits\.|SecurityTest\.|TokenFile\.|ClientToken\.|IdentityFile\.|TokenAuth\.|TransportSecurity\.|ShadowE2E\.|ShadowFaults\.|ResidualSession(Tokens)?\.|CudaSharedMemory(Tokens)?\.|CallRing(Identities)?\.|MultiDevice\.|UnixSocketTest\.(ServesBoth|AbstractSocket|PeersAre|TokensAre|StaleSocket|BadUnix))'
 fi
