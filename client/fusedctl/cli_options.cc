@@ -96,23 +96,25 @@ const std::vector<CommandInfo>& Commands() {
       {"seam",
        "seam --weight_set=NAME [--tokens=T] [--mode=shifted|normal] [--stage=seam|first|head] [--no_pre_mix] "
        "[--capture_aux] [--path=auto|require_fused|force_unfused] [--input=FILE] [--output=FILE] [--seed=S] [--verify] "
-       "[--transport=tcp|shm|cuda_ipc|ring|ring_cuda_ipc] [--session=NAME [--return_state]]",
+       "[--transport=tcp|shm|cuda_ipc|ring|ring_cuda_ipc] [--session=NAME [--return_state]] [--device_id=D] "
+       "[--cuda_device=G]",
        0,
        {"weight_set", "tokens", "mode", "stage", "no_pre_mix", "capture_aux", "path", "input", "output", "seed",
-        "verify", "transport", "session", "return_state", "device_id"}},
+        "verify", "transport", "session", "return_state", "device_id", "cuda_device"}},
       {"swa",
        "swa --weight_set=NAME [--tokens=M] [--row_stride=S] [--path=...] [--input=FILE] [--output=FILE] [--seed=S] [--verify] "
-       "[--transport=tcp|shm|cuda_ipc|ring|ring_cuda_ipc]",
+       "[--transport=tcp|shm|cuda_ipc|ring|ring_cuda_ipc] [--device_id=D] [--cuda_device=G]",
        0,
-       {"weight_set", "tokens", "row_stride", "path", "input", "output", "seed", "verify", "transport", "device_id"}},
+       {"weight_set", "tokens", "row_stride", "path", "input", "output", "seed", "verify", "transport", "device_id",
+        "cuda_device"}},
       {"bench",
        "bench --op=mhc|swa --weight_set=NAME --tokens=T --concurrency=N --duration=SECONDS [--connections=K] "
        "[--path=...] [--mode=...] [--stage=...] [--no_pre_mix] [--capture_aux] [--row_stride=S] [--seed=S] "
        "[--echo_floor] [--copy_requests] "
-       "[--transport=tcp|shm|cuda_ipc|session|ring|ring_cuda_ipc]",
+       "[--transport=tcp|shm|cuda_ipc|session|ring|ring_cuda_ipc] [--cuda_device=G]",
        0,
        {"op", "weight_set", "tokens", "concurrency", "connections", "duration", "path", "mode", "stage", "no_pre_mix",
-        "capture_aux", "row_stride", "seed", "echo_floor", "copy_requests", "transport"}},
+        "capture_aux", "row_stride", "seed", "echo_floor", "copy_requests", "transport", "cuda_device"}},
       {"soak",
        "soak --concurrency=N --duration=SECONDS [--warmup=SECONDS] [--server_pid=PID] [--max_rss_growth_mb=MB] "
        "[--seed=S] [--churn] [--compute_token_file=FILE]",

@@ -69,6 +69,11 @@ ABSL_FLAG(std::string, duration, "10", "bench: measured duration, seconds (or e.
 ABSL_FLAG(uint64_t, seed, 0, "seam/swa/bench/soak: random input seed (0 = fresh, printed)");
 ABSL_FLAG(std::string, warmup, "5", "soak: warm-up at full concurrency before the RSS baseline, seconds (0 = none)");
 ABSL_FLAG(int64_t, server_pid, 0, "soak: server process id (same host) whose VmRSS is read before and after");
+ABSL_FLAG(std::string, lb_policy, "",
+          "gRPC load balancing over the addresses --target resolves to: pick_first (gRPC's default) or round_robin "
+          "(e.g. --target=ipv4:127.0.0.1:50051,127.0.0.1:50052 for one server per GPU, or dns:///svc:50051)");
+ABSL_FLAG(int32_t, cuda_device, 0,
+          "--transport=cuda_ipc: the GPU this process allocates its tensors on (the server runs the call there)");
 ABSL_FLAG(int32_t, device_id, -1,
           "seam/swa: run on this device of the server (fusedctl info lists them; -1 = the server chooses: the "
           "device of the call's CUDA shared memory or session, else the least-loaded)");
@@ -245,8 +250,10 @@ int main(int argc, char** argv) {
   cl.cuda_regions = [](const fusedlayer::client::FusedLayerClient& client,
                        uint64_t bytes) -> absl::StatusOr<std::unique_ptr<fusedlayer::client::ClientRegion>> {
     static absl::StatusOr<std::unique_ptr<fusedlayer::Backend>>* const gpu = [] {
-      auto* b = new absl::StatusOr<std::unique_ptr<fusedlayer::Backend>>(fusedlayer::CreateBackend("cuda", {}));
-      if (!b->ok()) *b = fusedlayer::CreateBackend("hip", {});
+      fusedlayer::BackendOptions on;
+      on.device_index = absl::GetFlag(FLAGS_cuda_device);
+      auto* b = new absl::StatusOr<std::unique_ptr<fusedlayer::Backend>>(fusedlayer::CreateBackend("cuda", on));
+      if (!b->ok()) *b = fusedlayer::CreateBackend("hip", on);
       return b;
     }();
     if (!gpu->ok()) {
@@ -276,6 +283,7 @@ int main(int argc, char** argv) {
     options.expected_concurrency = std::max(1, cl.concurrency);  // bench itself rejects --concurrency < 1
   }
   options.deadline = absl::GetFlag(FLAGS_deadline);
+  options.load_balancing = absl::GetFlag(FLAGS_lb_policy);
   options.load_deadline = std::max(options.deadline, options.load_deadline);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   const TlsFiles tls{absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key)};

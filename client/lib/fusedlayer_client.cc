@@ -37,6 +37,11 @@ absl::Status ValidateClientOptions(const ClientOptions& options) {
       return absl::InvalidArgumentError("bearer_token has a character outside visible ASCII (space, newline?)");
     }
   }
+  if (!options.load_balancing.empty() && options.load_balancing != "pick_first" &&
+      options.load_balancing != "round_robin") {
+    return absl::InvalidArgumentError(absl::StrCat("load_balancing = \"", options.load_balancing,
+                                                   "\": want pick_first or round_robin (empty: gRPC's default)"));
+  }
   if (options.load_deadline <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "load_deadline = ", absl::FormatDuration(options.load_deadline), " must be positive"));
@@ -90,6 +95,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerClient>> FusedLayerClient::Connect(cons
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  if (!options.load_balancing.empty()) args.SetLoadBalancingPolicyName(options.load_balancing);
   auto credentials = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
   const int connections = ConnectionsFor(target, options);
   if (connections > 1) {

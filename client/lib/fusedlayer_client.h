@@ -85,6 +85,11 @@ struct ClientOptions {
   // How many calls the caller expects to have in flight at once (>= 1): what connections = 0 sizes
   // the pool from. The default, 1, keeps a single connection.
   int expected_concurrency = 1;
+  // gRPC's load-balancing policy over the addresses the target resolves to: "" (gRPC's default,
+  // pick_first: every call to the first address that answers), "pick_first" or "round_robin" (each
+  // call to the next address: one server per GPU behind "ipv4:h:p1,h:p2" or a headless Service's
+  // "dns:///svc:port"). Each member of a connection pool balances on its own.
+  std::string load_balancing;
 };
 
 // Checks ranges; InvalidArgument names the offending field.

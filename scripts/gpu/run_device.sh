@@ -3,7 +3,7 @@
 #   bash .gpu/run_device.sh            everything: suites, sanitizers, benchmarks, torch peers, server smoke
 #   STEPS="tests smoke" bash .gpu/run_device.sh    a subset (tests sanitize bench torch smoke dataplane shadow ab
 #                                                  samebits abclient sessions shm cudaipc devices profile
-#                                                  mhcncu serversan)
+#                                                  mhcncu serversan; twogpu on a host with 2 GPUs)
 #   SUITES="gpu_swa_tests swa_contract_tests"     the test suites the tests step runs (default: all)
 # The run fails (exit 1) when the GPU or the CUDA backend is missing, a suite it asks for is not in
 # the bundle, a test fails or skips, or any step's command fails.
@@ -350,6 +350,53 @@ if want devices; then
   } > "$OUT/devices.log" 2>&1
   stop_server "$OUT/devices.log"
   cat "$OUT/devices.log"
+fi
+# twogpu (a host with 2 GPUs or more; not in the default STEPS): one server for two GPUs against the
+# same server on one, and two servers (one per GPU) behind the client's round_robin. mHC T = 64 and
+# SWA M = 64 at concurrency 16, inline and over CUDA shared memory (there two fusedctl processes of
+# concurrency 8, each with its tensors on its own GPU, --cuda_device; on the one-GPU server both on
+# GPU 0); the throughputs side by side in twogpu.log. And the same seeded calls on GPU 0 and GPU 1
+# must give the same bits.
+if want twogpu; then
+  echo "== two GPUs"
+  [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "FAILED: twogpu needs 2 GPUs"; failed=1; }
+  two_ipc() {  # two_ipc TARGET OP GPU_A GPU_B: two concurrent c8 CUDA IPC benches
+    ./fusedctl bench --target=$1 --op=$2 --weight_set=v4-pro/demo --tokens=64 --concurrency=8 --duration=8s \
+      --transport=cuda_ipc --cuda_device=$3 > "$OUT/twogpu-ipc-a.txt" 2>&1 & local p=$!
+    ./fusedctl bench --target=$1 --op=$2 --weight_set=v4-pro/demo --tokens=64 --concurrency=8 --duration=8s \
+      --transport=cuda_ipc --cuda_device=$4 > "$OUT/twogpu-ipc-b.txt" 2>&1 || { echo "FAILED: ipc bench on GPU $4"; failed=1; }
+    wait $p || { echo "FAILED: ipc bench on GPU $3"; failed=1; }
+    cat "$OUT/twogpu-ipc-a.txt" "$OUT/twogpu-ipc-b.txt"
+  }
+  { for devices in 0,1 0; do
+      echo "---- one server, --devices=$devices"
+      start_server 50231 50232 "$OUT/server-twogpu-$devices.log" --devices=$devices --allow_cuda_shared_memory
+      C="--target=127.0.0.1:50231"
+      must ./fusedctl info $C
+      for op in mhc swa; do
+        must ./fusedctl bench $C --op=$op --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=8s
+        if [ $devices = 0,1 ]; then two_ipc 127.0.0.1:50231 $op 0 1; else two_ipc 127.0.0.1:50231 $op 0 0; fi
+      done
+      if [ $devices = 0,1 ]; then
+        for g in 0 1; do
+          must ./fusedctl seam $C --weight_set=v4-pro/demo --tokens=64 --seed=7 --device_id=$g --output=/tmp/twogpu-$g-mhc.safetensors
+          must ./fusedctl swa $C --weight_set=v4-pro/demo --tokens=64 --seed=7 --device_id=$g --output=/tmp/twogpu-$g-swa.safetensors
+        done
+        same_bits /tmp/twogpu-0- /tmp/twogpu-1- "$OUT/twogpu.log"
+      fi
+      stop_server "$OUT/twogpu.log"
+    done
+    echo "---- two servers, one per GPU, the client's round_robin over both"
+    start_server 50241 50242 "$OUT/server-twogpu-a.log" --devices=0; pa=$pid
+    start_server 50243 50244 "$OUT/server-twogpu-b.log" --devices=1; pb=$pid
+    for op in mhc swa; do
+      must ./fusedctl bench --target=ipv4:127.0.0.1:50241,127.0.0.1:50243 --lb_policy=round_robin --op=$op \
+        --weight_set=v4-pro/demo --tokens=64 --concurrency=16 --duration=8s
+    done
+    pid=$pa; stop_server "$OUT/twogpu.log"
+    pid=$pb; stop_server "$OUT/twogpu.log"
+  } >> "$OUT/twogpu.log" 2>&1
+  cat "$OUT/twogpu.log"
 fi
 # serversan: the server process itself under compute-sanitizer memcheck (its lanes, staging, the
 # kernels it launches, the IPC openings, the stream's stores of ring completions) while fusedctl

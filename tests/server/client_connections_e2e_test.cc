@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/fusedctl/echo_floor.h"
 #include "client/lib/fusedlayer_client.h"
@@ -20,6 +21,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/server_callback.h"
+#include "client_for.h"
 #include "gtest/gtest.h"
 #include "server_process.h"
 #include "server_test_env.h"
@@ -232,6 +234,61 @@ TEST(ClientConnections, OutOfRangeCountsAreRefusedAtConstruction) {
   ClientOptions most;
   most.connections = client::kMaxConnections;
   EXPECT_TRUE(FusedLayerClient::Connect("127.0.0.1:50051", most).ok());
+}
+
+// One server per GPU behind one client: round_robin over the target's addresses sends each call to
+// the next server, pick_first (gRPC's default) all of them to the first; both answer with the same
+// bits. An unknown policy is refused at construction.
+TEST(ClientLoadBalancing, RoundRobinSpreadsCallsOverEveryServerOfTheTarget) {
+  auto rng = MakeRng(12);
+  server::PackedWeightSet set = MakeWeightSet(rng, "lb/set", MhcSetSpec{}, std::nullopt);
+  auto a = TestServer::Start(TestConfig(), nullptr, {set});
+  auto b = TestServer::Start(TestConfig(), nullptr, {set});
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const std::string both = absl::StrCat("ipv4:127.0.0.1:", a->server().port(), ",127.0.0.1:", b->server().port());
+  auto executions = [](TestServer& ts) {
+    return MetricValue(ScrapeWhenIdle(ts), "fusedlayer_op_executions_total", {{"op", "mhc"}, {"path", "fused"}});
+  };
+  const v1::MhcSeamRequest req = MakeMhcRequest(rng, "lb/set", MhcRequestSpec{.tokens = 3});
+  absl::StatusOr<v1::MhcSeamResponse> want = ClientFor(*a)->MhcSeam(req);
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (const char* policy : {"round_robin", "pick_first"}) {
+    SCOPED_TRACE(policy);
+    ClientOptions o;
+    o.load_balancing = policy;
+    o.connections = 1;
+    o.wait_for_ready = true;  // round_robin answers UNAVAILABLE until its subchannels connect
+    absl::StatusOr<std::unique_ptr<FusedLayerClient>> c = FusedLayerClient::Connect(both, o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    // round_robin picks among the subchannels that are ready: call until both servers have
+    // answered one (both connected), then count.
+    for (int i = 0; i < 200 && std::string(policy) == "round_robin"; ++i) {
+      ASSERT_TRUE((*c)->MhcSeam(req).ok());
+      if (executions(*a) > 0 && executions(*b) > 0) break;
+    }
+    const double a0 = executions(*a), b0 = executions(*b);
+    constexpr int kCalls = 8;
+    for (int i = 0; i < kCalls; ++i) {
+      absl::StatusOr<v1::MhcSeamResponse> got = (*c)->MhcSeam(req);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ExpectMhcEqual(*got, *want);
+    }
+    const double on_a = executions(*a) - a0, on_b = executions(*b) - b0;
+    EXPECT_EQ(on_a + on_b, kCalls);
+    if (std::string(policy) == "round_robin") {
+      EXPECT_EQ(on_a, kCalls / 2);
+      EXPECT_EQ(on_b, kCalls / 2);
+    } else {
+      EXPECT_TRUE(on_a == kCalls || on_b == kCalls) << on_a << " + " << on_b;
+    }
+  }
+  ClientOptions bad;
+  bad.load_balancing = "least_request";
+  absl::StatusOr<std::unique_ptr<FusedLayerClient>> c = FusedLayerClient::Connect(both, bad);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "round_robin")) << c.status();
 }
 
 // Every member against a real server: the same requests give bitwise the same responses as over
