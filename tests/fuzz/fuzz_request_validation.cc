@@ -90,7 +90,7 @@ Fixture* MakeFixture() {
   for (int v = 0; v < 2; ++v) {
     fusedlayer::server::PackedWeightSet p = fusedlayer::fuzz::SmallPackedSet(v);
     auto set = fusedlayer::server::BuildWeightSet(*f->cpu, p.first, p.second, "fuzz");
-    if (!set.ok() || !(*set)->mhc || !(*set)->swa) {
+    if (!set.ok() || !(*set)->has_mhc() || !(*set)->has_swa()) {
       std::fprintf(stderr, "fuzz_request_validation: building the weight set failed: %s\n",
                    set.status().ToString().c_str());
       std::abort();
