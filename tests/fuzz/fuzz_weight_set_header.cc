@@ -51,9 +51,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   const fusedlayer::server::WeightSet& s = **set;
-  if (s.name != header.name() || (s.mhc == nullptr && s.swa == nullptr) || s.resident_bytes == 0) {
+  if (s.name != header.name() || (!s.has_mhc() && !s.has_swa()) || s.resident_bytes == 0) {
     std::fprintf(stderr, "fuzz_weight_set_header: accepted set '%s' is inconsistent (mhc %d swa %d, %llu bytes)\n",
-                 s.name.c_str(), s.mhc != nullptr, s.swa != nullptr, static_cast<unsigned long long>(s.resident_bytes));
+                 s.name.c_str(), s.has_mhc(), s.has_swa(), static_cast<unsigned long long>(s.resident_bytes));
     std::abort();
   }
   return 0;
