@@ -205,6 +205,14 @@ TEST(MultiDevice, ADeviceTheServerDoesNotServeIsInvalidArgument) {
     v1::SwaNormQuantResponse sresp;
     EXPECT_EQ(Swa(*ts, sreq, &sresp).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << id;
   }
+  // Refused calls leave the server serving, on either device.
+  for (int d : {1, 0}) {
+    v1::MhcSeamRequest req = MakeMhcRequest(rng, "both", {});
+    req.set_device_id(d);
+    v1::MhcSeamResponse resp;
+    ASSERT_TRUE(Seam(*ts, req, &resp).ok()) << d;
+    EXPECT_EQ(resp.report().device_id(), d);
+  }
 }
 
 TEST(MultiDevice, UnnamedCallsGoToTheLeastLoadedDevice) {
