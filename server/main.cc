@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
       faults = injecting;
 #endif
     }
-    devices.push_back(fs::DeviceCandidate{id, absl::StrCat(kind, ":", id), std::move(backend)});
+    devices.push_back(fs::DeviceCandidate{id, fs::DeviceLabel(kind, id), std::move(backend)});
   }
 
   std::vector<std::pair<fs::PackedWeightSet, std::string>> initial;

@@ -91,9 +91,7 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     ServerConfig config, std::unique_ptr<Backend> backend,
     std::vector<std::pair<PackedWeightSet, std::string>> initial_sets) {
   std::vector<DeviceCandidate> devices;
-  const int id = backend->device_index() >= 0 ? backend->device_index() : 0;
-  std::string label = absl::StrCat(std::string(backend->kind()), ":", id);
-  devices.push_back(DeviceCandidate{id, std::move(label), std::move(backend)});
+  devices.push_back(DeviceCandidate::Of(std::move(backend)));
   return Start(std::move(config), std::move(devices), std::move(initial_sets));
 }
 
@@ -139,11 +137,13 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     }
     usable.emplace_back(*std::move(c.backend), &c);
   }
-  if (usable.empty()) {
+  // Every device left out: the start fails, naming each one's error.
+  auto none_serves = [&devices] {
     std::string why;
     for (const LeftOutDevice& d : devices.left_out()) absl::StrAppend(&why, why.empty() ? "" : "; ", d.label, ": ", d.error);
     return absl::UnavailableError(absl::StrCat("no device passed its start-up check (", why, ")"));
-  }
+  };
+  if (usable.empty()) return none_serves();
   Backend& first = *usable.front().first;
   const ServerIdentity identity{ServerVersion(), std::string(first.kind()), first.device_name(), first.arch()};
   LogInfo("fusedlayer ", identity.version, ": backend ", identity.backend, ", device ", identity.device, ", arch ",
@@ -172,6 +172,8 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     auto device = std::make_unique<ServingDevice>();
     device->device_id = candidate->device_id;
     device->label = candidate->label;
+    device->kind = std::string(backend->kind());
+    device->name = backend->device_name();
     device->backend = std::move(backend);
     device->lanes = std::move(*lanes);
     // Auto: spin on a GPU; on the CPU backend, whose kernels want every core, only where call rings
@@ -183,16 +185,13 @@ absl::StatusOr<std::unique_ptr<FusedLayerServer>> FusedLayerServer::Start(
     device->executor = std::make_unique<Executor>(static_cast<size_t>(cfg.queue_capacity), batching,
                                                   device->lanes->workers(),
                                                   SpinOptions{std::chrono::microseconds(spin_us)});
-    LogInfo("device ", device->label, " (", device->backend->device_name(), "): ", device->lanes->lanes(),
+    LogInfo("device ", device->label, " (", device->name, "): ", device->lanes->lanes(),
             " lane(s) (--device_lanes), executor ", device->executor->workers(), " worker(s), idle spin ", spin_us,
             " us (--executor_spin_us)");
     srv->metrics_->AddDevice(device->label);
     devices.Add(std::move(device));
   }
-  if (devices.empty()) {
-    return absl::UnavailableError(absl::StrCat("no device passed its start-up check (", devices.left_out().front().label,
-                                               ": ", devices.left_out().front().error, ")"));
-  }
+  if (devices.empty()) return none_serves();
   if (devices.primary().lanes->lanes() > 0) {
     LogInfo("pinned staging up to ", cfg.host_staging_bytes, " bytes (--host_staging_bytes, shared by the ",
             devices.size(), " device(s)), ", devices.primary().lanes->staging()->copier().helper_threads(),

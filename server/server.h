@@ -34,6 +34,13 @@ struct DeviceCandidate {
   int device_id = 0;
   std::string label;  // "cuda:1", "cpu:0"
   absl::StatusOr<std::unique_ptr<Backend>> backend;
+
+  // A backend as the one device of a server (its own id and label).
+  static DeviceCandidate Of(std::unique_ptr<Backend> backend) {
+    const int id = DeviceIdOf(*backend);
+    std::string label = DeviceLabel(backend->kind(), id);
+    return DeviceCandidate{id, std::move(label), std::move(backend)};
+  }
 };
 
 class FusedLayerServer {

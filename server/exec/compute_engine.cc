@@ -70,8 +70,10 @@ class ComputeEngine::QueuedCall final : public BatchableTask {
         decode_seconds_(decode_seconds) {
     device_.calls_in_flight.fetch_add(1, std::memory_order_relaxed);
   }
-  // After its answer (or, refused by a full queue, before any): the device's load drops.
-  ~QueuedCall() override { device_.calls_in_flight.fetch_sub(1, std::memory_order_relaxed); }
+  // Refused by a full queue, the call was never answered here: its load drops with it.
+  ~QueuedCall() override {
+    if (!answered_) device_.calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+  }
 
   int64_t tokens() const override { return decoded_.args.tokens; }
   bool launchable() const override { return call_->LaunchCheck().ok(); }
@@ -106,6 +108,13 @@ class ComputeEngine::QueuedCall final : public BatchableTask {
   bool AnswersOnDevice() const {
     return device_.lanes->lanes() > 0 && transfer_ != nullptr && transfer_->outputs_all_on_device() &&
            !session_.held() && !request_->verify();
+  }
+  // The call's one answer: the device's load drops first, so that a client's next call, sent as
+  // soon as this one's response arrives, finds the device as loaded as it now is.
+  bool Answer(absl::Status status) {
+    answered_ = true;
+    device_.calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+    return call_->Complete(std::move(status));
   }
   // Metrics, report, verify or shadow sampling, response: this request's part after the launch.
   void Finish(const absl::StatusOr<DispatchOutcome>& ran, size_t batch_requests, int64_t batch_tokens);
@@ -149,6 +158,7 @@ class ComputeEngine::QueuedCall final : public BatchableTask {
   double queue_seconds_ = 0;
   const double decode_seconds_;  // on the transport's thread, receipt to hand-off (AdmitAndQueue)
   StageTimes stages_;            // of this request's launch (the batch's when it shared one)
+  bool answered_ = false;        // Answer ran (the device's load already dropped)
 };
 
 template <typename Op>
@@ -220,7 +230,7 @@ void ComputeEngine::QueuedCall<Op>::RunBatch(std::vector<std::unique_ptr<Batchab
     metrics.ObserveQueue(device_.ordinal, queue_seconds[i]);
     if (absl::Status s = task->call_->LaunchCheck(); !s.ok()) {
       task->session_ = {};
-      task->call_->Complete(std::move(s));  // expired or cancelled while queued: not launched
+      task->Answer(std::move(s));  // expired or cancelled while queued: not launched
       continue;
     }
     live.push_back(task);
@@ -293,7 +303,7 @@ void ComputeEngine::QueuedCall<Op>::Finish(const absl::StatusOr<DispatchOutcome>
     for (const MhcCall::CopyBack& c : Op::CopiesAfterRun(decoded_)) {
       if (absl::Status s = device_.backend->CopyToHost(c.host, c.device, c.bytes); !s.ok()) {
         session_ = {};
-        call_->Complete(std::move(s));
+        Answer(std::move(s));
         return;
       }
     }
@@ -304,7 +314,7 @@ void ComputeEngine::QueuedCall<Op>::Finish(const absl::StatusOr<DispatchOutcome>
     // Outputs to their regions before the report: a region that shrank or vanished meanwhile
     // fails this request alone (FAILED_PRECONDITION), the batch it shared a launch with is not affected.
     if (absl::Status s = transfer_->WriteOutputs(outputs_); !s.ok()) {
-      call_->Complete(std::move(s));
+      Answer(std::move(s));
       return;
     }
   }
@@ -343,7 +353,7 @@ void ComputeEngine::QueuedCall<Op>::Finish(const absl::StatusOr<DispatchOutcome>
                                                  stages_.copy_out, stages->response()});
   }
   // A response over the send limit is cleared and not sent: nothing to shadow-verify.
-  if (!call_->Complete(ran.status())) shadow_job.reset();
+  if (!Answer(ran.status())) shadow_job.reset();
   // After the response: the shadow run waits in the executor's background lane.
   shadow.Submit(std::move(shadow_job));
 }
@@ -374,8 +384,8 @@ std::string ComputeEngine::RequestId(const std::string& given) {
 
 void ComputeEngine::FillReport(v1::ExecutionReport* report, const std::string& weight_set,
                                const ServingDevice& device) const {
-  report->set_backend(std::string(device.backend->kind()));
-  report->set_device(device.backend->device_name());
+  report->set_backend(device.kind);
+  report->set_device(device.name);
   report->set_device_id(device.device_id);
   report->set_weight_set(weight_set);
 }

@@ -130,7 +130,7 @@ grpc::ServerUnaryReactor* FusedLayerService::GetServerInfo(grpc::CallbackServerC
       v1::DeviceInfo* info = response->add_devices();
       info->set_device_id(device.device_id);
       info->set_label(device.label);
-      info->set_name(device.backend->device_name());
+      info->set_name(device.name);
       info->set_arch(device.backend->arch());
       info->set_serving(true);
       info->set_lanes(device.lanes->lanes());

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
@@ -23,6 +24,13 @@
 
 namespace fusedlayer::server {
 
+// A device's label: the metrics' `device` value and the health name's suffix ("cuda:1", "cpu:0").
+inline std::string DeviceLabel(std::string_view backend_kind, int device_id) {
+  return std::string(backend_kind) + ":" + std::to_string(device_id);
+}
+// The id a lone backend serves as: its GPU's index, or 0 (the CPU).
+inline int DeviceIdOf(const Backend& backend) { return backend.device_index() >= 0 ? backend.device_index() : 0; }
+
 struct ServingDevice {
   // Position among the serving devices: the index of the device's prepared weights in a weight set
   // (WeightSet::devices) and of its metric series.
@@ -30,6 +38,8 @@ struct ServingDevice {
   // What clients name it by: the GPU's index in this process, or the CPU device's number.
   int device_id = 0;
   std::string label;  // the metrics' `device` label: "cuda:1", "cpu:0"
+  // The backend's kind and device name, read once (every call's report carries them).
+  std::string kind, name;
   // Declared in the order they are built; destroyed in reverse: the executor's workers stop before
   // the lanes they run on go, the lanes before their backend.
   std::unique_ptr<Backend> backend;

@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "runtime/executor.h"
 #include "fusedlayer/backend.h"
+#include "runtime/serving_devices.h"
 #include "fusedlayer/v1/fusedlayer.pb.h"
 #include "prometheus/registry.h"
 #include "shadow/compare.h"
@@ -77,9 +78,7 @@ class ShadowVerifier {
                                                                 prometheus::Registry& registry);
   static absl::StatusOr<std::unique_ptr<ShadowVerifier>> Create(ShadowOptions options, Backend& backend,
                                                                 Executor& executor, prometheus::Registry& registry) {
-    return Create(std::move(options),
-                  {ShadowDevice{&backend, &executor, std::string(backend.kind()) + ":" +
-                                                         std::to_string(std::max(backend.device_index(), 0))}},
+    return Create(std::move(options), {ShadowDevice{&backend, &executor, DeviceLabel(backend.kind(), DeviceIdOf(backend))}},
                   registry);
   }
   ~ShadowVerifier();

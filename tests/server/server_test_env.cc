@@ -53,8 +53,7 @@ std::unique_ptr<TestServer> TestServer::Start(server::ServerConfig config, std::
                                               std::vector<server::PackedWeightSet> initial) {
   if (!backend) backend = CpuBackendFor(config);
   std::vector<server::DeviceCandidate> devices;
-  const int id = backend->device_index() >= 0 ? backend->device_index() : 0;
-  devices.push_back(server::DeviceCandidate{id, absl::StrCat(std::string(backend->kind()), ":", id), std::move(backend)});
+  devices.push_back(server::DeviceCandidate::Of(std::move(backend)));
   return StartOn(std::move(config), std::move(devices), std::move(initial));
 }
 
@@ -120,7 +119,10 @@ std::string HttpGet(int port, const std::string& path) {
 std::unique_ptr<server::ServingDevices> SingleDevice(std::unique_ptr<Backend> backend, size_t queue_capacity) {
   auto devices = std::make_unique<server::ServingDevices>();
   auto device = std::make_unique<server::ServingDevice>();
-  device->label = absl::StrCat(std::string(backend->kind()), ":0");
+  device->device_id = server::DeviceIdOf(*backend);
+  device->label = server::DeviceLabel(backend->kind(), device->device_id);
+  device->kind = std::string(backend->kind());
+  device->name = backend->device_name();
   device->backend = std::move(backend);
   absl::StatusOr<std::unique_ptr<server::DeviceLanes>> lanes = server::DeviceLanes::Create(*device->backend, 0, 0);
   EXPECT_TRUE(lanes.ok()) << lanes.status();
