@@ -184,8 +184,8 @@ class ServerInfo:
     shared_memory_enabled: bool = False       # --allow_shared_memory
     cuda_shared_memory_enabled: bool = False  # --allow_cuda_shared_memory on a GPU backend
     device_id: int = -1                       # the first serving GPU's id (-1: no GPU); every device: devices
-    # Every device the server was started on (--devices), in that order, those not serving included;
-    # empty from a server older than several devices per server.
+    # Every device the server was started on (--devices): the serving ones in --devices order, then those
+    # left out; empty from a server older than several devices per server.
     devices: List[DeviceInfo] = field(default_factory=list)
 
 
